@@ -1,0 +1,33 @@
+"""Per-architecture tile configurations for the TileLang MLA decode kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_rows: int  # query rows (q_len x heads) per tile; WGMMA needs 64 on sm90
+    block_n: int  # KV tokens per pipeline step
+    threads: int
+    num_stages: int
+    combine_rows: int  # rows merged per combine program
+
+
+# Hopper: 2 warpgroups split the 512-wide output (FullCol), 228 KB of shared memory per SM.
+SM90 = KernelConfig(block_rows=64, block_n=64, threads=256, num_stages=2, combine_rows=8)
+# MI300X: 64 KB of LDS, so one stage; no WGMMA, so smaller row tiles are legal.
+GFX942 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=1, combine_rows=8)
+
+CONFIGS = {"sm90": SM90, "gfx942": GFX942}
+
+# What the kernels accept (the op validates against these before launching).
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+SUPPORTED_KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
+SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_HEADS = 128
+MAX_Q_LEN = 4
+
+
+def target_for_arch(arch: str) -> str:
+    return {"sm90": "cuda -arch=sm_90a", "gfx942": "hip -mcpu=gfx942"}[arch]

@@ -1,0 +1,268 @@
+"""TileLang MLA decode: paged, split-KV, s_q x heads folded into 64-row tiles.
+
+One program per (work part, row block). A "part" is a contiguous run of the flattened
+(request, 64-token KV block) work list, cut by the split-KV planner so every part gets about the same
+number of blocks whatever the lengths. A part walks the requests it touches; a request segment that
+covers the whole request writes ``out``/``lse`` directly, otherwise it writes an fp32 partial into
+slot ``part + request`` (unique along the walk) and the combine program merges the slots by LSE.
+
+Rows of a tile are ``(query i, head h)`` pairs, ``row = i * num_heads + h`` — the memory order of
+``q[request tokens]`` — so s_q > 1 (MTP) reuses each KV block for all its queries.
+
+Every shape that changes per step (tokens, batch, pages, page-table entries, parts) is symbolic: one
+compile per (dtype, num_heads, q_len, page_size, arch, config) serves every batch.
+"""
+
+
+import tilelang.language as T
+
+from .configs import KernelConfig
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+HEAD_DIM = KV_LORA_RANK + ROPE_DIM
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def num_row_blocks(num_heads: int, q_len: int, block_rows: int) -> int:
+    return -(-num_heads * q_len // block_rows)
+
+
+def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
+                        cfg: KernelConfig):
+    """Returns the split-KV prim_func.
+
+    Arguments of the returned function (all device tensors):
+        q_nope ``[num_tokens, H, 512]``, q_pe ``[num_tokens, H, 64]`` (``dtype``);
+        kv_cache ``[num_pages, page_size, 576]`` (``kv_dtype``); k_scale fp32 ``[1]``;
+        page_table int32 ``[num_entries]``; page_table_start, kv_lens int32 ``[batch]``;
+        qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]``;
+        part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``;
+        out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
+        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2).
+    """
+    block_rows, block_n = cfg.block_rows, cfg.block_n
+    rows = num_heads * q_len
+    n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
+    accum = "float32"
+    is_fp8 = kv_dtype != dtype
+
+    num_tokens = T.dynamic("num_tokens")
+    batch = T.dynamic("batch")
+    num_pages = T.dynamic("num_pages")
+    num_entries = T.dynamic("num_entries")
+    num_parts = T.dynamic("num_parts")
+    num_slots = T.dynamic("num_slots")
+
+    @T.prim_func
+    def mla_decode_split(
+        q_nope: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        q_pe: T.Tensor([num_tokens, num_heads, ROPE_DIM], dtype),
+        kv_cache: T.Tensor([num_pages, page_size, HEAD_DIM], kv_dtype),
+        k_scale: T.Tensor([1], accum),
+        page_table: T.Tensor([num_entries], "int32"),
+        page_table_start: T.Tensor([batch], "int32"),
+        kv_lens: T.Tensor([batch], "int32"),
+        qo_indptr: T.Tensor([batch + 1], "int32"),
+        cu_blocks: T.Tensor([batch + 1], "int32"),
+        part_begin_req: T.Tensor([num_parts], "int32"),
+        part_end_req: T.Tensor([num_parts], "int32"),
+        blocks_per_part: T.Tensor([1], "int32"),
+        sm_scale: T.Tensor([1], accum),
+        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        lse: T.Tensor([num_tokens, num_heads], accum),
+        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
+        lse_partial: T.Tensor([num_slots, rows], accum),
+    ):
+        with T.Kernel(num_parts, n_row_blocks, threads=cfg.threads) as (part, row_block):
+            q_shared = T.alloc_shared([block_rows, KV_LORA_RANK], dtype)
+            q_pe_shared = T.alloc_shared([block_rows, ROPE_DIM], dtype)
+            kv_shared = T.alloc_shared([block_n, KV_LORA_RANK], dtype)
+            k_pe_shared = T.alloc_shared([block_n, ROPE_DIM], dtype)
+            p_shared = T.alloc_shared([block_rows, block_n], dtype)
+            o_shared = T.alloc_shared([block_rows, KV_LORA_RANK], dtype)
+            acc_s = T.alloc_fragment([block_rows, block_n], accum)
+            acc_o = T.alloc_fragment([block_rows, KV_LORA_RANK], accum)
+            m_prev = T.alloc_fragment([block_rows], accum)
+            m_cur = T.alloc_fragment([block_rows], accum)
+            alpha = T.alloc_fragment([block_rows], accum)
+            row_sum = T.alloc_fragment([block_rows], accum)
+            l_sum = T.alloc_fragment([block_rows], accum)
+            if is_fp8:
+                kv_raw = T.alloc_shared([block_n, KV_LORA_RANK], kv_dtype)
+                k_pe_raw = T.alloc_shared([block_n, ROPE_DIM], kv_dtype)
+
+            scale_log2 = sm_scale[0] * LOG2E
+            kv_scale = k_scale[0]
+            width = blocks_per_part[0]
+            part_lo = part * width
+            part_hi = T.min(part_lo + width, cu_blocks[batch])
+            row0 = row_block * block_rows
+
+            for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                req_lo = cu_blocks[req]
+                req_hi = cu_blocks[req + 1]
+                blk_lo = T.max(part_lo, req_lo) - req_lo
+                blk_hi = T.min(part_hi, req_hi) - req_lo
+                if blk_hi > blk_lo:
+                    kv_len = kv_lens[req]
+                    tok0 = qo_indptr[req]
+                    pt0 = page_table_start[req]
+                    last_page = (kv_len - 1) // page_size
+                    # positions visible to row r: < kv_len - q_len + r // H + 1
+                    vis0 = kv_len - q_len + 1
+                    for i, d in T.Parallel(block_rows, KV_LORA_RANK):
+                        q_shared[i, d] = T.if_then_else(
+                            row0 + i < rows,
+                            q_nope[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d], 0)
+                    for i, d in T.Parallel(block_rows, ROPE_DIM):
+                        q_pe_shared[i, d] = T.if_then_else(
+                            row0 + i < rows,
+                            q_pe[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d], 0)
+                    T.fill(acc_o, 0)
+                    T.fill(l_sum, 0)
+                    T.fill(m_cur, -T.infinity(accum))
+
+                    for blk in T.Pipelined(blk_hi - blk_lo, num_stages=cfg.num_stages):
+                        pos0 = (blk_lo + blk) * block_n
+                        # Masked gather: rows past kv_len read page 0 of the request's last page
+                        # and are zeroed, so stale or NaN cache contents never reach P @ V.
+                        if is_fp8:
+                            for j, d in T.Parallel(block_n, KV_LORA_RANK):
+                                kv_raw[j, d] = kv_cache[page_table[pt0 + T.min((pos0 + j) // page_size, last_page)],
+                                                        (pos0 + j) % page_size, d]
+                            for j, d in T.Parallel(block_n, ROPE_DIM):
+                                k_pe_raw[j, d] = kv_cache[page_table[pt0 + T.min((pos0 + j) // page_size, last_page)],
+                                                          (pos0 + j) % page_size, KV_LORA_RANK + d]
+                            for j, d in T.Parallel(block_n, KV_LORA_RANK):
+                                kv_shared[j, d] = T.if_then_else(
+                                    pos0 + j < kv_len, T.cast(T.cast(kv_raw[j, d], accum) * kv_scale, dtype), 0)
+                            for j, d in T.Parallel(block_n, ROPE_DIM):
+                                k_pe_shared[j, d] = T.if_then_else(
+                                    pos0 + j < kv_len, T.cast(T.cast(k_pe_raw[j, d], accum) * kv_scale, dtype), 0)
+                        else:
+                            for j, d in T.Parallel(block_n, KV_LORA_RANK):
+                                kv_shared[j, d] = T.if_then_else(
+                                    pos0 + j < kv_len,
+                                    kv_cache[page_table[pt0 + T.min((pos0 + j) // page_size, last_page)],
+                                             (pos0 + j) % page_size, d], 0)
+                            for j, d in T.Parallel(block_n, ROPE_DIM):
+                                k_pe_shared[j, d] = T.if_then_else(
+                                    pos0 + j < kv_len,
+                                    kv_cache[page_table[pt0 + T.min((pos0 + j) // page_size, last_page)],
+                                             (pos0 + j) % page_size, KV_LORA_RANK + d], 0)
+                        T.clear(acc_s)
+                        T.gemm(q_shared, kv_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                        T.gemm(q_pe_shared, k_pe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                        for i, j in T.Parallel(block_rows, block_n):
+                            acc_s[i, j] = T.if_then_else(
+                                pos0 + j < vis0 + (row0 + i) // num_heads, acc_s[i, j] * scale_log2,
+                                -T.infinity(accum))
+                        T.copy(m_cur, m_prev)
+                        T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+                        # A row that has seen nothing yet keeps max -inf: use 0 as its offset so that
+                        # exp2(-inf - offset) stays 0 instead of NaN.
+                        for i in T.Parallel(block_rows):
+                            alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
+                                                      T.exp2(m_prev[i] - m_cur[i]))
+                        for i, j in T.Parallel(block_rows, block_n):
+                            acc_s[i, j] = T.exp2(acc_s[i, j] - T.if_then_else(
+                                m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                        T.reduce_sum(acc_s, row_sum, dim=1)
+                        T.copy(acc_s, p_shared)
+                        for i in T.Parallel(block_rows):
+                            l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                        for i, d in T.Parallel(block_rows, KV_LORA_RANK):
+                            acc_o[i, d] *= alpha[i]
+                        T.gemm(p_shared, kv_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
+
+                    num_first = req_lo // width
+                    num_last = (req_hi - 1) // width
+                    for i, d in T.Parallel(block_rows, KV_LORA_RANK):
+                        acc_o[i, d] = T.if_then_else(l_sum[i] > 0, acc_o[i, d] / l_sum[i], 0)
+                    if num_first == num_last:
+                        # the whole request is in this part: final output, natural-log LSE
+                        T.copy(acc_o, o_shared)
+                        for i, d in T.Parallel(block_rows, KV_LORA_RANK):
+                            if row0 + i < rows:
+                                out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d] = o_shared[i, d]
+                        for i in T.Parallel(block_rows):
+                            if row0 + i < rows:
+                                lse[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads] = T.if_then_else(
+                                    l_sum[i] > 0, (T.log2(l_sum[i]) + m_cur[i]) * LN2, -T.infinity(accum))
+                    else:
+                        for i, d in T.Parallel(block_rows, KV_LORA_RANK):
+                            if row0 + i < rows:
+                                out_partial[part + req, row0 + i, d] = acc_o[i, d]
+                        for i in T.Parallel(block_rows):
+                            if row0 + i < rows:
+                                lse_partial[part + req, row0 + i] = T.if_then_else(
+                                    l_sum[i] > 0, T.log2(l_sum[i]) + m_cur[i], -T.infinity(accum))
+
+    return mla_decode_split
+
+
+def build_combine_kernel(num_heads: int, q_len: int, dtype: str, cfg: KernelConfig):
+    """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
+
+    One program per (request, row group); requests whose single part wrote the output directly return.
+    """
+    rows = num_heads * q_len
+    accum = "float32"
+    rows_per_prog = cfg.combine_rows
+    n_row_groups = -(-rows // rows_per_prog)
+
+    num_tokens = T.dynamic("num_tokens")
+    batch = T.dynamic("batch")
+    num_slots = T.dynamic("num_slots")
+
+    @T.prim_func
+    def mla_decode_combine(
+        qo_indptr: T.Tensor([batch + 1], "int32"),
+        cu_blocks: T.Tensor([batch + 1], "int32"),
+        blocks_per_part: T.Tensor([1], "int32"),
+        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
+        lse_partial: T.Tensor([num_slots, rows], accum),
+        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        lse: T.Tensor([num_tokens, num_heads], accum),
+    ):
+        with T.Kernel(batch, n_row_groups, threads=128) as (req, group):
+            acc = T.alloc_fragment([KV_LORA_RANK], accum)
+            lse_max = T.alloc_var(accum)
+            lse_sum = T.alloc_var(accum)
+            weight = T.alloc_var(accum)
+            width = blocks_per_part[0]
+            req_lo = cu_blocks[req]
+            req_hi = cu_blocks[req + 1]
+            first = req_lo // width
+            last = (req_hi - 1) // width
+            tok0 = qo_indptr[req]
+            if req_hi == req_lo:
+                for r in T.serial(rows_per_prog):
+                    row = group * rows_per_prog + r
+                    if row < rows:
+                        for d in T.Parallel(KV_LORA_RANK):
+                            out[tok0 + row // num_heads, row % num_heads, d] = T.cast(0, dtype)
+                        lse[tok0 + row // num_heads, row % num_heads] = -T.infinity(accum)
+            elif last > first:
+                for r in T.serial(rows_per_prog):
+                    row = group * rows_per_prog + r
+                    if row < rows:
+                        lse_max = -T.infinity(accum)
+                        for s in T.serial(first, last + 1):
+                            lse_max = T.max(lse_max, lse_partial[s + req, row])
+                        lse_sum = 0
+                        for s in T.serial(first, last + 1):
+                            lse_sum += T.exp2(lse_partial[s + req, row] - lse_max)
+                        T.clear(acc)
+                        for s in T.serial(first, last + 1):
+                            weight = T.if_then_else(lse_sum > 0, T.exp2(lse_partial[s + req, row] - lse_max) / lse_sum, 0)
+                            for d in T.Parallel(KV_LORA_RANK):
+                                acc[d] += weight * out_partial[s + req, row, d]
+                        for d in T.Parallel(KV_LORA_RANK):
+                            out[tok0 + row // num_heads, row % num_heads, d] = T.cast(acc[d], dtype)
+                        lse[tok0 + row // num_heads, row % num_heads] = T.if_then_else(
+                            lse_max == -T.infinity(accum), -T.infinity(accum), (T.log2(lse_sum) + lse_max) * LN2)
+
+    return mla_decode_combine

@@ -1,0 +1,71 @@
+"""Compile-once, cache-on-disk loading and launching of the TileLang decode kernels.
+
+A variant is keyed by (num_heads, q_len, page_size, dtype, kv_dtype, arch); batch, pages and lengths
+are runtime values, so an engine compiles each variant once (``warmup``) before graph capture.
+TileLang's own disk cache (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``) makes later
+processes load the binary instead of recompiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .configs import CONFIGS, target_for_arch
+
+logger = logging.getLogger("mla_backend")
+
+_TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8_e4m3"}
+
+
+@dataclass
+class CompileStats:
+    compiled: int = 0
+    seconds: float = 0.0
+    variants: tuple = ()
+
+
+STATS = CompileStats()
+_KERNELS: dict[tuple, tuple] = {}
+_LOCK = threading.Lock()
+
+
+def tl_dtype(dtype: torch.dtype) -> str:
+    return _TORCH_TO_TL[dtype]
+
+
+def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype, arch: str):
+    """Returns the compiled ``(split, combine)`` kernels of one variant, compiling on first use."""
+    key = (num_heads, q_len, page_size, dtype, kv_dtype, arch)
+    kernels = _KERNELS.get(key)
+    if kernels is not None:
+        return kernels
+    with _LOCK:
+        if key in _KERNELS:
+            return _KERNELS[key]
+        import tilelang
+
+        from .mla_decode import build_combine_kernel, build_decode_kernel
+
+        cfg = CONFIGS[arch]
+        target = target_for_arch(arch)
+        pass_configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+        start = time.perf_counter()
+        split = tilelang.compile(
+            build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
+            target=target, pass_configs=pass_configs)
+        combine = tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), cfg),
+                                   target=target, pass_configs=pass_configs)
+        seconds = time.perf_counter() - start
+        STATS.compiled += 1
+        STATS.seconds += seconds
+        STATS.variants += (key,)
+        # A disk-cache hit takes well under a second; a real compile takes several.
+        logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s ready in %.2fs (%s)", num_heads, q_len,
+                    page_size, dtype, kv_dtype, arch, seconds, "disk cache hit" if seconds < 1.5 else "compiled")
+        _KERNELS[key] = (split, combine)
+        return split, combine

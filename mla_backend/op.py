@@ -1,0 +1,102 @@
+"""The public decode op: ``mla_decode(q, kv_cache, metadata, softmax_scale)``."""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import REFERENCE, log_choice, select_impl
+from .metadata import MLADecodeMetadata
+from .planner import SplitPlan, plan_split_kv
+from .reference import mla_decode_reference
+from .validation import FP8_DTYPES, KV_LORA_RANK, check_inputs, normalize_kv_cache, split_query
+
+_SCALARS: dict[tuple, torch.Tensor] = {}
+
+
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A cached fp32 ``[1]`` device tensor (kernel argument) so steady-state calls copy nothing."""
+    key = (float(value), device)
+    t = _SCALARS.get(key)
+    if t is None:
+        t = _SCALARS[key] = torch.tensor([float(value)], dtype=torch.float32, device=device)
+    return t
+
+
+def mla_decode(
+    q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    kv_cache: torch.Tensor,
+    metadata: MLADecodeMetadata,
+    softmax_scale: float,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    impl: str = "auto",
+    check_indices: bool | None = None,
+):
+    """Multi-head latent attention over a paged latent cache (decode, MTP verify).
+
+    Args:
+        q: ``[num_tokens, num_heads, 576]``, or the pair ``(q_nope [.., 512], q_pe [.., 64])`` that
+            engines hand over (read as two tensors, never concatenated).
+        kv_cache: ``[num_pages, page_size, 576]``: latent c_kv in ``[..., :512]`` (also V), k_pe in
+            ``[..., 512:]``. fp16/bf16 like q, or float8_e4m3fn dequantised with ``k_scale``.
+        metadata: :class:`MLADecodeMetadata` (``q_len`` queries per request; causal when > 1).
+        softmax_scale: the model's scale (DeepSeek: ``192 ** -0.5`` times yarn mscale², not ``576 ** -0.5``).
+        k_scale: per-tensor dequantisation scale of an fp8 cache (float or fp32 device tensor).
+        out: optional ``[num_tokens, num_heads, 512]`` output buffer (q's dtype).
+        return_lse: also return the natural-log LSE ``[num_tokens, num_heads]`` float32.
+        impl: "auto" (fastest available, logged), "reference", "tilelang-sm90" or "tilelang-gfx942".
+        check_indices: validate lengths and page ids on the host (a device sync). Default: on, except
+            during CUDA-graph capture. Engine adapters pass False on their hot path.
+    Returns:
+        ``out``, or ``(out, lse)`` when ``return_lse``. A query that sees no KV gives zeros and LSE -inf.
+    """
+    q_nope, q_pe = split_query(q)
+    kv_cache = normalize_kv_cache(kv_cache)
+    if check_indices is None:
+        check_indices = not (q_nope.is_cuda and torch.cuda.is_current_stream_capturing())
+    check_inputs(q_nope, q_pe, kv_cache, metadata, out, check_indices)
+    num_tokens, num_heads, _ = q_nope.shape
+    is_fp8 = kv_cache.dtype in FP8_DTYPES
+    if k_scale is not None and not is_fp8 and not isinstance(k_scale, torch.Tensor) and float(k_scale) != 1.0:
+        raise ValueError(f"mla_decode: k_scale={k_scale} is only meaningful for an fp8 kv_cache, got {kv_cache.dtype}")
+    choice = select_impl(q_nope.device, q_nope.dtype, kv_cache.dtype, num_heads, metadata.q_len, metadata.page_size,
+                         impl)
+    log_choice(choice, (q_nope.device.type, q_nope.dtype, kv_cache.dtype, num_heads, metadata.q_len,
+                        metadata.page_size))
+    if choice.impl == REFERENCE:
+        scale = float(k_scale) if k_scale is not None else 1.0
+        out, lse = mla_decode_reference(q_nope, q_pe, kv_cache, metadata, softmax_scale, scale, out)
+    else:
+        out, lse = _run_kernel(choice.impl, q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out)
+    return (out, lse) if return_lse else out
+
+
+def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, softmax_scale, k_scale, out):
+    from .kernels.runtime import get_kernels
+
+    num_tokens, num_heads, _ = q_nope.shape
+    device = q_nope.device
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, KV_LORA_RANK, dtype=q_nope.dtype, device=device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
+    if num_tokens == 0:
+        return out, lse
+    plan: SplitPlan = metadata.plan if metadata.plan is not None else plan_split_kv(metadata, num_heads)
+    arch = impl.split("-", 1)[1]
+    split, combine = get_kernels(num_heads, metadata.q_len, metadata.page_size, q_nope.dtype, kv_cache.dtype, arch)
+    if isinstance(k_scale, torch.Tensor):
+        k_scale_t = k_scale.reshape(1).float()
+    else:
+        k_scale_t = _scalar(1.0 if k_scale is None else k_scale, device)
+    batch = metadata.batch_size
+    cu_blocks = plan.cu_blocks[: batch + 1]
+    # The kernels index q by (token, head) with unit stride in the last dim and dense rows.
+    q_nope = q_nope if q_nope.is_contiguous() else q_nope.contiguous()
+    q_pe = q_pe if q_pe.is_contiguous() else q_pe.contiguous()
+    split(q_nope, q_pe, kv_cache, k_scale_t, metadata.page_table, metadata.page_table_start, metadata.kv_lens,
+          metadata.qo_indptr, cu_blocks, plan.part_begin_req, plan.part_end_req, plan.blocks_per_part,
+          _scalar(softmax_scale, device), out, lse, plan.out_partial, plan.lse_partial)
+    combine(metadata.qo_indptr, cu_blocks, plan.blocks_per_part, plan.out_partial, plan.lse_partial, out, lse)
+    return out, lse
