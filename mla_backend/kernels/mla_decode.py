@@ -55,6 +55,52 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     num_parts = T.dynamic("num_parts")
     num_slots = T.dynamic("num_slots")
 
+    @T.macro
+    def load_block(kv_cache, page_table, pt0, pos0, kv_len, kv_dst, pe_dst):
+        """Gathers KV rows pos0 .. pos0 + block_n of one request into shared memory.
+
+        Rows past kv_len re-read row kv_len - 1 (their probabilities are 0): no page outside the
+        request is touched and no stale (possibly NaN) cache slot can reach P @ V.
+        """
+        for j, d in T.Parallel(block_n, KV_LORA_RANK):
+            kv_dst[j, d] = kv_cache[page_table[pt0 + T.min(pos0 + j, kv_len - 1) // page_size],
+                                    T.min(pos0 + j, kv_len - 1) % page_size, d]
+        for j, d in T.Parallel(block_n, ROPE_DIM):
+            pe_dst[j, d] = kv_cache[page_table[pt0 + T.min(pos0 + j, kv_len - 1) // page_size],
+                                    T.min(pos0 + j, kv_len - 1) % page_size, KV_LORA_RANK + d]
+
+    @T.macro
+    def dequant(kv_src, pe_src, kv_dst, pe_dst, kv_scale):
+        for j, d in T.Parallel(block_n, KV_LORA_RANK):
+            kv_dst[j, d] = T.cast(T.cast(kv_src[j, d], accum) * kv_scale, dtype)
+        for j, d in T.Parallel(block_n, ROPE_DIM):
+            pe_dst[j, d] = T.cast(T.cast(pe_src[j, d], accum) * kv_scale, dtype)
+
+    @T.macro
+    def attend_block(q_shared, q_pe_shared, kv_shared, k_pe_shared, p_shared, acc_s, acc_o, m_prev, m_cur, alpha,
+                     row_sum, l_sum, pos0, vis0, row0, scale_log2):
+        """Online-softmax update of acc_o with one KV block (log2 domain, causal/length masked)."""
+        T.clear(acc_s)
+        T.gemm(q_shared, kv_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+        T.gemm(q_pe_shared, k_pe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+        for i, j in T.Parallel(block_rows, block_n):
+            acc_s[i, j] = T.if_then_else(pos0 + j < vis0 + (row0 + i) // num_heads, acc_s[i, j] * scale_log2,
+                                         -T.infinity(accum))
+        T.copy(m_cur, m_prev)
+        T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+        # A row that has seen nothing yet keeps max -inf: offset by 0 instead, so exp2 gives 0, not NaN.
+        for i in T.Parallel(block_rows):
+            alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1, T.exp2(m_prev[i] - m_cur[i]))
+        for i, j in T.Parallel(block_rows, block_n):
+            acc_s[i, j] = T.exp2(acc_s[i, j] - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+        T.reduce_sum(acc_s, row_sum, dim=1)
+        T.copy(acc_s, p_shared)
+        for i in T.Parallel(block_rows):
+            l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+        for i, d in T.Parallel(block_rows, KV_LORA_RANK):
+            acc_o[i, d] *= alpha[i]
+        T.gemm(p_shared, kv_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
+
     @T.prim_func
     def mla_decode_split(
         q_nope: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
@@ -89,9 +135,11 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             alpha = T.alloc_fragment([block_rows], accum)
             row_sum = T.alloc_fragment([block_rows], accum)
             l_sum = T.alloc_fragment([block_rows], accum)
-            if is_fp8:
-                kv_raw = T.alloc_shared([block_n, KV_LORA_RANK], kv_dtype)
-                k_pe_raw = T.alloc_shared([block_n, ROPE_DIM], kv_dtype)
+            if is_fp8:  # fp8 tiles land here, then are dequantised into kv_shared / k_pe_shared
+                kv_stage = T.alloc_shared([block_n, KV_LORA_RANK], kv_dtype)
+                pe_stage = T.alloc_shared([block_n, ROPE_DIM], kv_dtype)
+            else:
+                kv_stage, pe_stage = kv_shared, k_pe_shared
 
             scale_log2 = sm_scale[0] * LOG2E
             kv_scale = k_scale[0]
@@ -109,7 +157,6 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                     kv_len = kv_lens[req]
                     tok0 = qo_indptr[req]
                     pt0 = page_table_start[req]
-                    last_page = (kv_len - 1) // page_size
                     # positions visible to row r: < kv_len - q_len + r // H + 1
                     vis0 = kv_len - q_len + 1
                     for i, d in T.Parallel(block_rows, KV_LORA_RANK):
@@ -126,56 +173,11 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
 
                     for blk in T.Pipelined(blk_hi - blk_lo, num_stages=cfg.num_stages):
                         pos0 = (blk_lo + blk) * block_n
-                        # Masked gather: rows past kv_len read page 0 of the request's last page
-                        # and are zeroed, so stale or NaN cache contents never reach P @ V.
+                        load_block(kv_cache, page_table, pt0, pos0, kv_len, kv_stage, pe_stage)
                         if is_fp8:
-                            for j, d in T.Parallel(block_n, KV_LORA_RANK):
-                                kv_raw[j, d] = kv_cache[page_table[pt0 + T.min((pos0 + j) // page_size, last_page)],
-                                                        (pos0 + j) % page_size, d]
-                            for j, d in T.Parallel(block_n, ROPE_DIM):
-                                k_pe_raw[j, d] = kv_cache[page_table[pt0 + T.min((pos0 + j) // page_size, last_page)],
-                                                          (pos0 + j) % page_size, KV_LORA_RANK + d]
-                            for j, d in T.Parallel(block_n, KV_LORA_RANK):
-                                kv_shared[j, d] = T.if_then_else(
-                                    pos0 + j < kv_len, T.cast(T.cast(kv_raw[j, d], accum) * kv_scale, dtype), 0)
-                            for j, d in T.Parallel(block_n, ROPE_DIM):
-                                k_pe_shared[j, d] = T.if_then_else(
-                                    pos0 + j < kv_len, T.cast(T.cast(k_pe_raw[j, d], accum) * kv_scale, dtype), 0)
-                        else:
-                            for j, d in T.Parallel(block_n, KV_LORA_RANK):
-                                kv_shared[j, d] = T.if_then_else(
-                                    pos0 + j < kv_len,
-                                    kv_cache[page_table[pt0 + T.min((pos0 + j) // page_size, last_page)],
-                                             (pos0 + j) % page_size, d], 0)
-                            for j, d in T.Parallel(block_n, ROPE_DIM):
-                                k_pe_shared[j, d] = T.if_then_else(
-                                    pos0 + j < kv_len,
-                                    kv_cache[page_table[pt0 + T.min((pos0 + j) // page_size, last_page)],
-                                             (pos0 + j) % page_size, KV_LORA_RANK + d], 0)
-                        T.clear(acc_s)
-                        T.gemm(q_shared, kv_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                        T.gemm(q_pe_shared, k_pe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                        for i, j in T.Parallel(block_rows, block_n):
-                            acc_s[i, j] = T.if_then_else(
-                                pos0 + j < vis0 + (row0 + i) // num_heads, acc_s[i, j] * scale_log2,
-                                -T.infinity(accum))
-                        T.copy(m_cur, m_prev)
-                        T.reduce_max(acc_s, m_cur, dim=1, clear=False)
-                        # A row that has seen nothing yet keeps max -inf: use 0 as its offset so that
-                        # exp2(-inf - offset) stays 0 instead of NaN.
-                        for i in T.Parallel(block_rows):
-                            alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
-                                                      T.exp2(m_prev[i] - m_cur[i]))
-                        for i, j in T.Parallel(block_rows, block_n):
-                            acc_s[i, j] = T.exp2(acc_s[i, j] - T.if_then_else(
-                                m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
-                        T.reduce_sum(acc_s, row_sum, dim=1)
-                        T.copy(acc_s, p_shared)
-                        for i in T.Parallel(block_rows):
-                            l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                        for i, d in T.Parallel(block_rows, KV_LORA_RANK):
-                            acc_o[i, d] *= alpha[i]
-                        T.gemm(p_shared, kv_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                            dequant(kv_stage, pe_stage, kv_shared, k_pe_shared, kv_scale)
+                        attend_block(q_shared, q_pe_shared, kv_shared, k_pe_shared, p_shared, acc_s, acc_o, m_prev, m_cur,
+                                     alpha, row_sum, l_sum, pos0, vis0, row0, scale_log2)
 
                     num_first = req_lo // width
                     num_last = (req_hi - 1) // width
@@ -252,17 +254,19 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, cfg: KernelConf
                         lse_max = -T.infinity(accum)
                         for s in T.serial(first, last + 1):
                             lse_max = T.max(lse_max, lse_partial[s + req, row])
+                        # all partials -inf (row saw nothing): offset 0 keeps exp2 at 0 instead of NaN
+                        lse_off = T.if_then_else(lse_max == -T.infinity(accum), 0, lse_max)
                         lse_sum = 0
                         for s in T.serial(first, last + 1):
-                            lse_sum += T.exp2(lse_partial[s + req, row] - lse_max)
+                            lse_sum += T.exp2(lse_partial[s + req, row] - lse_off)
                         T.clear(acc)
                         for s in T.serial(first, last + 1):
-                            weight = T.if_then_else(lse_sum > 0, T.exp2(lse_partial[s + req, row] - lse_max) / lse_sum, 0)
+                            weight = T.if_then_else(lse_sum > 0, T.exp2(lse_partial[s + req, row] - lse_off) / lse_sum, 0)
                             for d in T.Parallel(KV_LORA_RANK):
                                 acc[d] += weight * out_partial[s + req, row, d]
                         for d in T.Parallel(KV_LORA_RANK):
                             out[tok0 + row // num_heads, row % num_heads, d] = T.cast(acc[d], dtype)
                         lse[tok0 + row // num_heads, row % num_heads] = T.if_then_else(
-                            lse_max == -T.infinity(accum), -T.infinity(accum), (T.log2(lse_sum) + lse_max) * LN2)
+                            lse_max == -T.infinity(accum), -T.infinity(accum), (T.log2(lse_sum) + lse_off) * LN2)
 
     return mla_decode_combine

@@ -69,3 +69,31 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
                     page_size, dtype, kv_dtype, arch, seconds, "disk cache hit" if seconds < 1.5 else "compiled")
         _KERNELS[key] = (split, combine)
         return split, combine
+
+
+def _compile_one(variant: tuple) -> float:
+    start = time.perf_counter()
+    get_kernels(*variant)
+    return time.perf_counter() - start
+
+
+def warmup(variants: list[tuple], workers: int = 1) -> float:
+    """Compile ``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` variants before serving.
+
+    With ``workers > 1`` the variants compile in parallel subprocesses that fill TileLang's disk cache,
+    then this process loads them from it. Returns the wall time in seconds.
+    """
+    start = time.perf_counter()
+    todo = [v for v in dict.fromkeys(variants) if v not in _KERNELS]
+    if workers > 1 and len(todo) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx) as pool:
+            list(pool.map(_compile_one, todo))
+    for variant in todo:
+        get_kernels(*variant)
+    seconds = time.perf_counter() - start
+    logger.info("mla_backend: %d kernel variant(s) ready in %.1fs", len(variants), seconds)
+    return seconds

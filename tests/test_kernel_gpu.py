@@ -1,0 +1,173 @@
+"""TileLang kernel vs the fp32 reference on the GPU (marked gpu: skipped without one)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode, mla_decode_reference
+from mla_backend.dispatch import select_impl
+
+pytestmark = pytest.mark.gpu
+
+SCALE = 192**-0.5
+
+
+def _kernel_or_skip(dtype=torch.bfloat16, kv_dtype=None, heads=16, q_len=1, page_size=64):
+    choice = select_impl(torch.device("cuda"), dtype, kv_dtype or dtype, heads, q_len, page_size)
+    if choice.impl == "reference":
+        pytest.skip(f"no kernel here: {choice.reason}")
+    return choice.impl
+
+
+def make_problem(lens, heads, q_len, page_size, dtype, kv_dtype=None, seed=0, csr=False, device="cuda"):
+    """Random q and a paged cache with pages in random order; returns (q, kv_cache, metadata, k_scale)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    batch = len(lens)
+    pages_per_req = [-(-n // page_size) for n in lens]
+    max_pages = max(max(pages_per_req), 1)
+    num_pages = sum(pages_per_req) + 3
+    perm = torch.randperm(num_pages, generator=g).int()
+    kv = torch.randn(num_pages, page_size, 576, generator=g)
+    k_scale = 1.0
+    if kv_dtype == torch.float8_e4m3fn:
+        k_scale = 0.37
+        kv_cache = (kv / k_scale).to(kv_dtype)
+    else:
+        kv_cache = kv.to(dtype)
+    q = torch.randn(batch * q_len, heads, 576, generator=g).to(dtype)
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    if csr:
+        indptr = torch.zeros(batch + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(torch.tensor(pages_per_req), 0)
+        md = MLADecodeMetadata.from_csr(indptr, perm[: int(indptr[-1])].contiguous(), page_size, kv_lens=kv_lens,
+                                        q_len=q_len)
+    else:
+        table = torch.full((batch, max_pages + 2), -1, dtype=torch.int32)  # padded, -1 past each request
+        used = 0
+        for r, n in enumerate(pages_per_req):
+            table[r, :n] = perm[used: used + n]
+            used += n
+        md = MLADecodeMetadata.from_block_table(table, kv_lens, page_size, q_len=q_len)
+    return q.to(device), kv_cache.to(device), md.to(device), k_scale
+
+
+def check(q, kv_cache, md, k_scale, dtype, rel_tol=1e-2):
+    out = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=q.dtype, device=q.device)  # poison
+    o, lse = mla_decode(q, kv_cache, md, SCALE, k_scale=k_scale if kv_cache.dtype != dtype else None, out=out,
+                        return_lse=True)
+    ref_o, ref_lse = mla_decode_reference(q[..., :512].cpu(), q[..., 512:].cpu(), kv_cache.cpu(), md.to("cpu"),
+                                          SCALE, k_scale)
+    assert o.data_ptr() == out.data_ptr()
+    assert not torch.isnan(o).any(), "unwritten or NaN outputs"
+    err = (o.float().cpu() - ref_o.float()).norm() / ref_o.float().norm().clamp_min(1e-6)
+    assert err < rel_tol, f"relative error {err:.3e}"
+    lse_c = lse.cpu()
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse_c)), "LSE -inf pattern differs"
+    assert (lse_c[finite] - ref_lse[finite]).abs().max() < 1e-3 if finite.any() else True
+    return err
+
+
+RAGGED = [0, 1, 63, 65, 200, 1000, 64, 2049]
+BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+# (heads, q_len, page_size, dtype, kv_dtype) of every test below, compiled up front in parallel.
+VARIANTS = ([(16, 1, p, BF16, BF16) for p in (1, 16, 32, 64, 128)] + [(h, 1, 64, BF16, BF16) for h in (1, 32, 64, 128)]
+            + [(16, 2, 64, BF16, BF16), (128, 2, 64, BF16, BF16), (16, 3, 16, BF16, BF16), (32, 4, 1, BF16, BF16),
+               (128, 4, 16, BF16, BF16), (16, 1, 64, FP16, FP16), (16, 1, 64, BF16, FP8)])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_variants():
+    if not torch.cuda.is_available() or select_impl(torch.device("cuda"), BF16, BF16, 16, 1, 64).impl == "reference":
+        return
+    from mla_backend.kernels import runtime
+
+    arch = select_impl(torch.device("cuda"), BF16, BF16, 16, 1, 64).impl.split("-", 1)[1]
+    seconds = runtime.warmup([v + (arch,) for v in VARIANTS], workers=os.cpu_count() or 1)
+    print(f"\ncompiled/loaded {len(VARIANTS)} kernel variants in {seconds:.1f}s")
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 32, 64, 128])
+@pytest.mark.parametrize("csr", [False, True])
+def test_page_sizes(page_size, csr):
+    _kernel_or_skip(page_size=page_size)
+    check(*make_problem(RAGGED, 16, 1, page_size, torch.bfloat16, csr=csr, seed=page_size)[:4], torch.bfloat16)
+
+
+@pytest.mark.parametrize("heads", [1, 32, 64, 128])
+def test_heads(heads):
+    _kernel_or_skip(heads=heads)
+    check(*make_problem(RAGGED, heads, 1, 64, torch.bfloat16, seed=heads), torch.bfloat16)
+
+
+@pytest.mark.parametrize("heads,q_len,page_size", [(16, 2, 64), (128, 2, 64), (16, 3, 16), (32, 4, 1), (128, 4, 16)])
+def test_mtp_causal(heads, q_len, page_size):
+    _kernel_or_skip(heads=heads, q_len=q_len, page_size=page_size)
+    lens = [q_len, q_len + 1, 63, 65, 300, 1500]
+    check(*make_problem(lens, heads, q_len, page_size, torch.bfloat16, seed=q_len), torch.bfloat16)
+
+
+def test_fp16():
+    _kernel_or_skip(dtype=torch.float16)
+    check(*make_problem(RAGGED, 16, 1, 64, torch.float16, seed=5), torch.float16)
+
+
+def test_long_and_zero():
+    _kernel_or_skip()
+    check(*make_problem([32768, 0, 1, 5000], 16, 1, 64, torch.bfloat16, seed=7), torch.bfloat16)
+
+
+def test_fp8_cache():
+    _kernel_or_skip(kv_dtype=torch.float8_e4m3fn)
+    check(*make_problem(RAGGED, 16, 1, 64, torch.bfloat16, kv_dtype=torch.float8_e4m3fn, seed=9), torch.bfloat16,
+          rel_tol=2e-2)
+
+
+def test_no_recompile_across_batches():
+    _kernel_or_skip()
+    from mla_backend.kernels import runtime
+
+    check(*make_problem([100, 7], 16, 1, 64, torch.bfloat16, seed=1), torch.bfloat16)
+    compiled = runtime.STATS.compiled
+    for seed, lens in enumerate([[5] * 37, [4000, 3, 17], list(range(1, 90))]):
+        check(*make_problem(lens, 16, 1, 64, torch.bfloat16, seed=seed), torch.bfloat16)
+    assert runtime.STATS.compiled == compiled
+
+
+def test_cuda_graph_replay_with_new_lengths():
+    _kernel_or_skip()
+    batch, heads, page_size, max_pages = 8, 16, 64, 40
+    g = torch.Generator(device="cpu").manual_seed(3)
+    kv_cache = torch.randn(400, page_size, 576, generator=g).bfloat16().cuda()
+    table = torch.randperm(400, generator=g)[: batch * max_pages].int().view(batch, max_pages).cuda()
+    kv_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, 576, generator=g).bfloat16().cuda()
+    md = MLADecodeMetadata.from_block_table(table, kv_lens, page_size)
+    planner = SplitPlanner(batch, heads, 1, "cuda")
+    out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device="cuda")
+
+    def step(lens):
+        kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        md.plan = planner.plan(kv_lens)  # outside the graph, into persistent buffers
+        return md
+
+    step([100] * batch)
+    mla_decode(q, kv_cache, md, SCALE, out=out, check_indices=False)  # compile + warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode(q, kv_cache, md, SCALE, out=out, check_indices=False)
+    for seed in range(3):
+        lens = torch.randint(0, max_pages * page_size, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
+        lens[0] = 1
+        step(lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = mla_decode(q, kv_cache, md, SCALE)
+        assert torch.equal(out, eager), f"graph replay differs from eager for lens {lens}"
+        ref, _ = mla_decode_reference(q[..., :512].cpu(), q[..., 512:].cpu(), kv_cache.cpu(), md.to("cpu"), SCALE)
+        err = (out.float().cpu() - ref.float()).norm() / ref.float().norm()
+        assert err < 1e-2
