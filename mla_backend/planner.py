@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.configs import SM90
 from .metadata import INDEX_DTYPE, MLADecodeMetadata
 
-BLOCK_N = 64  # KV tokens per block of work (the kernels' block_n on sm90)
-MIN_BLOCKS_PER_PART = 2  # below this the combine costs more than the split saves
+BLOCK_N = SM90.block_n  # KV tokens per block of work: must equal the kernel's block_n
+MIN_BLOCKS_PER_PART = 4  # below this the combine costs more than the split saves
 KV_LORA_RANK = 512
 
 

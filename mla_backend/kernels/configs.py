@@ -14,8 +14,10 @@ class KernelConfig:
     combine_rows: int  # rows merged per combine program
 
 
-# Hopper: 2 warpgroups split the 512-wide output (FullCol), 228 KB of shared memory per SM.
-SM90 = KernelConfig(block_rows=64, block_n=64, threads=256, num_stages=2, combine_rows=8)
+# Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
+# plus 2 stages of 64-token KV (144 KB), P and TileLang's reduction scratch come to 228 KB: 1 KB too many,
+# so 32-token blocks with 3 stages (108 KB, more bytes in flight).
+SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3, combine_rows=8)
 # MI300X: 64 KB of LDS, so one stage; no WGMMA, so smaller row tiles are legal.
 GFX942 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=1, combine_rows=8)
 

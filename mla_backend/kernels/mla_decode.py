@@ -127,7 +127,6 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             kv_shared = T.alloc_shared([block_n, KV_LORA_RANK], dtype)
             k_pe_shared = T.alloc_shared([block_n, ROPE_DIM], dtype)
             p_shared = T.alloc_shared([block_rows, block_n], dtype)
-            o_shared = T.alloc_shared([block_rows, KV_LORA_RANK], dtype)
             acc_s = T.alloc_fragment([block_rows, block_n], accum)
             acc_o = T.alloc_fragment([block_rows, KV_LORA_RANK], accum)
             m_prev = T.alloc_fragment([block_rows], accum)
@@ -171,7 +170,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                     T.fill(l_sum, 0)
                     T.fill(m_cur, -T.infinity(accum))
 
-                    for blk in T.Pipelined(blk_hi - blk_lo, num_stages=cfg.num_stages):
+                    for blk in T.Pipelined(blk_hi - blk_lo, num_stages=1 if is_fp8 else cfg.num_stages):
                         pos0 = (blk_lo + blk) * block_n
                         load_block(kv_cache, page_table, pt0, pos0, kv_len, kv_stage, pe_stage)
                         if is_fp8:
@@ -185,10 +184,10 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                         acc_o[i, d] = T.if_then_else(l_sum[i] > 0, acc_o[i, d] / l_sum[i], 0)
                     if num_first == num_last:
                         # the whole request is in this part: final output, natural-log LSE
-                        T.copy(acc_o, o_shared)
+                        # straight from registers: a shared staging tile would not fit beside 2 KV stages
                         for i, d in T.Parallel(block_rows, KV_LORA_RANK):
                             if row0 + i < rows:
-                                out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d] = o_shared[i, d]
+                                out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d] = acc_o[i, d]
                         for i in T.Parallel(block_rows):
                             if row0 + i < rows:
                                 lse[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads] = T.if_then_else(
