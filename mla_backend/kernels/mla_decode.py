@@ -70,11 +70,12 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                                     T.min(pos0 + j, kv_len - 1) % page_size, KV_LORA_RANK + d]
 
     @T.macro
-    def dequant(kv_src, pe_src, kv_dst, pe_dst, kv_scale):
+    def dequant(kv_src, pe_src, kv_dst, pe_dst):
+        """e4m3 -> fp16/bf16 is exact; the per-tensor scale is applied to S and O instead (also exact)."""
         for j, d in T.Parallel(block_n, KV_LORA_RANK):
-            kv_dst[j, d] = T.cast(T.cast(kv_src[j, d], accum) * kv_scale, dtype)
+            kv_dst[j, d] = T.cast(kv_src[j, d], dtype)
         for j, d in T.Parallel(block_n, ROPE_DIM):
-            pe_dst[j, d] = T.cast(T.cast(pe_src[j, d], accum) * kv_scale, dtype)
+            pe_dst[j, d] = T.cast(pe_src[j, d], dtype)
 
     @T.macro
     def attend_block(q_shared, q_pe_shared, kv_shared, k_pe_shared, p_shared, acc_s, acc_o, m_prev, m_cur, alpha,
@@ -140,8 +141,10 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             else:
                 kv_stage, pe_stage = kv_shared, k_pe_shared
 
-            scale_log2 = sm_scale[0] * LOG2E
+            # S = q . (k_scale * k8) = k_scale * (q . k8) and O = k_scale * (P @ v8): fold the fp8 scale
+            # into the softmax scale and the output (k_scale is 1 for fp16/bf16 caches).
             kv_scale = k_scale[0]
+            scale_log2 = sm_scale[0] * kv_scale * LOG2E
             width = blocks_per_part[0]
             part_lo = part * width
             part_hi = T.min(part_lo + width, cu_blocks[batch])
@@ -174,14 +177,14 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                         pos0 = (blk_lo + blk) * block_n
                         load_block(kv_cache, page_table, pt0, pos0, kv_len, kv_stage, pe_stage)
                         if is_fp8:
-                            dequant(kv_stage, pe_stage, kv_shared, k_pe_shared, kv_scale)
+                            dequant(kv_stage, pe_stage, kv_shared, k_pe_shared)
                         attend_block(q_shared, q_pe_shared, kv_shared, k_pe_shared, p_shared, acc_s, acc_o, m_prev, m_cur,
                                      alpha, row_sum, l_sum, pos0, vis0, row0, scale_log2)
 
                     num_first = req_lo // width
                     num_last = (req_hi - 1) // width
                     for i, d in T.Parallel(block_rows, KV_LORA_RANK):
-                        acc_o[i, d] = T.if_then_else(l_sum[i] > 0, acc_o[i, d] / l_sum[i], 0)
+                        acc_o[i, d] = T.if_then_else(l_sum[i] > 0, acc_o[i, d] * kv_scale / l_sum[i], 0)
                     if num_first == num_last:
                         # the whole request is in this part: final output, natural-log LSE
                         # straight from registers: a shared staging tile would not fit beside 2 KV stages
