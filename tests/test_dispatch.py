@@ -1,0 +1,66 @@
+"""Implementation choice: the reference on CPU (saying why), kernel limits, forced implementations."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from mla_backend.dispatch import REFERENCE, kernel_unsupported, select_impl
+
+CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+
+
+def test_auto_on_cpu_picks_reference_and_names_the_device():
+    choice = select_impl(CPU, BF16, BF16, 128, 1, 64)
+    assert choice.impl == REFERENCE
+    assert "cpu" in choice.reason and "no GPU kernel" in choice.reason
+
+
+def test_reference_can_be_requested():
+    assert select_impl(CPU, BF16, BF16, 128, 1, 64, requested="reference").impl == REFERENCE
+
+
+@pytest.mark.parametrize("impl", ["tilelang-sm90", "tilelang-gfx942"])
+def test_forced_kernel_on_cpu_raises_with_the_reason(impl):
+    with pytest.raises(ValueError, match=rf"impl='{impl}' cannot run here: no GPU kernel for device type 'cpu'"):
+        select_impl(CPU, BF16, BF16, 128, 1, 64, requested=impl)
+
+
+def test_unknown_impl():
+    with pytest.raises(ValueError, match=r"impl='triton' is not supported; expected one of"):
+        select_impl(CPU, BF16, BF16, 16, 1, 64, requested="triton")
+
+
+@pytest.mark.parametrize("heads,q_len,page_size", [(1, 1, 1), (16, 2, 16), (128, 4, 64), (64, 3, 256)])
+def test_kernel_supported_shapes(heads, q_len, page_size):
+    assert kernel_unsupported(BF16, BF16, heads, q_len, page_size) is None
+    assert kernel_unsupported(torch.float16, torch.float8_e4m3fn, heads, q_len, page_size) is None
+
+
+@pytest.mark.parametrize("args,match", [
+    ((BF16, BF16, 0, 1, 64), r"num_heads=0 \(kernels take 1\.\.128\)"),
+    ((BF16, BF16, 256, 1, 64), r"num_heads=256"),
+    ((BF16, BF16, 16, 5, 64), r"q_len=5 \(kernels take a uniform 1\.\.4"),
+    ((BF16, BF16, 16, None, 64), r"q_len=None"),
+    ((BF16, BF16, 16, 1, 3), r"page_size=3 \(kernels take 1, 2, 4"),
+    ((BF16, BF16, 16, 1, 512), r"page_size=512"),
+    ((torch.float32, torch.float32, 16, 1, 64), r"q dtype torch\.float32"),
+    ((BF16, torch.float16, 16, 1, 64), r"kv_cache dtype torch\.float16 with q torch\.bfloat16"),
+])
+def test_kernel_unsupported_reasons(args, match):
+    reason = kernel_unsupported(*args)
+    assert reason is not None
+    assert re.search(match, reason), reason
+
+
+@pytest.mark.gpu
+def test_auto_on_gpu_names_the_device_or_problem():
+    dev = torch.device("cuda")
+    choice = select_impl(dev, BF16, BF16, 128, 1, 64)
+    assert choice.reason
+    if choice.impl != REFERENCE:
+        unsupported = select_impl(dev, BF16, BF16, 128, 1, 3)
+        assert unsupported.impl == REFERENCE and "page_size=3" in unsupported.reason

@@ -1,0 +1,171 @@
+"""The TileLang kernels lower for Hopper (and MI300X) on a machine without a GPU, and nvcc compiles them.
+
+Lowering runs TileLang's whole pipeline (layout inference, pipelining, WGMMA selection, codegen to CUDA
+C++), so a kernel that TileLang rejects, or whose CUDA source does not compile, fails here in CI rather
+than on the first GPU. What is left to the GPU tests is numerics and launch-time limits.
+Each lowering takes ~10-20 s on 2 cores, so every variant is lowered once per session.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+if os.environ.get("CI"):
+    import tilelang  # in CI a broken TileLang install must fail, not skip
+else:
+    tilelang = pytest.importorskip("tilelang")
+
+from tilelang import tvm  # noqa: E402  (TileLang's bundled TVM)
+from tvm.target import Target  # noqa: E402
+
+from mla_backend.kernels import configs  # noqa: E402
+from mla_backend.kernels.mla_decode import build_combine_kernel, build_decode_kernel  # noqa: E402
+
+CUDA = configs.target_for_arch("sm90")  # "cuda -arch=sm_90a"
+HIP = configs.target_for_arch("gfx942")  # "hip -mcpu=gfx942"
+SM90_SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may opt into on H100/H200
+GFX942_LDS_LIMIT = 64 * 1024  # bytes of LDS per workgroup on MI300X
+
+# (num_heads, q_len, page_size, dtype, kv_dtype): DeepSeek-V3 at TP1 (128 heads) and TP8 (16 heads),
+# MTP (q_len 2), the page sizes engines use (SGLang 1, FlashInfer-style 16, FlashMLA 64), fp8 cache.
+SPLIT_VARIANTS = [
+    (128, 1, 64, "bfloat16", "bfloat16"),
+    (16, 1, 64, "bfloat16", "bfloat16"),
+    (16, 2, 16, "float16", "float16"),
+    (128, 2, 1, "bfloat16", "bfloat16"),
+    (16, 1, 64, "bfloat16", "float8_e4m3"),
+]
+COMBINE_VARIANTS = [(16, 1, "bfloat16"), (128, 2, "bfloat16"), (16, 2, "float16")]
+
+
+def _vid(v) -> str:
+    return "-".join(str(x) for x in v)
+
+
+def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
+    if kind == "split":
+        return build_decode_kernel(*variant, cfg)
+    return build_combine_kernel(*variant, cfg)
+
+
+def _smem_bytes(mod) -> int:
+    """Dynamic shared memory of the device kernel(s) in a lowered IRModule (0 when none)."""
+    sizes = [int(f.attrs["dyn_shared_memory_buf"]) for _, f in mod.functions.items()
+             if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs]
+    return max(sizes, default=0)
+
+
+@pytest.fixture(scope="module")
+def cuda_lowered():
+    """``get(kind, variant) -> CompiledArtifact`` for sm_90a, lowered once per session."""
+    cache = {}
+
+    def get(kind, variant):
+        key = (kind, variant)
+        if key not in cache:
+            func = _prim_func(kind, variant, configs.SM90)
+            with tvm.target.Target(CUDA):
+                cache[key] = tilelang.lower(func, target=Target(CUDA), enable_device_compile=False)
+        return cache[key]
+
+    return get
+
+
+# ----------------------------------------------------------------------------- Hopper
+@pytest.mark.parametrize("variant", SPLIT_VARIANTS, ids=_vid)
+def test_split_kernel_lowers_to_wgmma(cuda_lowered, variant):
+    art = cuda_lowered("split", variant)
+    src = art.kernel_source
+    assert re.search(r'extern "C" __global__ void\b.*mla_decode_split', src), "no split kernel entry in the source"
+    assert "wgmma" in src, "the split kernel's GEMMs did not lower to Hopper WGMMA"
+    smem = _smem_bytes(art.device_mod)
+    assert 0 < smem <= SM90_SMEM_LIMIT, f"needs {smem} B of shared memory; a block may use {SM90_SMEM_LIMIT} B"
+
+
+@pytest.mark.parametrize("variant", COMBINE_VARIANTS, ids=_vid)
+def test_combine_kernel_lowers(cuda_lowered, variant):
+    src = cuda_lowered("combine", variant).kernel_source
+    assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine', src)
+
+
+def _nvcc() -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+            if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+                return os.path.join(home, "bin", "nvcc")
+        pytest.skip("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): the CUDA sources are not compiled")
+    return nvcc
+
+
+@pytest.mark.parametrize("kind,variant", [("split", SPLIT_VARIANTS[0]), ("split", SPLIT_VARIANTS[4]),
+                                          ("combine", COMBINE_VARIANTS[1])], ids=lambda v: _vid(v) if isinstance(v, tuple) else v)
+def test_nvcc_compiles_for_sm90a(cuda_lowered, kind, variant, tmp_path):
+    """The flags TileLang's own nvcc callback uses (tilelang.engine.lower.tilelang_callback_cuda_compile),
+    with -c: ptxas runs too, so register or instruction errors show here."""
+    nvcc = _nvcc()
+    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
+    src = tmp_path / f"{kind}.cu"
+    src.write_text(cuda_lowered(kind, variant).kernel_source)
+    cmd = [nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3", "--use_fast_math", "-w",
+           f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}", "-c", str(src), "-o", str(tmp_path / "k.o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+
+
+# ----------------------------------------------------------------------------- MI300X
+def _lower_hip_to_device_ir(func):
+    """TileLang's lowering up to device codegen (the MFMA choice is made here), for gfx942."""
+    from tilelang.engine.phase import LowerAndLegalize, OptimizeForTarget
+
+    with tvm.target.Target(HIP):
+        target = Target(HIP)
+        mod = tvm.IRModule({func.attrs["global_symbol"]: func})
+        mod = LowerAndLegalize(mod, target)
+        return OptimizeForTarget(mod, target)
+
+
+def _hip_codegen_available() -> bool:
+    return tvm.ffi.get_global_func("target.build.tilelang_hip_without_compile", allow_missing=True) is not None
+
+
+def test_split_kernel_lowers_to_mfma_on_gfx942():
+    func = build_decode_kernel(16, 1, 64, "bfloat16", "bfloat16", configs.GFX942)
+    try:
+        mod = _lower_hip_to_device_ir(func)
+    except tvm.error.InternalError as e:
+        first = str(e).strip().splitlines()[0]
+        if "Layout infer conflict" in first:
+            # Known with TileLang 0.1.9: the row statistics (m_cur from reduce_max over acc_s) and the
+            # per-row rescale of acc_o get different fragment layouts under MFMA with FullCol warps.
+            pytest.xfail(f"TileLang {tilelang.__version__} HIP LayoutInference: {first}")
+        raise
+    script = mod.script()
+    assert "mfma" in script, "the split kernel's GEMMs did not lower to MFMA"
+    lds = _smem_bytes(mod)
+    assert lds <= GFX942_LDS_LIMIT, f"needs {lds} B of LDS; MI300X has {GFX942_LDS_LIMIT} B per workgroup"
+    if _hip_codegen_available():
+        with tvm.target.Target(HIP):
+            src = tilelang.lower(func, target=Target(HIP), enable_device_compile=False).kernel_source
+        assert "mfma" in src
+
+
+def test_combine_kernel_lowers_on_gfx942():
+    _lower_hip_to_device_ir(build_combine_kernel(16, 1, "bfloat16", configs.GFX942))
+
+
+def test_hip_source_codegen():
+    """HIP C++ needs a TileLang built with ROCm; the PyPI wheel is built for CUDA only."""
+    if not _hip_codegen_available():
+        pytest.skip(f"TileLang {tilelang.__version__} has no HIP codegen in this build "
+                    "(target.build.tilelang_hip_without_compile is not registered)")
+    with tvm.target.Target(HIP):
+        art = tilelang.lower(build_combine_kernel(16, 1, "bfloat16", configs.GFX942), target=Target(HIP),
+                             enable_device_compile=False)
+    assert "__global__" in art.kernel_source

@@ -1,0 +1,213 @@
+"""Split-KV planner on CPU tensors: plan invariants, buffer sizes, and a pure-Python run of the
+kernels' split + combine driven by the plan, checked against the reference."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from mla_backend import SplitPlanner, mla_decode_reference, plan_split_kv
+from mla_backend.kernels import configs
+from mla_backend.planner import MIN_BLOCKS_PER_PART, num_parts_for
+from mla_problems import SCALE, make_problem
+
+LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
+
+
+def random_lens(seed: int, batch: int, max_len: int) -> list[int]:
+    """Ragged lengths with zeros, ones and block-boundary values mixed in."""
+    rng = random.Random(seed)
+    specials = [0, 1, 31, 32, 33, 0, 64]
+    return [rng.choice(specials) if rng.random() < 0.3 else rng.randint(0, max_len) for _ in range(batch)]
+
+
+def plan_lists(plan, batch):
+    """The plan as Python lists: (cu_blocks [batch + 1], begin [parts], end [parts], width)."""
+    return (plan.cu_blocks[: batch + 1].tolist(), plan.part_begin_req.tolist(), plan.part_end_req.tolist(),
+            int(plan.blocks_per_part[0]))
+
+
+def segments(plan, batch):
+    """What the split kernel does per part: [(part, req, blk_lo, blk_hi)] for non-empty segments,
+    mirroring ``mla_decode_split``'s loop over ``part_begin_req[part] .. part_end_req[part]``."""
+    cu, begin, end, width = plan_lists(plan, batch)
+    out = []
+    for part in range(plan.num_parts):
+        part_lo = part * width
+        part_hi = min(part_lo + width, cu[batch])
+        for req in range(begin[part], end[part] + 1):
+            blk_lo = max(part_lo, cu[req]) - cu[req]
+            blk_hi = min(part_hi, cu[req + 1]) - cu[req]
+            if blk_hi > blk_lo:
+                out.append((part, req, blk_lo, blk_hi))
+    return out
+
+
+CASES = [  # (heads, q_len, num_sms, batch, max_len)
+    (16, 1, 132, 24, 3000),
+    (128, 2, 132, 16, 2000),
+    (16, 4, 8, 12, 400),
+    (1, 1, 3, 9, 200),
+    (64, 1, 132, 40, 50),  # short requests: few splits
+]
+
+
+@pytest.mark.parametrize("heads,q_len,num_sms,batch,max_len", CASES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plan_invariants(heads, q_len, num_sms, batch, max_len, seed):
+    planner = SplitPlanner(batch + 3, heads, q_len, device="cpu", num_sms=num_sms)
+    lens = random_lens(seed, batch, max_len)
+    plan = planner.plan(torch.tensor(lens, dtype=torch.int32))
+    cu, begin, end, width = plan_lists(plan, batch)
+    block_n = planner.block_n
+    assert cu == [0] + list(torch.tensor([-(-n // block_n) for n in lens]).cumsum(0).tolist())
+    assert width >= MIN_BLOCKS_PER_PART and width * plan.num_parts >= cu[-1]
+
+    # every (request, block) pair is covered by exactly one part
+    covered = [(req, b) for _, req, lo, hi in segments(plan, batch) for b in range(lo, hi)]
+    expected = [(r, b) for r in range(batch) for b in range(cu[r + 1] - cu[r])]
+    assert sorted(covered) == expected
+
+    # part_begin_req / part_end_req are exactly the first / last request a part touches
+    for part in range(plan.num_parts):
+        lo, hi = part * width, min((part + 1) * width, cu[-1])
+        touched = [r for r in range(batch) if max(lo, cu[r]) < min(hi, cu[r + 1])]
+        if touched:
+            assert (begin[part], end[part]) == (touched[0], touched[-1]), part
+        else:
+            assert end[part] < begin[part], part  # empty part: the request loop runs zero times
+
+    # partial slots (part + req) of split requests are unique and inside the buffers
+    split_slots = [part + req for part, req, _, _ in segments(plan, batch)
+                   if cu[req] // width != (cu[req + 1] - 1) // width]
+    assert len(split_slots) == len(set(split_slots))
+    assert all(0 <= s < plan.out_partial.shape[0] for s in split_slots)
+
+
+def test_buffer_shapes_depend_only_on_max_batch_sms_and_rows():
+    a = SplitPlanner(32, 16, 2, device="cpu", num_sms=132)
+    b = SplitPlanner(32, 32, 1, device="cpu", num_sms=132)  # same rows = heads * q_len
+    shapes = lambda p: {k: tuple(getattr(p, k).shape) for k in  # noqa: E731
+                        ("cu_blocks", "part_begin_req", "part_end_req", "blocks_per_part", "out_partial",
+                         "lse_partial")}
+    buffers = a._plan
+    ptrs = [t.data_ptr() for t in (buffers.cu_blocks, buffers.part_begin_req, buffers.out_partial)]
+    seen = set()
+    for seed, batch in enumerate([1, 5, 32, 0, 17]):
+        lens = torch.tensor(random_lens(seed, batch, 5000 * seed + 10), dtype=torch.int32)
+        pa, pb = a.plan(lens), b.plan(lens)
+        seen.add(tuple(shapes(pa).items()))
+        assert shapes(pa) == shapes(pb)
+        assert pa is buffers  # refilled in place: CUDA graphs keep pointing at the same memory
+        assert [t.data_ptr() for t in (pa.cu_blocks, pa.part_begin_req, pa.out_partial)] == ptrs
+    assert len(seen) == 1
+    parts = num_parts_for(132, 16, 2)
+    assert shapes(a._plan) == {"cu_blocks": (33,), "part_begin_req": (parts,), "part_end_req": (parts,),
+                               "blocks_per_part": (1,), "out_partial": (parts + 32, 32, 512),
+                               "lse_partial": (parts + 32, 32)}
+    # one part per SM and 64-row tile
+    assert num_parts_for(132, 128, 1) == 66 and num_parts_for(132, 16, 1) == 132 and num_parts_for(132, 128, 4) == 16
+
+
+def test_batch_over_max_batch_is_refused():
+    planner = SplitPlanner(4, 16, 1, device="cpu", num_sms=132)
+    with pytest.raises(ValueError, match="batch 5 exceeds the planner's max_batch 4"):
+        planner.plan(torch.ones(5, dtype=torch.int32))
+
+
+def test_all_empty_requests():
+    planner = SplitPlanner(6, 16, 1, device="cpu", num_sms=132)
+    plan = planner.plan(torch.zeros(6, dtype=torch.int32))
+    assert segments(plan, 6) == []
+    assert (plan.part_end_req < plan.part_begin_req).all()
+
+
+def test_plan_split_kv_reuses_planner():
+    p = make_problem([10, 100], 16, 1, 16)
+    md = p.metadata()
+    first = plan_split_kv(md, 16)
+    assert plan_split_kv(md, 16) is first
+    assert first.cu_blocks[:3].tolist()[-1] == sum(-(-n // configs.SM90.block_n) for n in p.lens)
+
+
+# ----------------------------------------------------------------------------- split + combine run
+def simulate(plan, p, block_n: int, scale: float = SCALE):
+    """Pure-Python mirror of mla_decode_split + mla_decode_combine (fp64, log2 domain).
+
+    Returns (out [T, H, 512], lse [T, H]) and asserts that every slot the combine reads was written
+    by the split step and every output row was written once.
+    """
+    batch, q_len = len(p.lens), p.q_lens[0]
+    num_tokens, heads, _ = p.q.shape
+    cu, _, _, width = plan_lists(plan, batch)
+    flat = p.kv_cache.reshape(-1, 576).double()
+    out = torch.full((num_tokens, heads, 512), float("nan"), dtype=torch.float64)
+    lse = torch.full((num_tokens, heads), float("nan"), dtype=torch.float64)
+    partial_o, partial_lse = {}, {}
+
+    for part, req, blk_lo, blk_hi in segments(plan, batch):
+        kv_len, tok0 = p.lens[req], req * q_len
+        positions = torch.arange(blk_lo * block_n, blk_hi * block_n)
+        clamped = positions.clamp(max=kv_len - 1)  # rows past kv_len re-read the last row, as the kernel does
+        rows = [p.pages[req][t // p.page_size] * p.page_size + t % p.page_size for t in clamped.tolist()]
+        kv = flat[rows]  # [n, 576]
+        q = p.q[tok0: tok0 + q_len].double()  # [q_len, H, 576]
+        s2 = torch.einsum("ihd,nd->ihn", q, kv) * scale * LOG2E
+        visible = positions[None, :] < (kv_len - q_len + 1 + torch.arange(q_len))[:, None]  # [q_len, n]
+        s2 = s2.masked_fill(~visible[:, None, :], -math.inf)
+        m = s2.amax(-1)
+        m_off = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        prob = torch.exp2(s2 - m_off[..., None])
+        l_sum = prob.sum(-1)
+        o = torch.einsum("ihn,nd->ihd", prob, kv[:, :512]) / torch.where(l_sum > 0, l_sum, 1)[..., None]
+        lse2 = torch.where(l_sum > 0, torch.log2(l_sum) + m, torch.full_like(m, -math.inf))
+        if cu[req] // width == (cu[req + 1] - 1) // width:  # whole request in this part: direct write
+            assert torch.isnan(out[tok0: tok0 + q_len]).all(), "output row written twice"
+            out[tok0: tok0 + q_len], lse[tok0: tok0 + q_len] = o, lse2 * LN2
+        else:
+            slot = part + req
+            assert slot not in partial_o, f"slot {slot} written twice"
+            partial_o[slot], partial_lse[slot] = o, lse2
+
+    for req in range(batch):  # combine: one program per request
+        tok0, lo, hi = req * q_len, cu[req], cu[req + 1]
+        first, last = lo // width, (hi - 1) // width
+        if hi == lo:
+            out[tok0: tok0 + q_len], lse[tok0: tok0 + q_len] = 0.0, -math.inf
+        elif last > first:
+            slots = [s + req for s in range(first, last + 1)]
+            assert all(s in partial_o for s in slots), "combine reads a slot the split never wrote"
+            lses = torch.stack([partial_lse[s] for s in slots])  # [n, q_len, H]
+            lse_max = lses.amax(0)
+            off = torch.where(torch.isneginf(lse_max), torch.zeros_like(lse_max), lse_max)
+            w = torch.exp2(lses - off)
+            total = w.sum(0)
+            w = torch.where(total > 0, w / total, torch.zeros_like(w))
+            out[tok0: tok0 + q_len] = sum(w[k][..., None] * partial_o[s] for k, s in enumerate(slots))
+            lse[tok0: tok0 + q_len] = torch.where(torch.isneginf(lse_max), lse_max, (torch.log2(total) + off) * LN2)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "an output row was never written"
+    return out, lse
+
+
+@pytest.mark.parametrize("heads,q_len,num_sms,batch,max_len", CASES)
+def test_split_and_combine_follow_the_reference(heads, q_len, num_sms, batch, max_len):
+    lens = random_lens(heads + q_len, batch, max_len)
+    lens[0] = q_len - 1 if q_len > 1 else 0  # a request whose first queries see nothing
+    p = make_problem(lens, heads, q_len, 16, torch.bfloat16, seed=num_sms)
+    planner = SplitPlanner(batch, heads, q_len, device="cpu", num_sms=num_sms)
+    assert planner.block_n == configs.SM90.block_n, "the planner's blocks must be the kernel's blocks"
+    plan = planner.plan(torch.tensor(lens, dtype=torch.int32))
+    cu, _, _, width = plan_lists(plan, batch)
+    n_split = sum(cu[r] // width != (cu[r + 1] - 1) // width for r in range(batch))
+    if max_len >= 400:
+        assert n_split > 0, "this case should exercise the combine path"
+    out, lse = simulate(plan, p, planner.block_n)
+    ref_out, ref_lse = mla_decode_reference(p.q[..., :512], p.q[..., 512:], p.kv_cache, p.metadata(), SCALE)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    # the reference rounds its output to bf16; the simulation stays in fp64
+    torch.testing.assert_close(out, ref_out.double(), rtol=1e-2, atol=1e-3)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite].double(), rtol=0, atol=1e-4)

@@ -1,0 +1,131 @@
+"""The reference op (what ``mla_decode`` runs on CPU) against an independent dense fp64 attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_backend import MLADecodeMetadata, mla_decode, mla_decode_reference
+from mla_problems import SCALE, assert_matches, make_problem, naive_attention
+
+# Ragged: empty, one token, a page boundary +-1, not a multiple of any page size.
+LENS = [0, 1, 15, 16, 17, 64, 65, 130]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [1, 16, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_dense_attention(page_size, heads, dtype):
+    p = make_problem(LENS, heads, 1, page_size, dtype, seed=page_size * 1000 + heads)
+    out, lse = mla_decode(p.q, p.kv_cache, p.metadata(), SCALE, return_lse=True)
+    assert_matches(out, lse, *naive_attention(p), dtype)
+
+
+@pytest.mark.parametrize("s_q", [1, 2, 3, 4])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_causal_multi_query(s_q, page_size):
+    """Query i of s_q sees positions < kv_len - s_q + i + 1 (the new tokens are the last s_q)."""
+    lens = [s_q, s_q + 1, 17, 64, 100]
+    p = make_problem(lens, 16, s_q, page_size, torch.bfloat16, seed=s_q * 100 + page_size)
+    out, lse = mla_decode(p.q, p.kv_cache, p.metadata(), SCALE, return_lse=True)
+    ref_out, ref_lse = naive_attention(p)
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
+    if s_q > 1:  # the rule is real: later queries of a request see strictly more than earlier ones
+        assert not torch.allclose(lse[0], lse[s_q - 1])
+
+
+def test_zero_length_request_gives_zeros_and_neg_inf():
+    p = make_problem([0, 5, 0], 16, 2, 16, seed=1)
+    out, lse = mla_decode(p.q, p.kv_cache, p.metadata(), SCALE, return_lse=True)
+    for tokens in (slice(0, 2), slice(4, 6)):
+        assert torch.equal(out[tokens], torch.zeros_like(out[tokens]))
+        assert torch.isneginf(lse[tokens]).all()
+    assert torch.isfinite(lse[2:4]).all()
+    assert not torch.isnan(out).any()
+
+
+def test_kv_shorter_than_queries():
+    """kv_len=2 with s_q=4: queries 0 and 1 see nothing (zeros, -inf), 2 sees one token, 3 sees two."""
+    p = make_problem([2], 16, 4, 16, seed=2)
+    out, lse = mla_decode(p.q, p.kv_cache, p.metadata(), SCALE, return_lse=True)
+    assert torch.equal(out[:2], torch.zeros_like(out[:2]))
+    assert torch.isneginf(lse[:2]).all()
+    # one visible token: softmax weight 1, so out is that token's latent row and lse its score
+    token0 = p.kv_cache[p.pages[0][0], 0]
+    torch.testing.assert_close(out[2].float(), token0[:512].float().expand(16, 512), rtol=1e-2, atol=1e-2)
+    score = (p.q[2].double() @ token0.double()) * SCALE
+    torch.testing.assert_close(lse[2].double(), score, rtol=0, atol=1e-4)
+    assert_matches(out, lse, *naive_attention(p), torch.bfloat16)
+
+
+def test_ragged_query_counts():
+    """qo_indptr with different query counts per request (q_len None: reference only)."""
+    p = make_problem([10, 0, 40, 3], 16, [1, 2, 4, 3], 16, seed=3)
+    md = p.metadata()
+    assert md.q_len is None
+    out, lse = mla_decode(p.q, p.kv_cache, md, SCALE, return_lse=True)
+    assert_matches(out, lse, *naive_attention(p), torch.bfloat16)
+
+
+def test_lse_is_natural_log():
+    """One head, two tokens, q . k known: lse = ln(e^a + e^b)."""
+    q = torch.zeros(1, 1, 576, dtype=torch.float32)
+    q[0, 0, 0] = 1.0
+    kv = torch.randn(1, 2, 576)
+    kv[0, 0, 0], kv[0, 1, 0] = 1.0, 3.0
+    md = MLADecodeMetadata.from_block_table(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2]), 2)
+    _, lse = mla_decode(q, kv, md, 1.0, return_lse=True)
+    assert lse.item() == pytest.approx(math.log(math.e + math.e**3), abs=1e-5)
+
+
+def test_q_pair_equals_concatenated_q():
+    p = make_problem(LENS, 16, 2, 16, seed=4)
+    md = p.metadata()
+    whole = mla_decode(p.q, p.kv_cache, md, SCALE, return_lse=True)
+    # separate tensors (as engines hold them), not views of one 576-wide buffer
+    pair = mla_decode((p.q[..., :512].clone(), p.q[..., 512:].clone()), p.kv_cache, md, SCALE, return_lse=True)
+    assert torch.equal(whole[0], pair[0]) and torch.equal(whole[1], pair[1])
+
+
+def test_out_buffer_is_written():
+    p = make_problem(LENS, 16, 1, 16, seed=5)
+    out = torch.full((p.q.shape[0], 16, 512), float("nan"), dtype=torch.bfloat16)
+    got, lse = mla_decode(p.q, p.kv_cache, p.metadata(), SCALE, out=out, return_lse=True)
+    assert got is out
+    assert not torch.isnan(out).any()  # every row written, zero-length requests included
+    assert_matches(out, lse, *naive_attention(p), torch.bfloat16)
+
+
+def test_reference_function_directly():
+    """mla_decode_reference itself (the oracle the GPU tests use) on split q."""
+    p = make_problem(LENS, 16, 2, 64, seed=9)
+    out, lse = mla_decode_reference(p.q[..., :512], p.q[..., 512:], p.kv_cache, p.metadata(), SCALE)
+    assert_matches(out, lse, *naive_attention(p), torch.bfloat16)
+
+
+def test_fp8_cache_with_scale():
+    """An fp8 cache is dequantised with k_scale before the dot products (reference path)."""
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is None:
+        pytest.skip("this torch has no float8_e4m3fn")
+    p = make_problem([0, 1, 33, 70], 16, 1, 16, kv_dtype=fp8, seed=6)
+    out, lse = mla_decode(p.q, p.kv_cache, p.metadata(), SCALE, k_scale=0.5, return_lse=True)
+    assert_matches(out, lse, *naive_attention(p, k_scale=0.5), torch.bfloat16)
+
+
+def test_flashmla_4d_cache_layout():
+    p = make_problem([5, 20], 16, 1, 16, seed=7)
+    md = p.metadata()
+    a = mla_decode(p.q, p.kv_cache, md, SCALE)
+    b = mla_decode(p.q, p.kv_cache.unsqueeze(2), md, SCALE)  # [pages, page_size, 1, 576]
+    assert torch.equal(a, b)
+
+
+def test_fresh_inputs_are_not_trivial():
+    """Guards the helpers: random, non-zero data, and pages genuinely out of order."""
+    p = make_problem(LENS, 16, 1, 16, seed=8)
+    assert p.q.abs().min() > 0 or p.q.count_nonzero() > 0.99 * p.q.numel()
+    flat = [i for pages in p.pages for i in pages]
+    assert flat != sorted(flat)

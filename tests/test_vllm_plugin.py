@@ -1,0 +1,493 @@
+"""CPU tests of the vLLM plugin against the real vllm 0.26 package (no GPU, no mocks of vLLM).
+
+What runs here: entry-point discovery through vLLM's own plugin loader, the registry, the capability
+checks vLLM applies to an explicitly selected backend, vLLM's own decode/prefill split, and the
+translation of vLLM's decode metadata into the canonical metadata, checked end to end through the
+plugin's real ``forward_mqa`` (the op's reference path on CPU) against naive attention.
+What needs a GPU (kernels, CUDA graphs, engines) is in tests/e2e/vllm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import PackageNotFoundError, distribution, entry_points
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm is not installed (CI installs it with .ci/install_vllm.sh)")
+
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills  # noqa: E402
+from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
+from vllm.v1.worker.utils import select_common_block_size  # noqa: E402
+
+from mla_backend import MLADecodeMetadata  # noqa: E402
+from mla_backend.vllm_plugin import BACKEND_CLASS_PATH, PLUGIN_NAME, register  # noqa: E402
+from mla_backend.vllm_plugin.translate import DecodeMetadataBuilder, decode_q_len_limit, uniform_query_len  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+GROUP = "vllm.general_plugins"
+EP_VALUE = "mla_backend.vllm_plugin:register"
+HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
+TILELANG_REASON = "tilelang is not installed (pip install tilelang==0.1.9)"
+SCALE = 192 ** -0.5  # DeepSeek: qk_head_dim ** -0.5, not 576 ** -0.5
+
+
+def _backend():
+    register()
+    return AttentionBackendEnum.CUSTOM.get_class()
+
+
+def _installed_entry_points():
+    return [ep for ep in entry_points(group=GROUP) if ep.value == EP_VALUE]
+
+
+def _run_python(code: str, extra_path: str | None = None, env: dict | None = None) -> str:
+    """Runs ``code`` in a fresh interpreter (vLLM loads plugins once per process) and returns stdout."""
+    run_env = {**os.environ, **(env or {})}
+    paths = [str(REPO)] + ([extra_path] if extra_path else []) + [run_env.get("PYTHONPATH", "")]
+    run_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=run_env, timeout=300)
+    assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def plugin_path(tmp_path_factory) -> str | None:
+    """None when the package is pip-installed with its entry point; else a directory holding a minimal
+    ``.dist-info`` that declares the same entry point, so vLLM's loader can discover it either way."""
+    if _installed_entry_points():
+        return None
+    root = tmp_path_factory.mktemp("plugin_site")
+    info = root / "mla_backend_entry_point_only-0.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mla-backend-entry-point-only\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\n{PLUGIN_NAME} = {EP_VALUE}\n")
+    return str(root)
+
+
+# ---------------------------------------------------------------------------------------------- registration
+def test_installed_package_declares_the_entry_point():
+    try:
+        distribution("mla_backend")
+    except PackageNotFoundError:
+        pytest.skip("mla_backend is not pip-installed (pip install -e . declares the entry point)")
+    eps = _installed_entry_points()
+    assert eps, f"mla_backend is installed but declares no [{GROUP}] entry point {PLUGIN_NAME} = \"{EP_VALUE}\""
+    assert eps[0].name == PLUGIN_NAME
+
+
+def test_vllm_plugin_loader_registers_custom(plugin_path):
+    out = _run_python("""
+        import json, sys
+        import torch
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        load_general_plugins()
+        custom = AttentionBackendEnum.CUSTOM
+        cls = custom.get_class()
+        print(json.dumps({"path": custom.get_path(), "cls": f"{cls.__module__}.{cls.__qualname__}",
+                          "name": cls.get_name(), "cuda_init": torch.cuda.is_initialized()}))
+    """, plugin_path)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"path": BACKEND_CLASS_PATH, "cls": BACKEND_CLASS_PATH, "name": "CUSTOM", "cuda_init": False}
+
+
+@pytest.mark.parametrize("allowed,registered", [(PLUGIN_NAME, True), ("some_other_plugin", False)])
+def test_vllm_plugins_env_filters(plugin_path, allowed, registered):
+    out = _run_python("""
+        from vllm.plugins import load_general_plugins
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        load_general_plugins()
+        print(AttentionBackendEnum.CUSTOM.is_overridden())
+    """, plugin_path, env={"VLLM_PLUGINS": allowed})
+    assert out.strip().splitlines()[-1] == str(registered)
+
+
+def test_register_is_cheap_and_idempotent():
+    out = _run_python("""
+        import json, sys
+        import vllm.plugins  # what vLLM has imported when it calls the entry point
+        before = set(sys.modules)
+        from mla_backend.vllm_plugin import register
+        for _ in range(3):
+            register()
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, _ATTN_OVERRIDES
+        import torch
+        new = set(sys.modules) - before
+        heavy = sorted(m for m in new if m.startswith(("tilelang", "tvm", "mla_backend.kernels.runtime",
+                                                         "mla_backend.kernels.mla_decode",
+                                                         "mla_backend.vllm_plugin.backend",
+                                                         "vllm.model_executor")))
+        print(json.dumps({"heavy": heavy, "path": AttentionBackendEnum.CUSTOM.get_path(),
+                          "overrides": len(_ATTN_OVERRIDES), "cuda_init": torch.cuda.is_initialized()}))
+    """)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"heavy": [], "path": BACKEND_CLASS_PATH, "overrides": 1, "cuda_init": False}
+
+
+def test_register_keeps_another_plugins_custom_backend():
+    out = _run_python("""
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+        register_backend(AttentionBackendEnum.CUSTOM, "some.other.Backend")
+        from mla_backend.vllm_plugin import register
+        register()
+        print(AttentionBackendEnum.CUSTOM.get_path())
+    """)
+    assert out.strip().splitlines()[-1] == "some.other.Backend"
+
+
+def test_custom_resolves_to_backend_class():
+    from mla_backend.vllm_plugin.backend import TileLangMLABackend
+
+    cls = _backend()
+    assert cls is TileLangMLABackend
+    assert cls.get_name() == "CUSTOM"
+    assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM  # vLLM maps names back this way
+    assert cls.is_mla() and not cls.is_sparse()
+    assert cls.get_impl_cls().__name__ == "TileLangMLAImpl"
+    assert cls.get_builder_cls().__name__ == "TileLangMLAMetadataBuilder"
+
+
+# ---------------------------------------------------------------------------------------------- capabilities
+def test_declared_capabilities():
+    cls = _backend()
+    assert cls.get_supported_kernel_block_sizes() == [16, 32, 64, 128]
+    assert cls.get_supported_head_sizes() == [576]
+    assert set(cls.supported_dtypes) == {torch.float16, torch.bfloat16}
+    assert set(cls.supported_kv_cache_dtypes) == {"auto", "float16", "bfloat16", "fp8", "fp8_e4m3"}
+    assert cls.supports_compute_capability(DeviceCapability(9, 0))
+    for major, minor in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        assert not cls.supports_compute_capability(DeviceCapability(major, minor))
+    # vLLM's default block size (16) stays 16; a larger block is split into kernel blocks.
+    assert cls.get_preferred_block_size(16) == 16
+    for manager_block, kernel_block in ((16, 16), (32, 32), (64, 64), (128, 128), (256, 128), (512, 128)):
+        assert cls.supports_block_size(manager_block)
+        assert select_common_block_size(manager_block, [cls]) == kernel_block
+    assert not cls.supports_block_size(8)
+
+
+def _validate(cls, capability=(9, 0), **overrides):
+    """The call CudaPlatform.get_attn_backend_cls makes for an explicitly selected backend."""
+    fields = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None, use_mla=True)
+    fields.update(overrides)
+    config = AttentionSelectorConfig(**fields)
+    return cls.validate_configuration(device_capability=DeviceCapability(*capability), **config._asdict())
+
+
+def _strip_tilelang(reasons: list[str]) -> list[str]:
+    """The environment's tilelang availability is checked by the backend too; keep the other reasons."""
+    out = []
+    for reason in reasons:
+        parts = [p for p in reason.split("; ") if p != TILELANG_REASON]
+        if parts:
+            out.append("; ".join(parts))
+    return out
+
+
+@pytest.mark.parametrize("block_size", [None, 16, 64, 128, 256])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8", "fp8_e4m3"])
+def test_validate_configuration_accepts(block_size, kv_cache_dtype):
+    cls = _backend()
+    reasons = _validate(cls, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    assert _strip_tilelang(reasons) == []
+    if HAS_TILELANG:
+        assert reasons == []
+    else:
+        assert any(TILELANG_REASON in r for r in reasons)
+
+
+def test_validate_configuration_fp16():
+    assert _strip_tilelang(_validate(_backend(), dtype=torch.float16, kv_cache_dtype="float16", block_size=64)) == []
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (dict(head_size=512), "head_size not supported"),
+    (dict(dtype=torch.float32), "dtype not supported"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype not supported"),
+    (dict(kv_cache_dtype="fp8_ds_mla"), "kv_cache_dtype not supported"),
+    (dict(block_size=8), "block_size not supported"),
+    (dict(use_mla=False), "non-MLA not supported"),
+    (dict(use_sparse=True), "sparse not supported"),
+    (dict(has_sink=True), "attention sinks not supported"),
+    (dict(use_pcp=True), "PCP not supported"),
+    (dict(kv_cache_dtype="float16"), "kv_cache_dtype float16 with model dtype torch.bfloat16"),
+])
+def test_validate_configuration_refuses(overrides, expected):
+    reasons = _validate(_backend(), **overrides)
+    assert any(expected in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
+def test_validate_configuration_refuses_other_gpus(capability):
+    assert "compute capability not supported" in _validate(_backend(), capability)
+
+
+def test_cudagraph_and_query_len_support():
+    from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
+
+    builder = _backend().get_builder_cls()
+    assert builder._cudagraph_support == AttentionCGSupport.UNIFORM_BATCH
+    assert builder.query_len_support == QueryLenSupport.UNIFORM
+    assert builder.reorder_batch_threshold == 1  # vLLM raises it to 1 + num_speculative_tokens
+    impl = _backend().get_impl_cls()
+    assert impl.can_return_lse_for_decode and impl.lse_base_on_e and not impl.supports_pcp
+
+
+def test_decode_q_len_limit():
+    assert decode_q_len_limit(None) == 1
+    assert decode_q_len_limit(0) == 1
+    assert decode_q_len_limit(1) == 2
+    assert decode_q_len_limit(3) == 4
+    assert decode_q_len_limit(2, parallel_drafting=True) == 5
+
+
+# ---------------------------------------------------------------------------------------------- engine configs
+TINY_CONFIG = REPO / "tests" / "e2e" / "tiny_dsv3" / "config.json"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_dsv3")
+    (d / "config.json").write_text(TINY_CONFIG.read_text())
+    return d
+
+
+def _vllm_config(model_dir, hf_overrides=None, speculative_tokens=None):
+    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+                        hf_overrides=hf_overrides or {})
+    spec = None
+    if speculative_tokens:
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=speculative_tokens, target_model_config=model,
+                                 target_parallel_config=ParallelConfig())
+    return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"), speculative_config=spec)
+
+
+def test_tiny_config_is_deepseek_v3_mla(model_dir):
+    cfg = _vllm_config(model_dir)
+    assert cfg.model_config.use_mla and cfg.model_config.get_head_size() == 576
+    assert cfg.model_config.architectures == ["DeepseekV3ForCausalLM"]
+
+
+@pytest.mark.parametrize("overrides,spec_tokens,expected", [
+    ({}, None, None),
+    ({}, 1, None),
+    ({}, 3, None),
+    ({}, 4, "decode query length 5"),
+    ({"num_attention_heads": 256, "num_key_value_heads": 256}, None, "256 query heads per GPU"),
+])
+def test_supports_combination_reads_engine_config(model_dir, overrides, spec_tokens, expected):
+    from vllm.config import set_current_vllm_config
+
+    cfg = _vllm_config(model_dir, overrides, spec_tokens)
+    with set_current_vllm_config(cfg):
+        reasons = _strip_tilelang(_validate(_backend(), block_size=64))
+    if expected is None:
+        assert reasons == []
+    else:
+        assert any(expected in r for r in reasons), reasons
+
+
+# ---------------------------------------------------------------------------------------------- translation
+def test_uniform_query_len():
+    qsl = torch.tensor([0, 2, 4, 6, 6, 6], dtype=torch.int32)  # 3 rows of 2, 2 CUDA-graph padding rows
+    assert uniform_query_len(qsl, 10) == 2
+    assert uniform_query_len(torch.tensor([0, 1, 2, 3], dtype=torch.int32), 3) == 1
+    with pytest.raises(ValueError, match="not uniform"):
+        uniform_query_len(torch.tensor([0, 1, 3], dtype=torch.int32), 3)
+    with pytest.raises(ValueError, match="num_decode_tokens"):
+        uniform_query_len(qsl, 6)
+
+
+def _paged_batch(seq_lens, q_len, page_size, num_pad, max_batch, max_blocks, kv_dtype, gen):
+    """A vLLM-like step: a persistent block table [max_batch, max_blocks] whose first rows hold randomly
+    permuted pages (page 0 is vLLM's null block), padded rows pointing at page 0 with seq_len 0."""
+    num_pages_each = [-(-s // page_size) for s in seq_lens]
+    num_pages = 1 + sum(num_pages_each) + 3
+    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).to(torch.int32)
+    block_table = torch.zeros(max_batch, max_blocks, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(num_pages_each):
+        block_table[r, :n] = perm[used:used + n]
+        used += n
+    cache = torch.randn(num_pages, page_size, 576, generator=gen) * 0.5
+    cache = cache.to(kv_dtype)
+    batch = len(seq_lens) + num_pad
+    seq = torch.zeros(max_batch, dtype=torch.int32)
+    seq[: len(seq_lens)] = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.zeros(max_batch + 1, dtype=torch.int32)
+    qsl[1: len(seq_lens) + 1] = torch.arange(1, len(seq_lens) + 1, dtype=torch.int32) * q_len
+    qsl[len(seq_lens) + 1:] = len(seq_lens) * q_len
+    return block_table, seq, qsl, cache, batch
+
+
+def _naive_attention(q_nope, q_pe, cache, block_table, seq_lens, q_len, k_scale):
+    """Unpaged softmax attention in float64, causal inside each request's q_len new tokens."""
+    num_tokens, heads, _ = q_nope.shape
+    out = torch.zeros(num_tokens, heads, 512, dtype=torch.float64)
+    page_size = cache.shape[1]
+    for r, kv_len in enumerate(seq_lens.tolist()):
+        if kv_len == 0:
+            continue
+        pages = block_table[r, : -(-kv_len // page_size)].long()
+        kv = cache[pages].reshape(-1, 576)[:kv_len].double() * k_scale
+        for i in range(q_len):
+            t = r * q_len + i
+            visible = kv_len - q_len + i + 1
+            q = torch.cat([q_nope[t], q_pe[t]], dim=-1).double()  # [H, 576]
+            p = torch.softmax(q @ kv[:visible].T * SCALE, dim=-1)
+            out[t] = p @ kv[:visible, :512]
+    return out
+
+
+def _impl(kv_cache_dtype: str, num_heads: int):
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    impl_cls = _backend().get_impl_cls()
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        return impl_cls(num_heads=num_heads, head_size=576, scale=SCALE, num_kv_heads=1, alibi_slopes=None,
+                        sliding_window=None, kv_cache_dtype=kv_cache_dtype, logits_soft_cap=None, attn_type="decoder",
+                        kv_sharing_target_layer_name=None, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, qk_head_dim=192, v_head_dim=128, kv_b_proj=None)
+
+
+class _Layer:
+    """The two attributes forward_mqa reads from vLLM's MLAAttention layer (fp32 0-d scales)."""
+
+    def __init__(self, k_scale: float):
+        self._k_scale = torch.tensor(k_scale, dtype=torch.float32)
+        self._q_scale = torch.tensor(1.0, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("q_len,page_size,kv_cache_dtype,num_pad", [
+    (1, 16, "auto", 0),
+    (1, 64, "auto", 3),
+    (2, 16, "auto", 2),  # MTP with 1 draft, padded CUDA-graph batch
+    (4, 32, "auto", 0),
+    (1, 64, "fp8", 1),
+    (2, 128, "fp8_e4m3", 0),
+])
+def test_forward_mqa_matches_naive_attention(q_len, page_size, kv_cache_dtype, num_pad):
+    from mla_backend.vllm_plugin.backend import TileLangMLADecodeMetadata, TileLangMLAMetadata
+
+    gen = torch.Generator().manual_seed(q_len * 1000 + page_size)
+    heads, max_batch, max_blocks = 16, 8, 40
+    seq_lens = [q_len, 7 + q_len, page_size + 1, 3 * page_size, 200 + q_len][: max_batch - num_pad]
+    fp8 = kv_cache_dtype.startswith("fp8")
+    kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    k_scale = 0.75 if fp8 else 1.0
+    block_table, seq_all, qsl_all, cache, batch = _paged_batch(seq_lens, q_len, page_size, num_pad, max_batch,
+                                                               max_blocks, kv_dtype, gen)
+    num_decode_tokens = batch * q_len
+    # vLLM's own split of this (all-decode, possibly padded) batch, then the slices MLACommonMetadataBuilder.build
+    # hands to _build_decode.
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl_all[: batch + 1], query_start_loc_cpu=qsl_all[: batch + 1], seq_lens=seq_all[:batch],
+        num_reqs=batch, num_actual_tokens=num_decode_tokens, max_query_len=q_len, max_seq_len=max(seq_lens),
+        block_table_tensor=block_table[:batch], slot_mapping=torch.zeros(num_decode_tokens, dtype=torch.int64))
+    threshold = decode_q_len_limit(q_len - 1)
+    num_decodes, num_prefills, n_dec_tokens, _ = split_decodes_and_prefills(common, decode_threshold=threshold,
+                                                                            require_uniform=True)
+    assert (num_decodes, num_prefills, n_dec_tokens) == (batch, 0, num_decode_tokens)
+
+    builder = DecodeMetadataBuilder(max_batch, heads, page_size, range(1, threshold + 1), "cpu")
+    mla = builder.build(block_table[:num_decodes], seq_all[:num_decodes], qsl_all[: num_decodes + 1],
+                        n_dec_tokens, max(seq_lens))
+    assert mla.q_len == q_len and mla.page_table.data_ptr() == block_table.data_ptr()
+    metadata = TileLangMLAMetadata(
+        num_reqs=batch, max_query_len=q_len, max_seq_len=max(seq_lens), num_actual_tokens=num_decode_tokens,
+        query_start_loc=qsl_all[: batch + 1], slot_mapping=common.slot_mapping, num_decodes=num_decodes,
+        num_decode_tokens=n_dec_tokens, num_prefills=0, head_dim=576,
+        decode=TileLangMLADecodeMetadata(block_table=block_table[:num_decodes], seq_lens=seq_all[:num_decodes],
+                                         dcp_tot_seq_lens=None, mla=mla))
+
+    # q as MLAAttention.forward_impl hands it over: (ql_nope, q_pe), both non-contiguous views.
+    ql_nope = torch.randn(heads, num_decode_tokens, 512, generator=gen).to(torch.bfloat16).transpose(0, 1)
+    q_pe = torch.randn(num_decode_tokens, heads, 192, generator=gen).to(torch.bfloat16)[..., 128:]
+    impl = _impl(kv_cache_dtype, heads)
+    assert impl.supports_quant_query_input is False  # q stays bf16 with an fp8 cache
+    out, lse = impl.forward_mqa((ql_nope, q_pe), cache, metadata, _Layer(k_scale))
+    assert lse is None and out.shape == (num_decode_tokens, heads, 512) and out.dtype == torch.bfloat16
+
+    want = _naive_attention(ql_nope, q_pe, cache, block_table, seq_all[:batch], q_len, k_scale)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    if num_pad:  # CUDA-graph padding rows see no KV: zeros
+        assert out[len(seq_lens) * q_len:].abs().max().item() == 0.0
+
+
+def test_translation_matches_core_from_block_table():
+    gen = torch.Generator().manual_seed(7)
+    block_table, seq_all, qsl_all, _, batch = _paged_batch([5, 70, 130], 2, 64, 1, 8, 6, torch.bfloat16, gen)
+    builder = DecodeMetadataBuilder(8, 16, 64, (1, 2), "cpu")
+    got = builder.build(block_table[:batch], seq_all[:batch], qsl_all[: batch + 1], batch * 2)
+    want = MLADecodeMetadata.from_block_table(block_table[:batch], seq_all[:batch], page_size=64, q_len=2)
+    for name in ("kv_lens", "qo_indptr", "page_table", "page_table_start"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (got.page_size, got.q_len) == (want.page_size, want.q_len)
+
+
+def test_metadata_storage_is_persistent_across_steps():
+    """What a FULL CUDA graph needs: each step's metadata lives at the addresses the capture saw."""
+    gen = torch.Generator().manual_seed(3)
+    builder = DecodeMetadataBuilder(8, 16, 16, (1, 2), "cpu")
+    table = torch.zeros(8, 20, dtype=torch.int32)
+    seq = torch.zeros(8, dtype=torch.int32)
+    qsl = torch.arange(9, dtype=torch.int32) * 2
+    ptrs = None
+    for step in range(3):
+        seq[:6] = torch.randint(2, 300, (6,), generator=gen, dtype=torch.int32)
+        table[:6] = torch.randint(1, 100, (6, 20), generator=gen, dtype=torch.int32)
+        md = builder.build(table[:6], seq[:6], qsl[:7], 12)
+        now = [md.kv_lens.data_ptr(), md.qo_indptr.data_ptr(), md.page_table.data_ptr(),
+               md.page_table_start.data_ptr(), md.plan.cu_blocks.data_ptr(), md.plan.part_begin_req.data_ptr(),
+               md.plan.part_end_req.data_ptr(), md.plan.blocks_per_part.data_ptr(), md.plan.out_partial.data_ptr()]
+        assert ptrs is None or now == ptrs, step
+        ptrs = now
+        block_n = builder.planner(2).block_n
+        blocks = (seq[:6] + block_n - 1) // block_n
+        assert torch.equal(md.plan.cu_blocks[1:7], torch.cumsum(blocks, 0).to(torch.int32))
+    assert md.kv_lens.data_ptr() == seq.data_ptr() and md.page_table.data_ptr() == table.data_ptr()
+
+
+def test_builder_refuses_bad_batches():
+    builder = DecodeMetadataBuilder(4, 16, 16, (1,), "cpu")
+    table = torch.zeros(8, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        builder.build(table[:5], torch.ones(5, dtype=torch.int32), torch.arange(6, dtype=torch.int32), 5)
+    with pytest.raises(ValueError, match="1..4"):
+        builder.build(table[:2], torch.full((2,), 9, dtype=torch.int32), torch.tensor([0, 5, 10], dtype=torch.int32), 10)
+    with pytest.raises(ValueError, match="int32"):
+        builder.build(table[:2].long(), torch.ones(2, dtype=torch.int32), torch.arange(3, dtype=torch.int32), 2)
+
+
+@pytest.mark.parametrize("bad", [dict(sliding_window=128), dict(logits_soft_cap=30.0), dict(num_heads=256),
+                                 dict(kv_cache_dtype="fp8_e5m2"), dict(alibi_slopes=[1.0])])
+def test_impl_refuses_unsupported_features(bad):
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    kwargs = dict(num_heads=16, head_size=576, scale=SCALE, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+                  kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+                  q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, qk_head_dim=192,
+                  v_head_dim=128, kv_b_proj=None)
+    kwargs.update(bad)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        with pytest.raises(NotImplementedError, match="does not support"):
+            _backend().get_impl_cls()(**kwargs)
+
+
+def test_warm_up_is_a_no_op_off_gpu():
+    from mla_backend.vllm_plugin.backend import warm_up_kernels
+
+    assert warm_up_kernels(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 16, 64, (1, 2)) == []
