@@ -42,6 +42,7 @@ def device_arch(device: torch.device) -> tuple[str | None, str]:
     return None, f"{props.name} is sm_{props.major}{props.minor}; the TileLang kernels target sm_90 (Hopper)"
 
 
+@functools.lru_cache(maxsize=None)
 def tilelang_available() -> bool:
     return importlib.util.find_spec("tilelang") is not None
 

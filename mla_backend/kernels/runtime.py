@@ -95,5 +95,5 @@ def warmup(variants: list[tuple], workers: int = 1) -> float:
     for variant in todo:
         get_kernels(*variant)
     seconds = time.perf_counter() - start
-    logger.info("mla_backend: %d kernel variant(s) ready in %.1fs", len(variants), seconds)
+    logger.info("mla_backend: %d kernel variant(s) ready in %.1fs", len(dict.fromkeys(variants)), seconds)
     return seconds

@@ -77,14 +77,15 @@ def _spec_settings(model_runner) -> tuple[Optional[str], int, int]:
     algo = getattr(sa, "speculative_algorithm", None)
     topk = getattr(sa, "speculative_eagle_topk", None)
     n_draft = getattr(sa, "speculative_num_draft_tokens", None)
-    try:  # the resolved runtime view (what FlashMLA / Triton read)
-        from sglang.srt.runtime_context import get_spec
+    if n_draft is None or topk is None:  # fall back to the published runtime view (FlashMLA / Triton read it)
+        try:
+            from sglang.srt.runtime_context import get_spec
 
-        spec = get_spec()
-        n_draft = getattr(spec, "speculative_num_draft_tokens", n_draft)
-        topk = getattr(spec, "speculative_eagle_topk", topk)
-    except Exception:
-        pass
+            spec = get_spec()
+            n_draft = getattr(spec, "speculative_num_draft_tokens", None) if n_draft is None else n_draft
+            topk = getattr(spec, "speculative_eagle_topk", None) if topk is None else topk
+        except Exception:
+            pass
     if algo is not None:
         algo = getattr(algo, "name", algo)
         algo = None if str(algo).upper() in ("", "NONE") else str(algo).upper()

@@ -1,0 +1,432 @@
+"""Warp-specialised TileLang MLA decode for Hopper (FlashMLA-style), same contract as ``mla_decode``.
+
+Drop-in alternative to :func:`mla_backend.kernels.mla_decode.build_decode_kernel`: same prim_func
+name, same argument list and order, same plan semantics (parts over the flattened (request, block)
+list, ``blocks_per_part``, direct write when a request lies in one part, partial slot ``part + req``,
+log2 partial LSE, natural-log final LSE, zeros / -inf for rows that see nothing, causal rule
+``pos < kv_len - q_len + row // num_heads + 1``, fp8 scale folded into S and O, clamped tail reads).
+The only difference visible to the host is the KV block size: 64 tokens, so the split planner must
+be built with ``block_n=SM90_WS.block_n`` (64) when this kernel is used. The combine kernel of
+``mla_decode`` is reused unchanged (it does not depend on the block size).
+
+Layout of one program (part, 64-row block), 384 threads = 3 warpgroups:
+
+* WG0 (threads 0..127, 240 regs), consumer 0: ``S = Q K^T`` over 576 dims (WGMMA, async + wait),
+  length / causal mask, online softmax (log2 domain, -inf safe), P (bf16/fp16) and the per-row
+  rescale ``alpha`` to shared memory, then ``O[:, :256] += P V[:, :256]``.
+* WG1 (threads 128..255, 168 regs), consumer 1: ``O[:, 256:] = alpha * O[:, 256:] + P V[:, 256:]``
+  from P in shared memory.
+* WG2 (threads 256..383, 80 regs), producer: gathers each 64-token KV block through the page table
+  into one of two shared buffers (cp.async, or for an fp8 cache: load, convert to ``dtype`` in
+  registers, store), and each request segment's Q tile into the Q buffer.
+
+Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + dynamic):
+
+    Q          64 x 576 x 2             73728
+    KV x 2     2 x 64 x 576 x 2        147456
+    P          64 x 64 x 2               8192
+    alpha, l   2 x 64 x 4                 512
+    mbarriers  10 x 8                      80   (static)
+    total                              229968   (2480 B to spare)
+
+There is no room for a separate fp8 staging tile (64 x 576 x 1 = 36864 B), so for an fp8 cache the
+producer converts in registers: e4m3 -> fp16/bf16 is exact, and the per-tensor ``k_scale`` is
+applied to S (through the softmax scale) and to O, as in ``mla_decode``.
+
+Synchronisation (mbarriers; arrive counts in threads). ``g`` is the block's index inside the part
+(``flat block - part * blocks_per_part``: a running counter that carries across requests, so the
+pipeline does not drain at a request boundary and a segment may have any number of blocks, odd
+included); ``s`` counts the non-empty request segments the program has started. A wait on parity
+``(n & 1) ^ 1`` waits for completion ``n - 1`` and passes at once on a fresh barrier (``n = 0``).
+
+    barrier        count  arrived by                      waited by (parity)
+    k_ready[b]      128   WG2, cp.async noinc / arrive    WG0, WG1 for block g (b = g & 1): (g >> 1) & 1
+    k_free[b]       256   WG0 + WG1 after block g         WG2 before filling block g: ((g >> 1) & 1) ^ 1
+    q_ready         128   WG2, cp.async noinc             WG0 before segment s's first S: s & 1
+    q_free          128   WG0 after segment s's last S    WG2 before loading Q of segment s: (s & 1) ^ 1
+    p_ready         128   WG0 after writing P, alpha(g)   WG1 for block g: g & 1
+    p_free          128   WG1 after reading P, alpha(g)   WG0 before writing P(g): (g & 1) ^ 1
+    l_ready         128   WG0 after writing l (segment s) WG1 at the end of segment s: s & 1
+    l_free          128   WG1 after reading l (segment s) WG0 before writing l(s): (s & 1) ^ 1
+
+docs/kernel-ws.md walks through the phases (request boundary, odd block count, empty segment, a part
+that touches several requests); tests/test_lowering_ws.py simulates them for random plans.
+"""
+
+import tilelang.language as T
+
+from .configs import KernelConfig
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+HEAD_DIM = KV_LORA_RANK + ROPE_DIM
+HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Hopper, warp-specialised: 64 query rows x 64-token KV blocks, 2 KV buffers, 3 warpgroups.
+SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=8)
+
+# setmaxnreg budgets (multiples of 8; 128 * (240 + 168 + 80) = 62464 <= 65536 registers per SM)
+REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
+
+SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one block may opt into on H100 / H200
+
+
+def num_row_blocks(num_heads: int, q_len: int, block_rows: int = 64) -> int:
+    return -(-num_heads * q_len // block_rows)
+
+
+def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2) -> dict:
+    """Shared-memory bytes of the warp-specialised kernel (the docstring's table)."""
+    parts = {
+        "q": block_rows * HEAD_DIM * elem_bytes,
+        "kv": 2 * block_n * HEAD_DIM * elem_bytes,
+        "p": block_rows * block_n * elem_bytes,
+        "alpha_l": 2 * block_rows * 4,
+        "mbarriers": 10 * 8,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
+                           cfg: KernelConfig = SM90_WS):
+    """Returns the warp-specialised split-KV prim_func (Hopper only, sm_90a).
+
+    Arguments of the returned function: exactly those of ``build_decode_kernel`` (same order):
+        q_nope ``[num_tokens, H, 512]``, q_pe ``[num_tokens, H, 64]`` (``dtype``);
+        kv_cache ``[num_pages, page_size, 576]`` (``kv_dtype``); k_scale fp32 ``[1]``;
+        page_table int32 ``[num_entries]``; page_table_start, kv_lens int32 ``[batch]``;
+        qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]`` (64-token blocks);
+        part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``;
+        sm_scale fp32 ``[1]``;
+        out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
+        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2).
+    """
+    block_rows, block_n = cfg.block_rows, cfg.block_n
+    if (block_rows, block_n, cfg.threads) != (64, 64, 384):
+        raise ValueError(f"the warp-specialised kernel is written for 64 rows x 64 tokens x 384 threads, got {cfg}")
+    rows = num_heads * q_len
+    n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
+    pad_rows = n_row_blocks * block_rows != rows  # the last row block has rows that are never stored
+    accum = "float32"
+    is_fp8 = kv_dtype != dtype
+    # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
+    vec = 8  # dtype elements per 16-byte cp.async
+
+    num_tokens = T.dynamic("num_tokens")
+    batch = T.dynamic("batch")
+    num_pages = T.dynamic("num_pages")
+    num_entries = T.dynamic("num_entries")
+    num_parts = T.dynamic("num_parts")
+    num_slots = T.dynamic("num_slots")
+
+    @T.macro
+    def load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t):
+        """cp.async of the segment's valid Q rows (rows past ``rows`` keep the zeros written at start)."""
+        for r in T.serial(block_rows // 16):
+            i = r * 16 + t // 8
+            if row0 + i < rows:
+                for u in T.serial(HALF // (8 * vec)):
+                    c = u * 8 * vec + (t % 8) * vec
+                    T.ptx_cp_async(
+                        T.access_ptr(q_l[i, c], "w", vec),
+                        T.access_ptr(q_nope[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, c], "r", vec),
+                        vec)
+                    T.ptx_cp_async(
+                        T.access_ptr(q_r[i, c], "w", vec),
+                        T.access_ptr(q_nope[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, HALF + c], "r", vec),
+                        vec)
+                T.ptx_cp_async(
+                    T.access_ptr(q_t[i, (t % 8) * vec], "w", vec),
+                    T.access_ptr(q_pe[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, (t % 8) * vec], "r", vec),
+                    vec)
+
+    @T.macro
+    def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, t):
+        """Gathers KV rows pos0 .. pos0 + 63 of one request into one buffer (3 tiles: 256 | 256 | 64 dims).
+
+        Rows past kv_len re-read row kv_len - 1 (their probabilities are 0): no page outside the
+        request is touched and no stale (possibly NaN) cache slot can reach P @ V.
+        """
+        for r in T.serial(block_n // 16):
+            j = r * 16 + t // 8
+            p = T.min(pos0 + j, kv_len - 1)
+            page = page_table[pt0 + p // page_size]
+            slot = p % page_size
+            if is_fp8:
+                # 16 fp8 (16 B) per load, converted in registers, two 16-byte shared stores
+                for u in T.serial(HALF // (8 * 16)):
+                    c = u * 8 * 16 + (t % 8) * 16
+                    for e in T.vectorized(16):
+                        kv_l[j, c + e] = T.cast(kv_cache[page, slot, c + e], dtype)
+                    for e in T.vectorized(16):
+                        kv_r[j, c + e] = T.cast(kv_cache[page, slot, HALF + c + e], dtype)
+                if t % 8 < ROPE_DIM // 16:
+                    for e in T.vectorized(16):
+                        k_t[j, (t % 8) * 16 + e] = T.cast(kv_cache[page, slot, KV_LORA_RANK + (t % 8) * 16 + e], dtype)
+            else:
+                for u in T.serial(HALF // (8 * vec)):
+                    c = u * 8 * vec + (t % 8) * vec
+                    T.ptx_cp_async(T.access_ptr(kv_l[j, c], "w", vec),
+                                   T.access_ptr(kv_cache[page, slot, c], "r", vec), vec)
+                    T.ptx_cp_async(T.access_ptr(kv_r[j, c], "w", vec),
+                                   T.access_ptr(kv_cache[page, slot, HALF + c], "r", vec), vec)
+                T.ptx_cp_async(T.access_ptr(k_t[j, (t % 8) * vec], "w", vec),
+                               T.access_ptr(kv_cache[page, slot, KV_LORA_RANK + (t % 8) * vec], "r", vec), vec)
+
+    @T.macro
+    def score(q_l, q_r, q_t, kv_l, kv_r, k_t, acc_s):
+        T.clear(acc_s)
+        T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
+        T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
+        T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
+        T.wait_wgmma(0)
+
+    @T.prim_func
+    def mla_decode_split(
+        q_nope: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        q_pe: T.Tensor([num_tokens, num_heads, ROPE_DIM], dtype),
+        kv_cache: T.Tensor([num_pages, page_size, HEAD_DIM], kv_dtype),
+        k_scale: T.Tensor([1], accum),
+        page_table: T.Tensor([num_entries], "int32"),
+        page_table_start: T.Tensor([batch], "int32"),
+        kv_lens: T.Tensor([batch], "int32"),
+        qo_indptr: T.Tensor([batch + 1], "int32"),
+        cu_blocks: T.Tensor([batch + 1], "int32"),
+        part_begin_req: T.Tensor([num_parts], "int32"),
+        part_end_req: T.Tensor([num_parts], "int32"),
+        blocks_per_part: T.Tensor([1], "int32"),
+        sm_scale: T.Tensor([1], accum),
+        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        lse: T.Tensor([num_tokens, num_heads], accum),
+        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
+        lse_partial: T.Tensor([num_slots, rows], accum),
+    ):
+        with T.Kernel(num_parts, n_row_blocks, threads=384) as (part, row_block):
+            q_l = T.alloc_shared([block_rows, HALF], dtype)
+            q_r = T.alloc_shared([block_rows, HALF], dtype)
+            q_t = T.alloc_shared([block_rows, ROPE_DIM], dtype)
+            kv0_l = T.alloc_shared([block_n, HALF], dtype)
+            kv0_r = T.alloc_shared([block_n, HALF], dtype)
+            k0_t = T.alloc_shared([block_n, ROPE_DIM], dtype)
+            kv1_l = T.alloc_shared([block_n, HALF], dtype)
+            kv1_r = T.alloc_shared([block_n, HALF], dtype)
+            k1_t = T.alloc_shared([block_n, ROPE_DIM], dtype)
+            p_shared = T.alloc_shared([block_rows, block_n], dtype)
+            alpha_shared = T.alloc_shared([block_rows], accum)
+            l_shared = T.alloc_shared([block_rows], accum)
+
+            acc_s = T.alloc_fragment([block_rows, block_n], accum)
+            acc_o_l = T.alloc_fragment([block_rows, HALF], accum)
+            acc_o_r = T.alloc_fragment([block_rows, HALF], accum)
+            m_prev = T.alloc_fragment([block_rows], accum)
+            m_cur = T.alloc_fragment([block_rows], accum)
+            alpha = T.alloc_fragment([block_rows], accum)
+            row_sum = T.alloc_fragment([block_rows], accum)
+            l_sum = T.alloc_fragment([block_rows], accum)
+            l_r = T.alloc_fragment([block_rows], accum)
+
+            k_ready = T.alloc_barrier([128, 128])
+            k_free = T.alloc_barrier([256, 256])
+            q_ready = T.alloc_barrier(128)
+            q_free = T.alloc_barrier(128)
+            p_ready = T.alloc_barrier(128)
+            p_free = T.alloc_barrier(128)
+            l_ready = T.alloc_barrier(128)
+            l_free = T.alloc_barrier(128)
+
+            seg = T.alloc_var("int32")  # non-empty request segments started by this program (per thread)
+
+            tx = T.get_thread_binding()
+            row0 = row_block * block_rows
+            width = blocks_per_part[0]
+            part_lo = part * width
+            part_hi = T.min(part_lo + width, cu_blocks[batch])
+            kv_scale = k_scale[0]
+            scale_log2 = sm_scale[0] * kv_scale * LOG2E
+
+            if pad_rows:
+                # rows past `rows` (last row block only) are zeros in Q for the whole program; the
+                # producer never writes them. Generic stores -> WGMMA reads: fence the async proxy.
+                for i, d in T.Parallel(block_rows, HALF):
+                    if row0 + i >= rows:
+                        q_l[i, d] = T.cast(0, dtype)
+                        q_r[i, d] = T.cast(0, dtype)
+                for i, d in T.Parallel(block_rows, ROPE_DIM):
+                    if row0 + i >= rows:
+                        q_t[i, d] = T.cast(0, dtype)
+                T.fence_proxy_async()
+                T.sync_threads()
+
+            seg = 0
+            if tx < 128:
+                # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
+                T.set_max_nreg(REGS_WG0, 1)
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
+                    blk_lo = T.max(part_lo, req_lo) - req_lo
+                    blk_hi = T.min(part_hi, req_hi) - req_lo
+                    if blk_hi > blk_lo:
+                        kv_len = kv_lens[req]
+                        tok0 = qo_indptr[req]
+                        vis0 = kv_len - q_len + 1  # row r sees positions < vis0 + r // H
+                        g0 = req_lo + blk_lo - part_lo  # index of the segment's first block in the part
+                        n_blk = blk_hi - blk_lo
+                        T.fill(acc_o_l, 0)
+                        T.fill(l_sum, 0)
+                        T.fill(m_cur, -T.infinity(accum))
+                        T.barrier_wait(q_ready[0], seg & 1)
+                        for blk in T.serial(n_blk):
+                            g = g0 + blk
+                            pos0 = (blk_lo + blk) * block_n
+                            T.barrier_wait(k_ready[g & 1], (g >> 1) & 1)
+                            if g & 1 == 0:
+                                score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s)
+                            else:
+                                score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s)
+                            if blk == n_blk - 1:
+                                T.barrier_arrive(q_free[0])  # last read of this segment's Q
+                            if pos0 + block_n <= vis0 + row0 // num_heads:
+                                # every position of the block is visible to every row of the tile
+                                for i, j in T.Parallel(block_rows, block_n):
+                                    acc_s[i, j] = acc_s[i, j] * scale_log2
+                            else:
+                                for i, j in T.Parallel(block_rows, block_n):
+                                    acc_s[i, j] = T.if_then_else(pos0 + j < vis0 + (row0 + i) // num_heads,
+                                                                 acc_s[i, j] * scale_log2, -T.infinity(accum))
+                            T.copy(m_cur, m_prev)
+                            T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+                            # A row that has seen nothing yet keeps max -inf: offset by 0 instead, so
+                            # exp2 gives 0, not NaN.
+                            for i in T.Parallel(block_rows):
+                                alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
+                                                          T.exp2(m_prev[i] - m_cur[i]))
+                            for i, j in T.Parallel(block_rows, block_n):
+                                acc_s[i, j] = T.exp2(acc_s[i, j]
+                                                     - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                            T.reduce_sum(acc_s, row_sum, dim=1)
+                            for i in T.Parallel(block_rows):
+                                l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                            # WG1 has finished with P / alpha of block g - 1
+                            T.barrier_wait(p_free[0], (g & 1) ^ 1)
+                            for i in T.Parallel(block_rows):
+                                alpha_shared[i] = alpha[i]
+                            T.copy(acc_s, p_shared)
+                            T.fence_proxy_async()  # P: generic stores, read by WGMMA (async proxy)
+                            T.barrier_arrive(p_ready[0])
+                            for i, d in T.Parallel(block_rows, HALF):
+                                acc_o_l[i, d] *= alpha[i]
+                            if g & 1 == 0:
+                                T.gemm(p_shared, kv0_l, acc_o_l)
+                            else:
+                                T.gemm(p_shared, kv1_l, acc_o_l)
+                            T.barrier_arrive(k_free[g & 1])
+
+                        # epilogue: hand l to WG1, write O[:, :256] and the LSE
+                        T.barrier_wait(l_free[0], (seg & 1) ^ 1)
+                        for i in T.Parallel(block_rows):
+                            l_shared[i] = l_sum[i]
+                        T.barrier_arrive(l_ready[0])
+                        for i, d in T.Parallel(block_rows, HALF):
+                            acc_o_l[i, d] = T.if_then_else(l_sum[i] > 0, acc_o_l[i, d] * kv_scale / l_sum[i], 0)
+                        if req_lo // width == (req_hi - 1) // width:
+                            for i, d in T.Parallel(block_rows, HALF):
+                                if row0 + i < rows:
+                                    out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d] = acc_o_l[i, d]
+                            for i in T.Parallel(block_rows):
+                                if row0 + i < rows:
+                                    lse[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads] = T.if_then_else(
+                                        l_sum[i] > 0, (T.log2(l_sum[i]) + m_cur[i]) * LN2, -T.infinity(accum))
+                        else:
+                            for i, d in T.Parallel(block_rows, HALF):
+                                if row0 + i < rows:
+                                    out_partial[part + req, row0 + i, d] = acc_o_l[i, d]
+                            for i in T.Parallel(block_rows):
+                                if row0 + i < rows:
+                                    lse_partial[part + req, row0 + i] = T.if_then_else(
+                                        l_sum[i] > 0, T.log2(l_sum[i]) + m_cur[i], -T.infinity(accum))
+                        seg = seg + 1
+            elif tx < 256:
+                # ------------------------------------------------ WG1: O[:, 256:]
+                T.set_max_nreg(REGS_WG1, 1)
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
+                    blk_lo = T.max(part_lo, req_lo) - req_lo
+                    blk_hi = T.min(part_hi, req_hi) - req_lo
+                    if blk_hi > blk_lo:
+                        tok0 = qo_indptr[req]
+                        g0 = req_lo + blk_lo - part_lo
+                        T.fill(acc_o_r, 0)
+                        for blk in T.serial(blk_hi - blk_lo):
+                            g = g0 + blk
+                            T.barrier_wait(k_ready[g & 1], (g >> 1) & 1)
+                            T.barrier_wait(p_ready[0], g & 1)
+                            for i, d in T.Parallel(block_rows, HALF):
+                                acc_o_r[i, d] *= alpha_shared[i]
+                            if g & 1 == 0:
+                                T.gemm(p_shared, kv0_r, acc_o_r)
+                            else:
+                                T.gemm(p_shared, kv1_r, acc_o_r)
+                            T.barrier_arrive(p_free[0])
+                            T.barrier_arrive(k_free[g & 1])
+
+                        T.barrier_wait(l_ready[0], seg & 1)
+                        for i in T.Parallel(block_rows):
+                            l_r[i] = l_shared[i]
+                        T.barrier_arrive(l_free[0])
+                        for i, d in T.Parallel(block_rows, HALF):
+                            acc_o_r[i, d] = T.if_then_else(l_r[i] > 0, acc_o_r[i, d] * kv_scale / l_r[i], 0)
+                        if req_lo // width == (req_hi - 1) // width:
+                            for i, d in T.Parallel(block_rows, HALF):
+                                if row0 + i < rows:
+                                    out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, HALF + d] = acc_o_r[i, d]
+                        else:
+                            for i, d in T.Parallel(block_rows, HALF):
+                                if row0 + i < rows:
+                                    out_partial[part + req, row0 + i, HALF + d] = acc_o_r[i, d]
+                        seg = seg + 1
+            else:
+                # ------------------------------------------------ WG2: producer
+                T.set_max_nreg(REGS_PRODUCER, 0)
+                t = tx - 256
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
+                    blk_lo = T.max(part_lo, req_lo) - req_lo
+                    blk_hi = T.min(part_hi, req_hi) - req_lo
+                    if blk_hi > blk_lo:
+                        kv_len = kv_lens[req]
+                        tok0 = qo_indptr[req]
+                        pt0 = page_table_start[req]
+                        g0 = req_lo + blk_lo - part_lo
+                        # Q of segment seg: WG0 has finished reading Q of segment seg - 1
+                        T.barrier_wait(q_free[0], (seg & 1) ^ 1)
+                        load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
+                        T.cp_async_barrier_noinc(q_ready[0])
+                        for blk in T.serial(blk_hi - blk_lo):
+                            g = g0 + blk
+                            pos0 = (blk_lo + blk) * block_n
+                            # both consumers are done with the block that used this buffer before (g - 2)
+                            T.barrier_wait(k_free[g & 1], ((g >> 1) & 1) ^ 1)
+                            if g & 1 == 0:
+                                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, t)
+                            else:
+                                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, t)
+                            if is_fp8:
+                                T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
+                                T.barrier_arrive(k_ready[g & 1])
+                            else:
+                                T.cp_async_barrier_noinc(k_ready[g & 1])
+                        seg = seg + 1
+
+    return mla_decode_split
+
+
+def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
+                        cfg: KernelConfig = SM90_WS):
+    """Same name and parameters as ``mla_decode.build_decode_kernel`` (for a config-driven swap)."""
+    return build_decode_kernel_ws(num_heads, q_len, page_size, dtype, kv_dtype, cfg)
