@@ -92,9 +92,9 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
         k_scale_t = _scalar(1.0 if k_scale is None else k_scale, device)
     batch = metadata.batch_size
     cu_blocks = plan.cu_blocks[: batch + 1]
-    # The kernels index q by (token, head) with unit stride in the last dim and dense rows.
-    q_nope = q_nope if q_nope.is_contiguous() else q_nope.contiguous()
-    q_pe = q_pe if q_pe.is_contiguous() else q_pe.contiguous()
+    # The kernels read q through its (token, head) strides: only the last dim must be dense.
+    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     split(q_nope, q_pe, kv_cache, k_scale_t, metadata.page_table, metadata.page_table_start, metadata.kv_lens,
           metadata.qo_indptr, cu_blocks, plan.part_begin_req, plan.part_end_req, plan.blocks_per_part,
           _scalar(softmax_scale, device), out, lse, plan.out_partial, plan.lse_partial)

@@ -54,6 +54,10 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     num_entries = T.dynamic("num_entries")
     num_parts = T.dynamic("num_parts")
     num_slots = T.dynamic("num_slots")
+    # q halves are read in place from whatever views the engine hands over (vLLM's q_nope is a
+    # transposed bmm output, a 576-wide q gives two strided slices): strides are runtime values.
+    q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
+    q_pe_stride = (T.dynamic("q_pe_stride_t"), T.dynamic("q_pe_stride_h"), 1)
 
     @T.macro
     def load_block(kv_cache, page_table, pt0, pos0, kv_len, kv_dst, pe_dst):
@@ -104,8 +108,8 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
 
     @T.prim_func
     def mla_decode_split(
-        q_nope: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
-        q_pe: T.Tensor([num_tokens, num_heads, ROPE_DIM], dtype),
+        q_nope: T.StridedTensor([num_tokens, num_heads, KV_LORA_RANK], q_nope_stride, dtype),
+        q_pe: T.StridedTensor([num_tokens, num_heads, ROPE_DIM], q_pe_stride, dtype),
         kv_cache: T.Tensor([num_pages, page_size, HEAD_DIM], kv_dtype),
         k_scale: T.Tensor([1], accum),
         page_table: T.Tensor([num_entries], "int32"),
