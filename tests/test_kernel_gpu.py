@@ -171,3 +171,14 @@ def test_cuda_graph_replay_with_new_lengths():
         ref, _ = mla_decode_reference(q[..., :512].cpu(), q[..., 512:].cpu(), kv_cache.cpu(), md.to("cpu"), SCALE)
         err = (out.float().cpu() - ref.float()).norm() / ref.float().norm()
         assert err < 1e-2
+
+
+def test_strided_query_views():
+    """vLLM hands over q_nope as a transposed bmm output and q_pe as a slice: read in place, no copy."""
+    _kernel_or_skip()
+    q, kv_cache, md, _ = make_problem(RAGGED, 16, 1, 64, torch.bfloat16, seed=11)
+    q_nope = q[..., :512].transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, 512], strides (512, T*512, 1)
+    q_pe = torch.cat([q[..., 512:], torch.randn_like(q[..., :8])], dim=-1)[..., :64]  # row stride 72
+    got = mla_decode((q_nope, q_pe), kv_cache, md, SCALE)
+    want = mla_decode(torch.cat([q_nope, q_pe], -1).contiguous(), kv_cache, md, SCALE)
+    assert torch.equal(got, want)
