@@ -80,6 +80,9 @@ def select_impl(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
             raise ValueError(f"mla_decode: impl={requested!r} cannot run here: {reason}")
         return Choice(REFERENCE, reason)
     impl = TILELANG_SM90 if arch == "sm90" else TILELANG_GFX942
+    if impl == TILELANG_GFX942 and requested == "auto":
+        # Lowered for gfx942 in CI but never run on an MI300X: opt in explicitly (docs/amd.md).
+        return Choice(REFERENCE, f"{why}: the gfx942 kernel is unverified on hardware; pass impl={impl!r} to use it")
     if requested not in ("auto", impl):
         raise ValueError(f"mla_decode: impl={requested!r} cannot run on {why}; use {impl!r}")
     return Choice(impl, why)

@@ -65,7 +65,7 @@ class MLADecodeMetadata:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         page_size: int,
-        q_len: int = 1,
+        q_len: int | None = None,
         qo_indptr: torch.Tensor | None = None,
         max_kv_len: int | None = None,
     ) -> "MLADecodeMetadata":
@@ -76,8 +76,9 @@ class MLADecodeMetadata:
                 (only ``stride(1) == 1`` is required).
             seq_lens: int32 ``[batch]`` KV lengths including the new tokens.
             page_size: tokens per page (vLLM's kernel block size).
-            q_len: queries per request (uniform); ignored when ``qo_indptr`` is given.
-            qo_indptr: optional int32 ``[batch + 1]`` for ragged query counts.
+            q_len: queries per request when uniform (default 1 without ``qo_indptr``); with ``qo_indptr``
+                give it too when the counts are uniform, else the batch counts as ragged (reference only).
+            qo_indptr: optional int32 ``[batch + 1]`` query offsets.
         """
         _require(block_table.dim() == 2, "block_table", f"must be 2-D [batch, max_pages], got shape {tuple(block_table.shape)}")
         _require(block_table.dtype == INDEX_DTYPE, "block_table", f"must be int32, got {block_table.dtype}")
@@ -92,9 +93,8 @@ class MLADecodeMetadata:
         page_table = block_table.as_strided((flat_len,), (1,))
         start = torch.arange(batch, dtype=INDEX_DTYPE, device=block_table.device) * row_stride
         if qo_indptr is None:
+            q_len = 1 if q_len is None else q_len
             qo_indptr = torch.arange(batch + 1, dtype=INDEX_DTYPE, device=block_table.device) * q_len
-        else:
-            q_len = None
         return cls(seq_lens.to(INDEX_DTYPE), qo_indptr.to(INDEX_DTYPE), page_table, start, int(page_size),
                    q_len, max_kv_len)
 
@@ -107,7 +107,7 @@ class MLADecodeMetadata:
         kv_last_page_len: torch.Tensor | None = None,
         kv_lens: torch.Tensor | None = None,
         qo_indptr: torch.Tensor | None = None,
-        q_len: int = 1,
+        q_len: int | None = None,
         max_kv_len: int | None = None,
     ) -> "MLADecodeMetadata":
         """From SGLang/FlashInfer CSR page lists (no copy of ``kv_indices``).
@@ -120,6 +120,7 @@ class MLADecodeMetadata:
                 convention, ``1..page_size``; ignored for requests with no page). Give this or ``kv_lens``.
             kv_lens: int32 ``[batch]`` KV lengths (SGLang's ``seq_lens``), alternative to ``kv_last_page_len``.
             qo_indptr: optional int32 ``[batch + 1]``; default ``arange(batch + 1) * q_len``.
+            q_len: queries per request when uniform (default 1 without ``qo_indptr``; ragged if omitted with it).
         """
         _require(kv_indptr.dim() == 1 and kv_indptr.shape[0] >= 1, "kv_indptr",
                  f"must be 1-D [batch + 1], got shape {tuple(kv_indptr.shape)}")
@@ -137,9 +138,8 @@ class MLADecodeMetadata:
         else:
             _require(kv_lens.shape == (batch,), "kv_lens", f"must be [batch={batch}], got shape {tuple(kv_lens.shape)}")
         if qo_indptr is None:
+            q_len = 1 if q_len is None else q_len
             qo_indptr = torch.arange(batch + 1, dtype=INDEX_DTYPE, device=kv_indptr.device) * q_len
-        else:
-            q_len = None
         return cls(kv_lens.to(INDEX_DTYPE), qo_indptr.to(INDEX_DTYPE), kv_indices, indptr[:-1], int(page_size),
                    q_len, max_kv_len)
 

@@ -8,7 +8,7 @@ from .dispatch import REFERENCE, log_choice, select_impl
 from .metadata import MLADecodeMetadata
 from .planner import SplitPlan, plan_split_kv
 from .reference import mla_decode_reference
-from .validation import FP8_DTYPES, KV_LORA_RANK, check_inputs, normalize_kv_cache, split_query
+from .validation import FP8_DTYPES, KV_LORA_RANK, MLAInputError, check_inputs, normalize_kv_cache, split_query
 
 _SCALARS: dict[tuple, torch.Tensor] = {}
 
@@ -84,6 +84,11 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
     if num_tokens == 0:
         return out, lse
     plan: SplitPlan = metadata.plan if metadata.plan is not None else plan_split_kv(metadata, num_heads)
+    if plan.rows != num_heads * metadata.q_len or plan.cu_blocks.shape[0] < metadata.batch_size + 1:
+        # a mismatched plan would index the partial buffers out of bounds
+        raise MLAInputError(f"mla_decode: metadata.plan was made for {plan.rows} rows and max batch "
+                            f"{plan.cu_blocks.shape[0] - 1}; this call has {num_heads * metadata.q_len} rows "
+                            f"(heads x q_len) and batch {metadata.batch_size}")
     arch = impl.split("-", 1)[1]
     split, combine = get_kernels(num_heads, metadata.q_len, metadata.page_size, q_nope.dtype, kv_cache.dtype, arch)
     if isinstance(k_scale, torch.Tensor):

@@ -18,8 +18,9 @@ class KernelConfig:
 # plus 2 stages of 64-token KV (144 KB), P and TileLang's reduction scratch come to 228 KB: 1 KB too many,
 # so 32-token blocks with 3 stages (108 KB, more bytes in flight).
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3, combine_rows=8)
-# MI300X: 64 KB of LDS, so one stage; no WGMMA, so smaller row tiles are legal.
-GFX942 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=1, combine_rows=8)
+# MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
+# keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
+GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1, combine_rows=8)
 
 CONFIGS = {"sm90": SM90, "gfx942": GFX942}
 

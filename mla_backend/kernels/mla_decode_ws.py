@@ -78,16 +78,68 @@ def num_row_blocks(num_heads: int, q_len: int, block_rows: int = 64) -> int:
 
 
 def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2) -> dict:
-    """Shared-memory bytes of the warp-specialised kernel (the docstring's table)."""
+    """Shared-memory bytes of the warp-specialised kernel (the docstring's table).
+
+    ``dynamic`` is what TileLang allocates (``dyn_shared_memory_buf``); the mbarriers are static
+    ``__shared__`` arrays, which nvcc pads to 1024 B so that the 1024-aligned dynamic buffer follows.
+    """
     parts = {
         "q": block_rows * HEAD_DIM * elem_bytes,
         "kv": 2 * block_n * HEAD_DIM * elem_bytes,
         "p": block_rows * block_n * elem_bytes,
         "alpha_l": 2 * block_rows * 4,
-        "mbarriers": 10 * 8,
     }
-    parts["total"] = sum(parts.values())
+    parts["dynamic"] = sum(parts.values())
+    parts["static"] = 1024
+    parts["total"] = parts["dynamic"] + parts["static"]
     return parts
+
+
+# ---------------------------------------------------------------- pipeline protocol
+# The kernel computes every barrier index and parity with these functions (on TIR expressions), and
+# tests/test_lowering_ws.py runs the same functions (on ints) in a simulation of the three roles.
+# g: a block's index inside the part (0, 1, 2, ... across request boundaries); s: the index of a
+# non-empty request segment inside the part. A wait for completion n of a barrier uses parity n & 1;
+# waiting for completion n - 1 = -1 (parity 1) passes at once on a fresh barrier.
+
+def kv_buffer(g):
+    """Which of the two KV buffers block g uses."""
+    return g & 1
+
+
+def kv_ready_parity(g):
+    """Consumers of block g wait for completion g >> 1 of k_ready[g & 1] (its (g >> 1)-th fill)."""
+    return (g >> 1) & 1
+
+
+def kv_free_parity(g):
+    """The producer, before filling block g, waits for completion (g >> 1) - 1 of k_free[g & 1]."""
+    return ((g >> 1) & 1) ^ 1
+
+
+def p_ready_parity(g):
+    """WG1 waits for completion g of p_ready (P and alpha of block g written)."""
+    return g & 1
+
+
+def p_free_parity(g):
+    """WG0, before writing P(g), waits for completion g - 1 of p_free (WG1 done with P(g - 1))."""
+    return (g & 1) ^ 1
+
+
+def seg_ready_parity(s):
+    """q_ready / l_ready: wait for completion s (this segment's Q loaded / l written)."""
+    return s & 1
+
+
+def seg_free_parity(s):
+    """q_free / l_free: wait for completion s - 1 (the previous segment's Q / l no longer read)."""
+    return (s & 1) ^ 1
+
+
+def segment_first_block(part_lo, req_lo, blk_lo):
+    """g of a request segment's first block: its flat block index minus the part's first one."""
+    return req_lo + blk_lo - part_lo
 
 
 def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
@@ -144,29 +196,39 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     vec)
 
     @T.macro
-    def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, t):
+    def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, raw, t):
         """Gathers KV rows pos0 .. pos0 + 63 of one request into one buffer (3 tiles: 256 | 256 | 64 dims).
 
         Rows past kv_len re-read row kv_len - 1 (their probabilities are 0): no page outside the
         request is touched and no stale (possibly NaN) cache slot can reach P @ V.
         """
-        for r in T.serial(block_n // 16):
-            j = r * 16 + t // 8
-            p = T.min(pos0 + j, kv_len - 1)
-            page = page_table[pt0 + p // page_size]
-            slot = p % page_size
-            if is_fp8:
-                # 16 fp8 (16 B) per load, converted in registers, two 16-byte shared stores
-                for u in T.serial(HALF // (8 * 16)):
-                    c = u * 8 * 16 + (t % 8) * 16
+        if is_fp8:
+            # Two half-blocks of 32 rows; 4 threads per row, thread t loads 16-byte chunks t % 4 + 4 k
+            # (k = 0..8: 512 latent dims, then 64 rope dims) of row t // 4: all 9 loads are issued
+            # before the first conversion (144 B in flight per thread), then converted to `dtype`
+            # in registers (exact) and stored. The stores are uniform over the 128 producer threads.
+            for h in T.serial(2):
+                j = h * 32 + t // 4
+                p = T.min(pos0 + j, kv_len - 1)
+                page = page_table[pt0 + p // page_size]
+                slot = p % page_size
+                for k in T.unroll(9):
                     for e in T.vectorized(16):
-                        kv_l[j, c + e] = T.cast(kv_cache[page, slot, c + e], dtype)
+                        raw[k, e] = kv_cache[page, slot, k * 64 + (t % 4) * 16 + e]
+                for k in T.unroll(4):
                     for e in T.vectorized(16):
-                        kv_r[j, c + e] = T.cast(kv_cache[page, slot, HALF + c + e], dtype)
-                if t % 8 < ROPE_DIM // 16:
+                        kv_l[j, k * 64 + (t % 4) * 16 + e] = T.cast(raw[k, e], dtype)
+                for k in T.unroll(4):
                     for e in T.vectorized(16):
-                        k_t[j, (t % 8) * 16 + e] = T.cast(kv_cache[page, slot, KV_LORA_RANK + (t % 8) * 16 + e], dtype)
-            else:
+                        kv_r[j, k * 64 + (t % 4) * 16 + e] = T.cast(raw[4 + k, e], dtype)
+                for e in T.vectorized(16):
+                    k_t[j, (t % 4) * 16 + e] = T.cast(raw[8, e], dtype)
+        else:
+            for r in T.serial(block_n // 16):
+                j = r * 16 + t // 8
+                p = T.min(pos0 + j, kv_len - 1)
+                page = page_table[pt0 + p // page_size]
+                slot = p % page_size
                 for u in T.serial(HALF // (8 * vec)):
                     c = u * 8 * vec + (t % 8) * vec
                     T.ptx_cp_async(T.access_ptr(kv_l[j, c], "w", vec),
@@ -227,6 +289,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             row_sum = T.alloc_fragment([block_rows], accum)
             l_sum = T.alloc_fragment([block_rows], accum)
             l_r = T.alloc_fragment([block_rows], accum)
+            raw = T.alloc_local([9, 16], kv_dtype)  # producer, fp8 cache only: one row's 9 chunks
 
             k_ready = T.alloc_barrier([128, 128])
             k_free = T.alloc_barrier([256, 256])
@@ -247,23 +310,22 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             kv_scale = k_scale[0]
             scale_log2 = sm_scale[0] * kv_scale * LOG2E
 
-            if pad_rows:
-                # rows past `rows` (last row block only) are zeros in Q for the whole program; the
-                # producer never writes them. Generic stores -> WGMMA reads: fence the async proxy.
-                for i, d in T.Parallel(block_rows, HALF):
-                    if row0 + i >= rows:
-                        q_l[i, d] = T.cast(0, dtype)
-                        q_r[i, d] = T.cast(0, dtype)
-                for i, d in T.Parallel(block_rows, ROPE_DIM):
-                    if row0 + i >= rows:
-                        q_t[i, d] = T.cast(0, dtype)
-                T.fence_proxy_async()
-                T.sync_threads()
-
             seg = 0
             if tx < 128:
                 # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
                 T.set_max_nreg(REGS_WG0, 1)
+                if pad_rows:
+                    # Rows past `rows` (last row block only) stay zero in Q for the whole program: the
+                    # producer only ever writes the valid rows (disjoint bytes), WG0 is Q's only reader.
+                    # Generic stores, read by WGMMA (async proxy): fence.
+                    for i, d in T.Parallel(block_rows, HALF):
+                        if row0 + i >= rows:
+                            q_l[i, d] = T.cast(0, dtype)
+                            q_r[i, d] = T.cast(0, dtype)
+                    for i, d in T.Parallel(block_rows, ROPE_DIM):
+                        if row0 + i >= rows:
+                            q_t[i, d] = T.cast(0, dtype)
+                    T.fence_proxy_async()
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
                     req_hi = cu_blocks[req + 1]
@@ -273,17 +335,17 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         kv_len = kv_lens[req]
                         tok0 = qo_indptr[req]
                         vis0 = kv_len - q_len + 1  # row r sees positions < vis0 + r // H
-                        g0 = req_lo + blk_lo - part_lo  # index of the segment's first block in the part
+                        g0 = segment_first_block(part_lo, req_lo, blk_lo)  # g of the segment's first block
                         n_blk = blk_hi - blk_lo
                         T.fill(acc_o_l, 0)
                         T.fill(l_sum, 0)
                         T.fill(m_cur, -T.infinity(accum))
-                        T.barrier_wait(q_ready[0], seg & 1)
+                        T.barrier_wait(q_ready[0], seg_ready_parity(seg))
                         for blk in T.serial(n_blk):
                             g = g0 + blk
                             pos0 = (blk_lo + blk) * block_n
-                            T.barrier_wait(k_ready[g & 1], (g >> 1) & 1)
-                            if g & 1 == 0:
+                            T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                            if kv_buffer(g) == 0:
                                 score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s)
                             else:
                                 score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s)
@@ -311,7 +373,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             for i in T.Parallel(block_rows):
                                 l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
                             # WG1 has finished with P / alpha of block g - 1
-                            T.barrier_wait(p_free[0], (g & 1) ^ 1)
+                            T.barrier_wait(p_free[0], p_free_parity(g))
                             for i in T.Parallel(block_rows):
                                 alpha_shared[i] = alpha[i]
                             T.copy(acc_s, p_shared)
@@ -319,14 +381,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_arrive(p_ready[0])
                             for i, d in T.Parallel(block_rows, HALF):
                                 acc_o_l[i, d] *= alpha[i]
-                            if g & 1 == 0:
+                            if kv_buffer(g) == 0:
                                 T.gemm(p_shared, kv0_l, acc_o_l)
                             else:
                                 T.gemm(p_shared, kv1_l, acc_o_l)
-                            T.barrier_arrive(k_free[g & 1])
+                            T.barrier_arrive(k_free[kv_buffer(g)])
 
                         # epilogue: hand l to WG1, write O[:, :256] and the LSE
-                        T.barrier_wait(l_free[0], (seg & 1) ^ 1)
+                        T.barrier_wait(l_free[0], seg_free_parity(seg))
                         for i in T.Parallel(block_rows):
                             l_shared[i] = l_sum[i]
                         T.barrier_arrive(l_ready[0])
@@ -359,22 +421,22 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     blk_hi = T.min(part_hi, req_hi) - req_lo
                     if blk_hi > blk_lo:
                         tok0 = qo_indptr[req]
-                        g0 = req_lo + blk_lo - part_lo
+                        g0 = segment_first_block(part_lo, req_lo, blk_lo)
                         T.fill(acc_o_r, 0)
                         for blk in T.serial(blk_hi - blk_lo):
                             g = g0 + blk
-                            T.barrier_wait(k_ready[g & 1], (g >> 1) & 1)
-                            T.barrier_wait(p_ready[0], g & 1)
+                            T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                            T.barrier_wait(p_ready[0], p_ready_parity(g))
                             for i, d in T.Parallel(block_rows, HALF):
                                 acc_o_r[i, d] *= alpha_shared[i]
-                            if g & 1 == 0:
+                            if kv_buffer(g) == 0:
                                 T.gemm(p_shared, kv0_r, acc_o_r)
                             else:
                                 T.gemm(p_shared, kv1_r, acc_o_r)
                             T.barrier_arrive(p_free[0])
-                            T.barrier_arrive(k_free[g & 1])
+                            T.barrier_arrive(k_free[kv_buffer(g)])
 
-                        T.barrier_wait(l_ready[0], seg & 1)
+                        T.barrier_wait(l_ready[0], seg_ready_parity(seg))
                         for i in T.Parallel(block_rows):
                             l_r[i] = l_shared[i]
                         T.barrier_arrive(l_free[0])
@@ -402,25 +464,25 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         kv_len = kv_lens[req]
                         tok0 = qo_indptr[req]
                         pt0 = page_table_start[req]
-                        g0 = req_lo + blk_lo - part_lo
+                        g0 = segment_first_block(part_lo, req_lo, blk_lo)
                         # Q of segment seg: WG0 has finished reading Q of segment seg - 1
-                        T.barrier_wait(q_free[0], (seg & 1) ^ 1)
+                        T.barrier_wait(q_free[0], seg_free_parity(seg))
                         load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
                         T.cp_async_barrier_noinc(q_ready[0])
                         for blk in T.serial(blk_hi - blk_lo):
                             g = g0 + blk
                             pos0 = (blk_lo + blk) * block_n
                             # both consumers are done with the block that used this buffer before (g - 2)
-                            T.barrier_wait(k_free[g & 1], ((g >> 1) & 1) ^ 1)
-                            if g & 1 == 0:
-                                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, t)
+                            T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
+                            if kv_buffer(g) == 0:
+                                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, raw, t)
                             else:
-                                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, t)
+                                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, raw, t)
                             if is_fp8:
                                 T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
-                                T.barrier_arrive(k_ready[g & 1])
+                                T.barrier_arrive(k_ready[kv_buffer(g)])
                             else:
-                                T.cp_async_barrier_noinc(k_ready[g & 1])
+                                T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
                         seg = seg + 1
 
     return mla_decode_split

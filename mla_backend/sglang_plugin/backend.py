@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -196,7 +195,7 @@ def _make_triton_fill() -> Optional[FillFn]:
         logger.info("mla_backend: SGLang's page-table kernel is unavailable (%s); using torch", exc)
         return None
 
-    def fill(req_to_token, req_pool_indices, kv_lens, page_size, out):
+    def fill_page_table_triton(req_to_token, req_pool_indices, kv_lens, page_size, out):
         bs, width = out.shape
         if bs == 0:
             return
@@ -206,7 +205,7 @@ def _make_triton_fill() -> Optional[FillFn]:
             req_to_token, req_pool_indices, kv_lens, None, out,
             req_to_token.stride(0), out.stride(0), PAGED_SIZE=page_size)
 
-    return fill
+    return fill_page_table_triton
 
 
 @dataclass
@@ -291,17 +290,16 @@ class TileLangMLABackend(AttentionBackend):
 
     def _warmup(self):
         """Compile (or load from TileLang's disk cache) every kernel variant before graph capture."""
-        from ..kernels.runtime import get_kernels
+        from ..kernels.runtime import warmup
 
         arch = self.config.impl.split("-", 1)[1]
-        start = time.perf_counter()
-        for q_len in self.config.q_lens:
-            try:
-                get_kernels(self.num_heads, q_len, self.page_size, self.config.dtype, self.config.kv_dtype, arch)
-            except Exception as exc:
-                _refuse(f"kernel compilation failed for heads={self.num_heads} q_len={q_len} "
-                        f"page={self.page_size} {self.config.dtype}/{self.config.kv_dtype} on {arch}: {exc}")
-        logger.info("mla_backend: %s kernels ready in %.1fs", BACKEND_NAME, time.perf_counter() - start)
+        variants = [(self.num_heads, q_len, self.page_size, self.config.dtype, self.config.kv_dtype, arch)
+                    for q_len in self.config.q_lens]
+        try:
+            seconds = warmup(variants)
+        except Exception as exc:
+            _refuse(f"kernel compilation failed for {variants}: {type(exc).__name__}: {exc}")
+        logger.info("mla_backend: %s kernels ready in %.1fs", BACKEND_NAME, seconds)
 
     def _write_report(self):
         if not self._report_dir:
@@ -354,7 +352,7 @@ class TileLangMLABackend(AttentionBackend):
             self.extend_backend.init_forward_metadata_in_graph(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        if self.config.impl == REFERENCE:
+        if self.config.impl == REFERENCE and self.device.type == "cuda":
             _refuse(f"{ENV_IMPL}=reference cannot run under CUDA graphs; add --disable-cuda-graph.")
         width = self.width_static
         dev = self.device
@@ -470,7 +468,7 @@ class TileLangMLABackend(AttentionBackend):
         loc = forward_batch.out_cache_loc
         if k_rope is not None:  # split form: k is the latent k_nope
             self.token_to_kv_pool.set_mla_kv_buffer(
-                layer, loc, k.view(-1, 1, KV_LORA_RANK), k_rope.view(-1, 1, ROPE_DIM))
+                layer, loc, _as3d(k, 1, KV_LORA_RANK), _as3d(k_rope, 1, ROPE_DIM))
         else:  # concatenated form: k [T, 1, 576], v [T, 1, 512]
             self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
 
@@ -484,9 +482,9 @@ class TileLangMLABackend(AttentionBackend):
             raise RuntimeError(f"{BACKEND_NAME}: layer has {heads} query heads, the backend was built for "
                                f"{self.num_heads} (decode attention-TP changes are not supported)")
         if q_rope is not None:
-            query = (q.view(-1, heads, KV_LORA_RANK), q_rope.view(-1, heads, ROPE_DIM))
+            query = (_as3d(q, heads, KV_LORA_RANK), _as3d(q_rope, heads, ROPE_DIM))
         else:
-            query = q.reshape(-1, heads, HEAD_DIM)
+            query = _as3d(q, heads, HEAD_DIM)
         kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, HEAD_DIM)
         # SGLang stores fp8 KV with a plain cast (no scale); the op dequantises with k_scale
         # (FlashMLA's convention: layer.k_scale, or 1.0 when the checkpoint has none).
@@ -509,10 +507,10 @@ class TileLangMLABackend(AttentionBackend):
             # Split absorbed form (only when this name is in DeepSeek's FORWARD_ABSORB list): the
             # Triton backend takes the concatenated one, which the model would otherwise build.
             heads = layer.tp_q_head_num
-            q = torch.cat([q.view(-1, heads, KV_LORA_RANK), q_rope.view(-1, heads, ROPE_DIM)], dim=-1)
+            q = torch.cat([_as3d(q, heads, KV_LORA_RANK), _as3d(q_rope, heads, ROPE_DIM)], dim=-1)
             if k is not None:
-                k_nope = k.view(-1, 1, KV_LORA_RANK)
-                k, v = torch.cat([k_nope, k_rope.view(-1, 1, ROPE_DIM)], dim=-1), k_nope
+                k_nope = _as3d(k, 1, KV_LORA_RANK)
+                k, v = torch.cat([k_nope, _as3d(k_rope, 1, ROPE_DIM)], dim=-1), k_nope
         extra = {name: kwargs[name] for name in ("sinks", "score_mod", "aux_tensors") if kwargs.get(name) is not None}
         return self.extend_backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **extra)
 
@@ -525,3 +523,10 @@ def _indptr_of(md: MLADecodeMetadata) -> torch.Tensor:
         return start.new_zeros(1)
     # start is kv_indptr[:-1] of a contiguous [bs + 1] view: re-expose the full view.
     return start.as_strided((bs + 1,), (1,))
+
+
+def _as3d(t: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
+    """``[T, rows, dim]`` view of a ``[T, rows, dim]`` or ``[T, rows * dim]`` tensor (copies only if it must)."""
+    if t.dim() == 3 and t.shape[1] == rows and t.shape[2] == dim:
+        return t
+    return t.reshape(-1, rows, dim)

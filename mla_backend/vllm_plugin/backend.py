@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -227,18 +226,18 @@ def warm_up_kernels(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dt
 
     if device.type != "cuda":
         return []
-    start = time.perf_counter()
     variants = []
     for q_len in q_lens:
         choice = select_impl(device, dtype, kv_dtype, num_heads, q_len, page_size)
         if choice.impl == REFERENCE:
             raise RuntimeError(f"mla_backend (CUSTOM): no TileLang kernel for heads={num_heads} q_len={q_len} "
                                f"page={page_size} {dtype}/{kv_dtype} on {device}: {choice.reason}")
-        from ..kernels.runtime import get_kernels
+        variants.append((num_heads, q_len, page_size, dtype, kv_dtype, choice.impl.split("-", 1)[1]))
+    from ..kernels.runtime import warmup
 
-        get_kernels(num_heads, q_len, page_size, dtype, kv_dtype, choice.impl.split("-", 1)[1])
-        variants.append((num_heads, q_len, page_size, dtype, kv_dtype))
+    # One process at a time: vLLM's workers may be daemonic and cannot start a compile pool.
+    seconds = warmup(variants, workers=1)
     logger.info("mla_backend (vLLM CUSTOM): %d TileLang decode kernel(s) ready in %.1fs: heads=%d page=%d %s/%s "
-                "q_len=%s; split-KV plan buffers %.1f MiB", len(variants), time.perf_counter() - start, num_heads,
-                page_size, dtype, kv_dtype, list(q_lens), plan_bytes / 2**20)
+                "q_len=%s; split-KV plan buffers %.1f MiB", len(variants), seconds, num_heads, page_size, dtype,
+                kv_dtype, list(q_lens), plan_bytes / 2**20)
     return variants

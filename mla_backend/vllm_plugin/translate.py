@@ -90,9 +90,10 @@ class DecodeMetadataBuilder:
         """Device bytes held by the split plans (for the start-up log)."""
         total = 0
         for planner in self._planners.values():
-            plan = planner._plan
-            total += sum(t.numel() * t.element_size() for t in (plan.out_partial, plan.lse_partial, plan.cu_blocks,
-                                                                  plan.part_begin_req, plan.part_end_req))
+            plan = getattr(planner, "_plan", None)  # the planner's persistent SplitPlan
+            for name in ("out_partial", "lse_partial", "cu_blocks", "part_begin_req", "part_end_req"):
+                t = getattr(plan, name, None)
+                total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
         return total
 
     @property
@@ -110,8 +111,9 @@ class DecodeMetadataBuilder:
         if block_table.dim() != 2 or block_table.dtype != INDEX_DTYPE:
             raise ValueError(f"block_table must be int32 [batch, max_blocks], got {block_table.dtype} "
                              f"{tuple(block_table.shape)}")
-        if seq_lens.shape != (batch,):
-            raise ValueError(f"seq_lens must be [{batch}], got {tuple(seq_lens.shape)}")
+        if seq_lens.shape != (batch,) or seq_lens.dtype != INDEX_DTYPE:
+            # int32 is read in place: a converted copy would be new storage every step (stale in CUDA graphs)
+            raise ValueError(f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
         if batch > self.max_batch:
             raise ValueError(f"{batch} decode rows exceed max_num_seqs={self.max_batch}")
         if block_table.stride(1) != 1 and block_table.shape[1] > 1:
@@ -126,7 +128,7 @@ class DecodeMetadataBuilder:
             self._start_stride = row_stride
         flat_len = (batch - 1) * row_stride + block_table.shape[1]
         metadata = MLADecodeMetadata(
-            kv_lens=seq_lens if seq_lens.dtype == INDEX_DTYPE else seq_lens.to(INDEX_DTYPE),
+            kv_lens=seq_lens,
             qo_indptr=self._qo_indptr[q_len][: batch + 1],
             # A view of the rows' storage (same data pointer as vLLM's persistent table).
             page_table=block_table.as_strided((flat_len,), (1,)),
