@@ -1,0 +1,21 @@
+#!/bin/bash
+# GPU machine, vLLM 0.26 sequence (../shared/devkit/README.md): calls 1 and 2 only unpack bundles
+# (`source .devkit/unpack.sh`); call 3+ run `bash scripts/device_vllm.sh STAGE` carrying
+# .devkit/vllm-deps.tar.xz, .devkit/tilelang-0.1.9.tar.xz and .devkit/unpack.sh.
+#   kernel  GPU kernel tests + side-by-side benchmark (--quick, FlashMLA / FA3 / Triton anchors)
+#   e2e     vLLM E2E cases given as $2 (default block64,block16)
+#   serve   vllm serve over HTTP; throughput  decode-heavy tokens/s vs FLASHMLA and FLASH_ATTN_MLA
+set -o pipefail
+source .devkit/unpack.sh
+export VLLM_USE_FLASHINFER_SAMPLER=0 TILELANG_CACHE_DIR=/tmp/tlcache PYTHONUNBUFFERED=1
+python3 -c "import mla_backend" 2>/dev/null && python3 -c "from importlib.metadata import entry_points as e; assert e(group='vllm.general_plugins')" 2>/dev/null \
+  || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
+case "$1" in
+  kernel)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log
+    timeout 300 python3 -m mla_backend.bench --quick --check --out-dir $OUT/bench 2>&1 | tail -60 | tee $OUT/bench.log ;;
+  e2e) timeout 560 python3 tests/e2e/vllm_e2e.py --cases "${2:-block64,block16}" --out $OUT/vllm_e2e.json 2>&1 | tail -60 ;;
+  serve) timeout 560 python3 tests/e2e/vllm_e2e.py --serve --out $OUT/vllm_serve.json 2>&1 | tail -40 ;;
+  throughput) timeout 560 python3 tests/e2e/vllm_e2e.py --throughput --tp-prompts ${2:-256} --out $OUT/vllm_tput.json 2>&1 | tail -40 ;;
+esac
