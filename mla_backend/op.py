@@ -18,6 +18,9 @@ def _scalar(value: float, device: torch.device) -> torch.Tensor:
     key = (float(value), device)
     t = _SCALARS.get(key)
     if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise MLAInputError(f"mla_decode: softmax_scale/k_scale {value} first seen during CUDA-graph capture; "
+                                "run one eager call with the same scales before capturing")
         t = _SCALARS[key] = torch.tensor([float(value)], dtype=torch.float32, device=device)
     return t
 
@@ -59,8 +62,11 @@ def mla_decode(
     check_inputs(q_nope, q_pe, kv_cache, metadata, out, check_indices)
     num_tokens, num_heads, _ = q_nope.shape
     is_fp8 = kv_cache.dtype in FP8_DTYPES
-    if k_scale is not None and not is_fp8 and not isinstance(k_scale, torch.Tensor) and float(k_scale) != 1.0:
-        raise ValueError(f"mla_decode: k_scale={k_scale} is only meaningful for an fp8 kv_cache, got {kv_cache.dtype}")
+    if not is_fp8:
+        if k_scale is not None and not isinstance(k_scale, torch.Tensor) and float(k_scale) != 1.0:
+            raise MLAInputError(f"mla_decode: k_scale={k_scale} is only meaningful for an fp8 kv_cache, "
+                                f"got {kv_cache.dtype}")
+        k_scale = None  # fp16/bf16 caches are unscaled (an engine's unit scale tensor is ignored)
     choice = select_impl(q_nope.device, q_nope.dtype, kv_cache.dtype, num_heads, metadata.q_len, metadata.page_size,
                          impl)
     log_choice(choice, (q_nope.device.type, q_nope.dtype, kv_cache.dtype, num_heads, metadata.q_len,

@@ -470,6 +470,8 @@ def test_builder_refuses_bad_batches():
         builder.build(table[:2], torch.full((2,), 9, dtype=torch.int32), torch.tensor([0, 5, 10], dtype=torch.int32), 10)
     with pytest.raises(ValueError, match="int32"):
         builder.build(table[:2].long(), torch.ones(2, dtype=torch.int32), torch.arange(3, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        builder.build(table[:2], torch.ones(2, dtype=torch.int64), torch.arange(3, dtype=torch.int32), 2)
 
 
 @pytest.mark.parametrize("bad", [dict(sliding_window=128), dict(logits_soft_cap=30.0), dict(num_heads=256),
@@ -491,3 +493,168 @@ def test_warm_up_is_a_no_op_off_gpu():
     from mla_backend.vllm_plugin.backend import warm_up_kernels
 
     assert warm_up_kernels(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 16, 64, (1, 2)) == []
+
+
+# ---------------------------------------------------------------------------------------------- the real builder
+class _PrefillStandIn:
+    """Stands in for the layer's MLA prefill backend, which vLLM's builder clones in __init__ and hands
+    prefill metadata to; vLLM's flash-attention prefill backend cannot be imported without a GPU."""
+
+    def clone(self):
+        return self
+
+    def prepare_metadata(self, metadata):
+        self.metadata = metadata
+
+
+class _LayerStandIn:
+    def __init__(self):
+        self.prefill_backend = _PrefillStandIn()
+
+
+LAYER = "model.layers.0.self_attn.attn"
+
+
+def _builder(model_dir, num_spec=None, block_size=64, max_num_seqs=8, kv_cache_dtype="auto"):
+    """vLLM's MLACommonMetadataBuilder machinery with our subclass, constructed on CPU as the model runner
+    does (kernel-size MLAAttentionSpec, layer names, VllmConfig, device)."""
+    from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig, VllmConfig, set_current_vllm_config)
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096)
+    spec = None
+    if num_spec:
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=num_spec, target_model_config=model,
+                                 target_parallel_config=ParallelConfig())
+    cfg = VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"), speculative_config=spec,
+                     cache_config=CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype),
+                     scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=4096,
+                                                      is_encoder_decoder=False))
+    cfg.compilation_config.static_forward_context[LAYER] = _LayerStandIn()
+    kv_spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                               cache_dtype_str=kv_cache_dtype)
+    with set_current_vllm_config(cfg):
+        return _backend().get_builder_cls()(kv_spec, [LAYER], cfg, torch.device("cpu")), cfg
+
+
+@pytest.mark.parametrize("num_spec,threshold", [(None, 1), (1, 2), (3, 4)])
+def test_builder_reorder_threshold_follows_speculation(model_dir, num_spec, threshold):
+    builder, _ = _builder(model_dir, num_spec)
+    assert builder.reorder_batch_threshold == threshold
+    assert builder._decode.q_lens == tuple(range(1, threshold + 1))
+    assert builder.page_size == 64 and builder.num_heads == 16
+
+
+def test_builder_refuses_too_many_drafts(model_dir):
+    with pytest.raises(ValueError, match="decode query length"):
+        _builder(model_dir, num_spec=4)
+
+
+def test_real_build_splits_decodes_and_prefills(model_dir):
+    """vLLM's build(): MTP rows (q_len 2) first go to our _build_decode, the 5-token prefill to vLLM's prefill."""
+    from vllm.config import set_current_vllm_config
+
+    builder, cfg = _builder(model_dir, num_spec=1)
+    qsl = torch.tensor([0, 2, 4, 6, 11], dtype=torch.int32)
+    seq = torch.tensor([10, 70, 130, 5], dtype=torch.int32)
+    table = torch.zeros(8, 10, dtype=torch.int32)
+    table[:4, :3] = torch.arange(1, 13, dtype=torch.int32).view(4, 3)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=4, num_actual_tokens=11,
+        max_query_len=5, max_seq_len=130, block_table_tensor=table[:4], slot_mapping=torch.zeros(11, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq, _seq_lens_cpu=seq, _num_computed_tokens_cpu=seq - (qsl[1:] - qsl[:-1]))
+    with set_current_vllm_config(cfg):
+        md = builder.build(0, common)
+    assert type(md).__name__ == "TileLangMLAMetadata"
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (3, 6, 1)
+    mla = md.decode.mla
+    assert mla.q_len == 2 and mla.page_size == 64
+    assert mla.qo_indptr.tolist() == [0, 2, 4, 6] and mla.kv_lens.tolist() == [10, 70, 130]
+    assert mla.page_table_start.tolist() == [0, 10, 20]
+    assert mla.page_table.data_ptr() == table.data_ptr() and mla.plan is not None
+    assert md.prefill is not None and md.prefill.block_table.shape[0] == 1
+
+
+def test_real_build_for_cudagraph_capture_padded_batch(model_dir):
+    """A FULL-graph capture/replay batch: 2 real MTP rows padded to 4 with empty rows (vLLM's padding)."""
+    from vllm.config import set_current_vllm_config
+
+    builder, cfg = _builder(model_dir, num_spec=1)
+    qsl = torch.tensor([0, 2, 4, 4, 4], dtype=torch.int32)
+    seq = torch.tensor([33, 64, 0, 0], dtype=torch.int32)
+    table = torch.zeros(8, 4, dtype=torch.int32)
+    table[:2, :1] = torch.tensor([[5], [6]], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=4, num_actual_tokens=8, max_query_len=2,
+        max_seq_len=4096, block_table_tensor=table[:4], slot_mapping=torch.zeros(8, dtype=torch.int64))
+    with set_current_vllm_config(cfg):
+        first = builder.build_for_cudagraph_capture(common)
+        seq[:2] = torch.tensor([34, 65], dtype=torch.int32)
+        again = builder.build(0, common)  # a replay step: new lengths, same storage
+    assert (first.num_decodes, first.num_decode_tokens, first.num_prefills) == (4, 8, 0)
+    for name in ("kv_lens", "qo_indptr", "page_table", "page_table_start"):
+        assert getattr(first.decode.mla, name).data_ptr() == getattr(again.decode.mla, name).data_ptr(), name
+    assert first.decode.mla.plan.cu_blocks.data_ptr() == again.decode.mla.plan.cu_blocks.data_ptr()
+    assert again.decode.mla.kv_lens.tolist() == [34, 65, 0, 0]
+
+
+# ---------------------------------------------------------------------------------------------- the GPU script's plumbing
+def _e2e_module():
+    spec = importlib.util.spec_from_file_location("vllm_e2e", REPO / "tests" / "e2e" / "vllm_e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_e2e_engine_arguments_are_valid_engine_args():
+    from vllm.engine.arg_utils import EngineArgs
+
+    e2e = _e2e_module()
+    for name, (_, *engines) in e2e.CASES.items():
+        for eng in engines:
+            spec = dict(model_dir=str(TINY_CONFIG.parent), init="scaled", gpu_mem=0.5, max_model_len=4096,
+                        max_num_seqs=32, max_tokens=32, prompts=[[2]], **eng)
+            args = EngineArgs(**e2e.engine_kwargs(spec, spec["model_dir"]))  # LLM(**kwargs) builds exactly this
+            assert args.attention_backend == eng["backend"] and args.block_size == eng["block_size"], name
+            if eng.get("num_spec"):
+                assert args.speculative_config["method"] == "mtp"
+                assert args.speculative_config["attention_backend"] == eng["backend"]
+
+
+def test_e2e_comparison_and_prompts():
+    e2e = _e2e_module()
+    prompts = e2e.make_prompts([1, 7, 63], 32000, seed=0)
+    assert [len(p) for p in prompts] == [1, 7, 63] and all(2 <= t < 32000 for p in prompts for t in p)
+    assert prompts == e2e.make_prompts([1, 7, 63], 32000, seed=0)
+    a = [list(range(32)), list(range(32)), list(range(32))]
+    b = [list(range(32)), list(range(10)) + [99] * 22, [99] + list(range(1, 32))]
+    got = e2e.compare(a, b, [1, 7, 63])
+    assert [r["first_divergence"] for r in got["rows"]] == [None, 10, 0]
+    assert [r["first8_equal"] for r in got["rows"]] == [True, True, False]
+    assert got["token_match"] == round((32 + 10 + 31) / 96, 4) and not got["passed"]
+    assert e2e.compare(a, a, [1, 7, 63])["passed"]
+
+
+def test_e2e_scaled_loader_registers_with_vllm():
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    e2e = _e2e_module()
+    e2e.register_scaled_loader()
+    loader = get_model_loader(LoadConfig(load_format=e2e.SCALED_LOAD_FORMAT))
+
+    class Tiny(torch.nn.Module):  # DeepSeek's norms all have "norm" in their names
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 32)
+            self.input_layernorm = torch.nn.LayerNorm(32)
+
+    model = Tiny()
+    loader.load_weights(model, None)
+    weight = model.proj.weight
+    assert abs(weight.std().item() - 64 ** -0.5) < 0.03 and model.proj.bias.eq(0).all()
+    assert model.input_layernorm.weight.eq(1).all() and model.input_layernorm.bias.eq(0).all()
+    again = Tiny()
+    loader.load_weights(again, None)
+    assert torch.equal(again.proj.weight, weight)  # deterministic per parameter name

@@ -70,6 +70,9 @@ SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, com
 # setmaxnreg budgets (multiples of 8; 128 * (240 + 168 + 80) = 62464 <= 65536 registers per SM)
 REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
 
+# Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range.
+WG0_NAMED_BARRIER = 15
+
 SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one block may opt into on H100 / H200
 
 
@@ -289,6 +292,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             row_sum = T.alloc_fragment([block_rows], accum)
             l_sum = T.alloc_fragment([block_rows], accum)
             l_r = T.alloc_fragment([block_rows], accum)
+            alpha_r = T.alloc_fragment([block_rows], accum)
             raw = T.alloc_local([9, 16], kv_dtype)  # producer, fp8 cache only: one row's 9 chunks
 
             k_ready = T.alloc_barrier([128, 128])
@@ -326,6 +330,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         if row0 + i >= rows:
                             q_t[i, d] = T.cast(0, dtype)
                     T.fence_proxy_async()
+                    # every WG0 warp's zeros are in place before any warp's first WGMMA reads Q
+                    T.sync_threads(WG0_NAMED_BARRIER, 128)
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
                     req_hi = cu_blocks[req + 1]
@@ -427,8 +433,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             g = g0 + blk
                             T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
                             T.barrier_wait(p_ready[0], p_ready_parity(g))
+                            for i in T.Parallel(block_rows):
+                                alpha_r[i] = alpha_shared[i]
                             for i, d in T.Parallel(block_rows, HALF):
-                                acc_o_r[i, d] *= alpha_shared[i]
+                                acc_o_r[i, d] *= alpha_r[i]
                             if kv_buffer(g) == 0:
                                 T.gemm(p_shared, kv0_r, acc_o_r)
                             else:
@@ -484,6 +492,12 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             else:
                                 T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
                         seg = seg + 1
+                if part_hi > part_lo:
+                    # Tail: no producer thread exits with cp.async in flight. The part's last k_ready phase
+                    # completes once all 128 producer threads' copies have landed (a noinc arrival waits
+                    # for all of its thread's earlier cp.async, Q included). (cp.async.wait_group would
+                    # make TileLang add a named barrier whose id collides with WG0's.)
+                    T.barrier_wait(k_ready[kv_buffer(part_hi - part_lo - 1)], kv_ready_parity(part_hi - part_lo - 1))
 
     return mla_decode_split
 

@@ -259,6 +259,7 @@ class TileLangMLABackend(AttentionBackend):
         self.width_static = max_pages_per_request(self.req_to_token.shape[1], self.page_size)
         self.forward_metadata: Optional[DecodeForwardMetadata] = None
         self._graph: Optional[_GraphBuffers] = None
+        self._retired_graph_buffers: list = []
         self._eager_page_table: Optional[torch.Tensor] = None
         self._eager_planners: dict = {}
         self._verify_mask = None
@@ -354,6 +355,11 @@ class TileLangMLABackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         if self.config.impl == REFERENCE and self.device.type == "cuda":
             _refuse(f"{ENV_IMPL}=reference cannot run under CUDA graphs; add --disable-cuda-graph.")
+        if self._graph is not None:
+            if self._graph.max_bs >= max_bs:
+                return  # graphs captured so far keep reading these buffers
+            # Keep the old buffers alive: graphs captured against them must never read freed memory.
+            self._retired_graph_buffers.append(self._graph)
         width = self.width_static
         dev = self.device
         self._graph = _GraphBuffers(

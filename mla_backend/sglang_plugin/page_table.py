@@ -176,9 +176,7 @@ def sglang_decode_metadata(
                                                 page_table[:bs, :w])
             indptr = kv_indptr
             indices = page_table.view(-1)
-    md = MLADecodeMetadata.from_csr(indptr[: bs + 1], indices, page_size, kv_lens=kv_lens, q_len=q_len)
-    if qo_indptr is not None:
-        # from_csr(qo_indptr=...) would mark the batch ragged (q_len=None); keep the uniform q_len
-        # and swap in the persistent buffer (same values as the arange from_csr built).
-        md.qo_indptr = qo_indptr[: bs + 1]
-    return md
+    # A persistent qo_indptr (already arange * q_len) is passed together with q_len, so the batch stays
+    # uniform (kernel path) and the metadata reads that buffer.
+    return MLADecodeMetadata.from_csr(indptr[: bs + 1], indices, page_size, kv_lens=kv_lens,
+                                      qo_indptr=None if qo_indptr is None else qo_indptr[: bs + 1], q_len=q_len)

@@ -8,7 +8,6 @@ metadata into :class:`~mla_backend.MLADecodeMetadata` (see :mod:`.translate`) an
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import ClassVar
@@ -26,6 +25,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
 
+from ..dispatch import REFERENCE, select_impl, tilelang_available
 from ..kernels.configs import MAX_HEADS, MAX_Q_LEN
 from ..metadata import MLADecodeMetadata
 from ..op import mla_decode
@@ -108,7 +108,7 @@ class TileLangMLABackend(MLACommonBackend):
                              block_size: int | None, use_mla: bool, has_sink: bool, use_sparse: bool,
                              use_mm_prefix: bool, device_capability) -> str | None:
         reasons = []
-        if importlib.util.find_spec("tilelang") is None:
+        if not tilelang_available():
             reasons.append("tilelang is not installed (pip install tilelang==0.1.9)")
         if kv_cache_dtype in _KV_DTYPE_NAMES and _KV_DTYPE_NAMES[kv_cache_dtype] != dtype:
             reasons.append(f"kv_cache_dtype {kv_cache_dtype} with model dtype {dtype} (the kernels take the "
@@ -222,8 +222,6 @@ def warm_up_kernels(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dt
     """Compile (or load from TileLang's disk cache) every kernel variant the engine can launch, before vLLM
     captures CUDA graphs. Returns the variant keys. Raises where the op would fall back to the reference
     implementation on a GPU (it syncs the host and cannot be graph-captured)."""
-    from ..dispatch import REFERENCE, select_impl
-
     if device.type != "cuda":
         return []
     variants = []

@@ -1,0 +1,489 @@
+"""End-to-end SGLang runs of ``tilelang_mla`` on a tiny DeepSeek-V3 (dummy weights), on one GPU.
+
+The model is ``tests/e2e/tiny_dsv3_sglang`` (real V3 MLA dims: kv_lora_rank 512, rope 64, nope 128,
+v 128, q_lora_rank 1536, 16 heads, yarn rope; 3 layers, layers 1-2 MoE with 16 experts; one MTP
+layer; vocab 32000; bf16). Every engine runs in a fresh subprocess; the driver compares greedy
+outputs across backends and writes one JSON report.
+
+    python tests/e2e/sglang_e2e.py --out /tmp/e2e.json                # correctness (default)
+    python tests/e2e/sglang_e2e.py --fp8 --out /tmp/e2e_fp8.json      # fp8_e4m3 KV vs flashmla
+    python tests/e2e/sglang_e2e.py --mtp --out /tmp/e2e_mtp.json      # EAGLE/MTP topk 1 (draft: triton)
+    python tests/e2e/sglang_e2e.py --serve --out /tmp/e2e_serve.json  # python -m sglang.launch_server + /generate
+    python tests/e2e/sglang_e2e.py --throughput --out /tmp/e2e_tp.json
+
+Correctness: tilelang_mla vs triton at --page-size 1, vs flashmla at 64 (+ decode tilelang_mla /
+prefill fa3 as a hybrid if time allows): 8 ragged prompts, 32 greedy tokens (ignore_eos). Random
+weights give near ties, so the pass rule is: >= 90% of tokens equal position-wise, and the first 8
+tokens equal for at least 6 of 8 prompts. By default the dummy weights are re-drawn N(0, 0.02)
+(norms 1, routing bias 0; seeded per parameter name, so identical across engines) through a
+scheduler-process wrapper: SGLang's own +-1e-3 init makes every logit a tie
+(``--weights dummy`` keeps it).
+
+The plugin must be installed with its ``sglang.srt.plugins`` entry point (SGLang then registers
+``tilelang_mla`` in every process). Without it the script falls back to registering in each process
+itself and says so in the report (``plugin_mechanism``).
+
+Each invocation keeps to ``--budget`` seconds (default 510): engines that would not fit are skipped
+and listed. Env knobs forwarded to engines: TILELANG_CACHE_DIR etc. as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+MODEL_DIR = os.path.join(HERE, "tiny_dsv3_sglang")
+RESULT_MARK = "E2E_RESULT_JSON:"
+ENTRY_POINT = "mla_backend.sglang_plugin:register"
+VOCAB = 32000
+MTP = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
+           speculative_num_draft_tokens=4, speculative_draft_attention_backend="triton")
+
+
+# ----------------------------------------------------------------------------- helpers (both sides)
+
+
+def entry_point_installed() -> bool:
+    try:
+        from importlib.metadata import entry_points
+
+        return any(ep.value == ENTRY_POINT for ep in entry_points(group="sglang.srt.plugins"))
+    except Exception:
+        return False
+
+
+def make_prompts(lens, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in lens]
+
+
+def compare_outputs(a, b, first_k=8):
+    """Position-wise token agreement of two lists of output-id lists."""
+    per, equal, total, head_ok = [], 0, 0, 0
+    for x, y in zip(a, b):
+        n = max(len(x), len(y))
+        same = sum(1 for i in range(min(len(x), len(y))) if x[i] == y[i])
+        first_div = next((i for i in range(n) if i >= min(len(x), len(y)) or x[i] != y[i]), None)
+        head = first_div is None or first_div >= first_k
+        head_ok += head
+        equal += same
+        total += n
+        per.append({"match": round(same / n, 3) if n else 1.0, "first_divergence": first_div, f"first{first_k}_equal": head})
+    n_prompts = len(per)
+    frac = equal / total if total else 1.0
+    need_head = max(1, -(-3 * n_prompts // 4))  # "most prompts": >= 75%
+    return {"token_match": round(frac, 4), f"first{first_k}_equal_prompts": f"{head_ok}/{n_prompts}",
+            "pass": frac >= 0.9 and head_ok >= need_head, "per_prompt": per}
+
+
+# ----------------------------------------------------------------------------- engine subprocess side
+
+
+def _patch_dummy_weights(std: float) -> None:
+    """Replace SGLang's +-1e-3 dummy init with N(0, std), deterministic per parameter name."""
+    import zlib
+
+    import torch
+    from sglang.srt.model_loader import loader
+
+    def initialize_dummy_weights(model, low=-1e-3, high=1e-3, seed=1234):  # noqa: ARG001 - SGLang's signature
+        for name, param in model.state_dict().items():
+            if not torch.is_floating_point(param) or "cos_sin_cache" in name or "inv_freq" in name:
+                continue
+            if name.endswith("norm.weight"):
+                param.data.fill_(1.0)
+            elif "e_score_correction_bias" in name or name.endswith(".bias"):
+                param.data.zero_()
+            else:
+                gen = torch.Generator(device=param.device)
+                gen.manual_seed((zlib.crc32(name.encode()) ^ seed) & 0x7FFFFFFF)
+                tmp = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(0.0, std, generator=gen)
+                param.data.copy_(tmp.to(param.dtype))
+
+    loader.initialize_dummy_weights = initialize_dummy_weights
+
+
+def _process_setup() -> None:
+    """Runs in the engine's main process and in every scheduler subprocess."""
+    if os.environ.get("E2E_FORCE_REGISTER") == "1":
+        from mla_backend.sglang_plugin import register
+
+        register()
+    std = os.environ.get("E2E_WEIGHT_STD")
+    if std:
+        _patch_dummy_weights(float(std))
+
+
+def _scheduler_entry(*args, **kwargs):
+    """Scheduler subprocess target (spawned; module-level so it pickles by reference)."""
+    _process_setup()
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    return run_scheduler_process(*args, **kwargs)
+
+
+def _read_reports(report_dir):
+    reports = []
+    for name in sorted(os.listdir(report_dir)) if os.path.isdir(report_dir) else []:
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(report_dir, name)) as f:
+                    reports.append(json.load(f))
+            except (OSError, ValueError):
+                pass
+    return reports
+
+
+def child_main(spec: dict) -> dict:
+    report_dir = spec["report_dir"]
+    os.environ["MLA_BACKEND_SGLANG_REPORT"] = report_dir
+    _process_setup()
+    from sglang.srt.entrypoints.engine import Engine
+
+    class E2EEngine(Engine):
+        run_scheduler_process_func = staticmethod(_scheduler_entry)
+
+    kw = dict(model_path=spec["model"], load_format="dummy", skip_tokenizer_init=True, page_size=spec["page_size"],
+              mem_fraction_static=spec.get("mem_fraction_static", 0.5), context_length=spec.get("context_length", 4096),
+              cuda_graph_max_bs_decode=spec.get("cuda_graph_max_bs", 16), random_seed=0, log_level="warning",
+              disable_shared_experts_fusion=True)
+    if spec.get("attention_backend"):
+        kw["attention_backend"] = spec["attention_backend"]
+    for key in ("decode_attention_backend", "prefill_attention_backend", "kv_cache_dtype", "max_running_requests",
+                "disable_radix_cache", "disable_cuda_graph"):
+        if spec.get(key) is not None:
+            kw[key] = spec[key]
+    kw.update(spec.get("speculative") or {})
+    kw.update(spec.get("engine_args") or {})
+    result = {"engine_args": {k: v for k, v in kw.items() if k != "model_path"}}
+    t0 = time.perf_counter()
+    engine = E2EEngine(**kw)
+    result["startup_s"] = round(time.perf_counter() - t0, 1)
+    try:
+        sampling = {"max_new_tokens": spec["max_new_tokens"], "temperature": 0.0, "ignore_eos": True}
+        if spec.get("warmup_prompts"):
+            engine.generate(input_ids=spec["warmup_prompts"], sampling_params=dict(sampling, max_new_tokens=8))
+        if spec.get("prefill_only_timing"):
+            t = time.perf_counter()
+            engine.generate(input_ids=spec["prompts"], sampling_params=dict(sampling, max_new_tokens=1))
+            result["prefill_1tok_s"] = round(time.perf_counter() - t, 3)
+        t = time.perf_counter()
+        outs = engine.generate(input_ids=spec["prompts"], sampling_params=sampling)
+        result["generate_s"] = round(time.perf_counter() - t, 3)
+    finally:
+        engine.shutdown()
+    result["output_ids"] = [o["output_ids"] for o in outs]
+    metas = [o.get("meta_info", {}) for o in outs]
+    keep = ("completion_tokens", "spec_accept_length", "spec_verify_ct", "e2e_latency")
+    result["meta"] = [{k: m[k] for k in keep if k in m} for m in metas]
+    acc = [m["spec_accept_length"] for m in metas if isinstance(m.get("spec_accept_length"), (int, float))]
+    if acc:
+        result["mean_accept_length"] = round(sum(acc) / len(acc), 3)
+    n_out = sum(len(x) for x in result["output_ids"])
+    result["output_tokens"] = n_out
+    result["output_tok_per_s"] = round(n_out / result["generate_s"], 1) if result["generate_s"] else None
+    if "prefill_1tok_s" in result:
+        decode_s = result["generate_s"] - result["prefill_1tok_s"]
+        steps = n_out - len(result["output_ids"])
+        result["decode_tok_per_s"] = round(steps / decode_s, 1) if decode_s > 0 else None
+    result["backend_reports"] = _read_reports(report_dir)
+    return result
+
+
+# ----------------------------------------------------------------------------- driver side
+
+
+def run_engine(spec: dict, timeout: float, env: dict) -> dict:
+    """One engine in a fresh process group; returns its result or the error."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="e2e_sgl_") as report_dir:
+        spec = dict(spec, report_dir=report_dir)
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, err = proc.communicate()
+            return {"ok": False, "error": f"timeout after {timeout:.0f}s", "stderr_tail": err[-4000:],
+                    "wall_s": round(time.perf_counter() - start, 1)}
+        finally:
+            _kill_group(proc)
+    wall = round(time.perf_counter() - start, 1)
+    for line in reversed(out.splitlines()):
+        if line.startswith(RESULT_MARK):
+            res = json.loads(line[len(RESULT_MARK):])
+            res.update(ok=res.get("ok", True), wall_s=wall)
+            if not res["ok"]:
+                res["stderr_tail"] = err[-4000:]
+            return res
+    return {"ok": False, "error": f"engine process exited {proc.returncode} without a result", "wall_s": wall,
+            "stderr_tail": err[-4000:], "stdout_tail": out[-1500:]}
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def engine_env(args) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    if not entry_point_installed():
+        env["E2E_FORCE_REGISTER"] = "1"
+    if args.weights == "normal":
+        env["E2E_WEIGHT_STD"] = str(args.weight_std)
+    else:
+        env.pop("E2E_WEIGHT_STD", None)
+    return env
+
+
+def correctness_specs(args):
+    lens = [1, 5, 17, 64, 65, 130, 256, 333]
+    prompts = make_prompts(lens, seed=1)
+    base = dict(model=args.model, prompts=prompts, max_new_tokens=32, cuda_graph_max_bs=16)
+    runs = {
+        "tilelang_p1": dict(base, attention_backend="tilelang_mla", page_size=1),
+        "triton_p1": dict(base, attention_backend="triton", page_size=1),
+        "tilelang_p64": dict(base, attention_backend="tilelang_mla", page_size=64),
+        "flashmla_p64": dict(base, attention_backend="flashmla", page_size=64),
+        "hybrid_fa3_tilelang_p64": dict(base, prefill_attention_backend="fa3", decode_attention_backend="tilelang_mla",
+                                        page_size=64),
+    }
+    pairs = [("tilelang_p1", "triton_p1", True), ("tilelang_p64", "flashmla_p64", True),
+             ("tilelang_p1", "tilelang_p64", False), ("hybrid_fa3_tilelang_p64", "flashmla_p64", False)]
+    return runs, pairs
+
+
+def fp8_specs(args):
+    prompts = make_prompts([1, 5, 17, 64, 65, 130, 256, 333], seed=2)
+    base = dict(model=args.model, prompts=prompts, max_new_tokens=32, cuda_graph_max_bs=16, kv_cache_dtype="fp8_e4m3",
+                page_size=64)
+    runs = {"tilelang_p64_fp8": dict(base, attention_backend="tilelang_mla"),
+            "flashmla_p64_fp8": dict(base, attention_backend="flashmla"),
+            "triton_p64_fp8": dict(base, attention_backend="triton")}
+    return runs, [("tilelang_p64_fp8", "flashmla_p64_fp8", True), ("tilelang_p64_fp8", "triton_p64_fp8", False)]
+
+
+def mtp_specs(args):
+    prompts = make_prompts([1, 5, 17, 64, 65, 130, 256, 333], seed=3)
+    base = dict(model=args.model, prompts=prompts, max_new_tokens=32, cuda_graph_max_bs=8, page_size=64)
+    runs = {"tilelang_p64_mtp": dict(base, attention_backend="tilelang_mla", speculative=MTP),
+            "flashmla_p64_mtp": dict(base, attention_backend="flashmla", speculative=MTP),
+            "tilelang_p64": dict(base, attention_backend="tilelang_mla"),
+            "tilelang_p1_mtp": dict(base, attention_backend="tilelang_mla", page_size=1, speculative=MTP)}
+    return runs, [("tilelang_p64_mtp", "flashmla_p64_mtp", True), ("tilelang_p64_mtp", "tilelang_p64", False),
+                  ("tilelang_p1_mtp", "tilelang_p64_mtp", False)]
+
+
+def throughput_specs(args):
+    prompts = make_prompts([args.tp_in] * args.tp_bs, seed=4)
+    base = dict(model=args.model, prompts=prompts, max_new_tokens=args.tp_out, cuda_graph_max_bs=args.tp_bs,
+                max_running_requests=args.tp_bs, page_size=64, disable_radix_cache=True, prefill_only_timing=True,
+                warmup_prompts=make_prompts([16] * 4, seed=5), context_length=max(4096, args.tp_in + args.tp_out + 64))
+    runs = {name: dict(base, attention_backend=backend)
+            for name, backend in (("tilelang_p64", "tilelang_mla"), ("flashmla_p64", "flashmla"),
+                                  ("triton_p64", "triton"))}
+    return runs, []
+
+
+def serve_run(args, env, timeout) -> dict:
+    """python -m sglang.launch_server (entry point) or our launcher, then /generate with input_ids."""
+    import urllib.request
+
+    port = args.port
+    module = "sglang.launch_server" if entry_point_installed() else "mla_backend.sglang_plugin.launch_server"
+    cmd = [sys.executable, "-m", module, "--model-path", args.model, "--load-format", "dummy", "--skip-tokenizer-init",
+           "--attention-backend", "tilelang_mla", "--page-size", "64", "--host", "127.0.0.1", "--port", str(port),
+           "--mem-fraction-static", "0.5", "--context-length", "4096", "--cuda-graph-max-bs", "16",
+           "--disable-shared-experts-fusion", "--log-level", "warning"]
+    env = dict(env)
+    env.pop("E2E_WEIGHT_STD", None)
+    res = {"launcher": module, "cmd": " ".join(cmd[1:])}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="e2e_sgl_srv_") as report_dir, \
+            tempfile.TemporaryFile(mode="w+") as log:
+        env["MLA_BACKEND_SGLANG_REPORT"] = report_dir
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        base = f"http://127.0.0.1:{port}"
+
+        def post(path, payload, t=120):
+            req = urllib.request.Request(base + path, data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=t) as r:
+                return json.loads(r.read())
+
+        try:
+            up = False
+            while time.perf_counter() - start < timeout - 60:
+                if proc.poll() is not None:
+                    break
+                try:
+                    with urllib.request.urlopen(base + "/health_generate", timeout=30) as r:
+                        up = r.status == 200
+                except Exception:
+                    up = False
+                if up:
+                    break
+                time.sleep(3)
+            res["startup_s"] = round(time.perf_counter() - start, 1)
+            if not up:
+                raise RuntimeError(f"server not healthy (exit code {proc.poll()})")
+            prompts = make_prompts([1, 5, 17, 64, 65, 130, 256, 333], seed=6)
+            sampling = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                singles = list(pool.map(lambda p: post("/generate", {"input_ids": p, "sampling_params": sampling}),
+                                        prompts))
+            batch = post("/generate", {"input_ids": prompts, "sampling_params": sampling})
+            single_ids = [o["output_ids"] for o in singles]
+            batch_ids = [o["output_ids"] for o in batch]
+            res["output_lens"] = [len(x) for x in single_ids]
+            res["concurrent_vs_batched"] = compare_outputs(single_ids, batch_ids)
+            try:
+                with urllib.request.urlopen(base + "/server_info", timeout=30) as r:
+                    info = json.loads(r.read())
+                res["server_attention_backend"] = info.get("attention_backend")
+                res["server_page_size"] = info.get("page_size")
+            except Exception as exc:  # noqa: BLE001
+                res["server_info_error"] = str(exc)
+            res["backend_reports"] = _read_reports(report_dir)
+            res["ok"] = all(n == 32 for n in res["output_lens"]) and bool(res["backend_reports"])
+        except Exception as exc:  # noqa: BLE001
+            res["ok"] = False
+            res["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            _kill_group(proc)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            log.seek(0)
+            tail = log.read()[-4000:]
+            if not res.get("ok"):
+                res["log_tail"] = tail
+    res["wall_s"] = round(time.perf_counter() - start, 1)
+    return res
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--serve", action="store_true", help="launch_server + /generate")
+    mode.add_argument("--mtp", action="store_true", help="EAGLE/MTP topk 1, draft backend triton")
+    mode.add_argument("--fp8", action="store_true", help="--kv-cache-dtype fp8_e4m3")
+    mode.add_argument("--throughput", action="store_true", help="decode-heavy timing vs flashmla and triton")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--model", default=MODEL_DIR)
+    parser.add_argument("--only", action="append", default=[], help="run only these engine labels")
+    parser.add_argument("--budget", type=float, default=510.0, help="seconds for the whole invocation")
+    parser.add_argument("--engine-timeout", type=float, default=300.0)
+    parser.add_argument("--weights", choices=("normal", "dummy"), default="normal")
+    parser.add_argument("--weight-std", type=float, default=0.02)
+    parser.add_argument("--tp-bs", type=int, default=64)
+    parser.add_argument("--tp-in", type=int, default=1024)
+    parser.add_argument("--tp-out", type=int, default=512)
+    parser.add_argument("--port", type=int, default=30111)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child is not None:
+        try:
+            res = child_main(json.loads(args.child))
+            res["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - report, don't hang
+            import traceback
+
+            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+        print(RESULT_MARK + json.dumps(res), flush=True)
+        os._exit(0)  # leftover SGLang threads must not keep the process alive
+
+    start = time.perf_counter()
+    env = engine_env(args)
+    report = {"mode": "serve" if args.serve else "mtp" if args.mtp else "fp8" if args.fp8 else
+              "throughput" if args.throughput else "correctness",
+              "plugin_mechanism": "entry_point" if entry_point_installed() else "per-process register() fallback",
+              "weights": f"normal(0, {args.weight_std})" if args.weights == "normal" else "sglang dummy (+-1e-3)",
+              "model": args.model, "engines": {}, "comparisons": {}, "skipped": []}
+    if args.serve:
+        report["serve"] = serve_run(args, env, timeout=min(args.budget, 480.0))
+        report["ok"] = report["serve"].get("ok", False)
+    else:
+        runs, pairs = (mtp_specs if args.mtp else fp8_specs if args.fp8 else
+                       throughput_specs if args.throughput else correctness_specs)(args)
+        for label, spec in runs.items():
+            if args.only and label not in args.only:
+                continue
+            left = args.budget - (time.perf_counter() - start)
+            if left < 90:
+                report["skipped"].append(f"{label}: out of budget ({left:.0f}s left)")
+                continue
+            print(f"[e2e] {label} ...", flush=True)
+            res = run_engine(spec, timeout=min(args.engine_timeout, left - 15), env=env)
+            report["engines"][label] = res
+            time.sleep(3)  # let the killed engine's GPU memory go before the next one starts
+            print(f"[e2e] {label}: ok={res.get('ok')} wall={res.get('wall_s')}s "
+                  f"{res.get('error', '')}", flush=True)
+        missing_required = []
+        for a, b, required in pairs:
+            if args.only and not (a in args.only and b in args.only):
+                continue
+            ea, eb = report["engines"].get(a), report["engines"].get(b)
+            if not (ea and eb and ea.get("ok") and eb.get("ok")):
+                if required:
+                    missing_required.append(f"{a} vs {b}")
+                continue
+            cmp = compare_outputs(ea["output_ids"], eb["output_ids"])
+            cmp["required"] = required
+            report["comparisons"][f"{a} vs {b}"] = cmp
+        report["missing_required_comparisons"] = missing_required
+        if args.throughput:
+            tp = {k: {m: v.get(m) for m in ("output_tok_per_s", "decode_tok_per_s", "generate_s", "prefill_1tok_s")}
+                  for k, v in report["engines"].items() if v.get("ok")}
+            ref = tp.get("tilelang_p64", {}).get("decode_tok_per_s")
+            for k, v in tp.items():
+                if ref and v.get("decode_tok_per_s"):
+                    v["tilelang_decode_speedup"] = round(ref / v["decode_tok_per_s"], 3)
+            report["throughput"] = tp
+        ours_ok = all(r.get("ok") for k, r in report["engines"].items() if "tilelang" in k)
+        ours = [r for k, r in report["engines"].items() if "tilelang" in k and r.get("ok")]
+        used_kernel = bool(ours) and all(
+            any(str(rep.get("impl", "")).startswith("tilelang") for rep in r.get("backend_reports", []))
+            for r in ours)
+        report["tilelang_kernel_used"] = used_kernel
+        required = [c["pass"] for c in report["comparisons"].values() if c["required"]]
+        report["ok"] = (bool(report["engines"]) and ours_ok and used_kernel and all(required)
+                        and not missing_required)
+    report["wall_s"] = round(time.perf_counter() - start, 1)
+    text = json.dumps(report, indent=2, default=str)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    summary = {k: v for k, v in report.items() if k in ("mode", "ok", "plugin_mechanism", "skipped", "wall_s",
+                                                          "tilelang_kernel_used", "throughput",
+                                                          "missing_required_comparisons")}
+    summary["comparisons"] = {k: {m: c[m] for m in c if m != "per_prompt"} for k, c in report["comparisons"].items()}
+    summary["engines"] = {k: {m: v.get(m) for m in ("ok", "error", "startup_s", "generate_s", "mean_accept_length")}
+                          for k, v in report["engines"].items()}
+    if args.serve:
+        summary["serve"] = {k: v for k, v in report["serve"].items() if k not in ("log_tail", "backend_reports")}
+    print(json.dumps(summary, indent=2, default=str))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

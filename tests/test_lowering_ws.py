@@ -1,0 +1,672 @@
+"""The warp-specialised Hopper kernel (``mla_decode_ws``): lowering, nvcc, and its barrier protocol.
+
+Three kinds of checks, all on a machine without a GPU:
+
+* TileLang lowers the kernel for ``sm_90a`` (a few variants: 16 / 128 heads, q_len 1 / 2, page sizes
+  1 / 16 / 64, bf16 / fp16, fp8 cache); the generated CUDA has WGMMA, ``setmaxnreg``, exactly the
+  shared memory of the budget (so TileLang aliased no buffer between roles), and no CTA-wide or
+  role-divergent named barrier after the warp-role split (either would hang).
+* nvcc + ptxas compile one variant for sm_90a: no spills; the PTX has ``wgmma.mma_async``; with a
+  ``cuobjdump`` at hand, each warpgroup role's SASS stays under its ``setmaxnreg`` budget.
+* A simulation of the three roles (12 warps, random interleavings, async cp.async completion) runs the
+  kernel's own parity functions over random plans and checks that every wait targets the right phase
+  (none passes early, none waits on a phase that nobody completes: no deadlock), every arrival lands in
+  the phase it is meant for, and no shared buffer is read while being written or overwritten while read.
+  Deliberately broken protocols must fail it.
+
+Each lowering takes ~20-35 s on 2 cores; the variants are lowered in 2 processes once per session.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import random
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+import pytest
+
+from mla_backend.kernels import mla_decode_ws as ws
+
+SM90_SMEM_LIMIT = 232448  # 227 KiB: static + dynamic shared memory one block may use on H100 / H200
+CUDA = "cuda -arch=sm_90a"
+
+# (num_heads, q_len, page_size, dtype, kv_dtype)
+LOWER_VARIANTS = [
+    (128, 1, 64, "bfloat16", "bfloat16"),  # TP1, compute-bound; also nvcc-compiled
+    (16, 2, 16, "float16", "float16"),  # TP8, MTP, padded row block (32 of 64 rows)
+    (128, 2, 1, "bfloat16", "bfloat16"),  # SGLang page size 1, 4 row blocks
+    (16, 1, 64, "bfloat16", "float8_e4m3"),  # fp8 cache: register conversion in the producer
+]
+NVCC_VARIANT = LOWER_VARIANTS[0]
+
+
+def _vid(v) -> str:
+    return "-".join(str(x) for x in v)
+
+
+# ============================================================================ lowering + nvcc
+def _lower(variant):
+    """Runs in a worker process: (kernel source, dynamic shared memory bytes)."""
+    import tilelang
+    from tilelang import tvm
+    from tvm.target import Target
+
+    func = ws.build_decode_kernel_ws(*variant)
+    with tvm.target.Target(CUDA):
+        art = tilelang.lower(func, target=Target(CUDA), enable_device_compile=False)
+    sizes = [int(f.attrs["dyn_shared_memory_buf"]) for _, f in art.device_mod.functions.items()
+             if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs]
+    return art.kernel_source, max(sizes, default=0)
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    if os.environ.get("CI"):
+        import tilelang  # noqa: F401  (in CI a broken TileLang install must fail, not skip)
+    else:
+        pytest.importorskip("tilelang")
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as pool:
+        results = list(pool.map(_lower, LOWER_VARIANTS))
+    return dict(zip(LOWER_VARIANTS, results))
+
+
+def _role_sections(src: str) -> dict[str, str]:
+    """The CUDA source of each warpgroup role (the branches start with their setmaxnreg call)."""
+    marks = {"wg0": f"warpgroup_reg_alloc<{ws.REGS_WG0}>", "wg1": f"warpgroup_reg_alloc<{ws.REGS_WG1}>",
+             "producer": f"warpgroup_reg_dealloc<{ws.REGS_PRODUCER}>"}
+    pos = {name: src.index(m) for name, m in marks.items()}
+    order = sorted(pos, key=pos.get)
+    bounds = [pos[n] for n in order] + [len(src)]
+    return {n: src[bounds[i]:bounds[i + 1]] for i, n in enumerate(order)}
+
+
+def _thread_dependent_ifs_around(src: str, offset: int) -> list[str]:
+    """Headers of the enclosing ``if`` blocks at ``offset`` whose condition reads threadIdx."""
+    stack = []
+    i = 0
+    line_start = 0
+    for i, ch in enumerate(src[:offset]):
+        if ch == "\n":
+            line_start = i + 1
+        elif ch == "{":
+            stack.append(src[line_start:i].strip())
+        elif ch == "}":
+            stack.pop()
+    return [h for h in stack if h.startswith(("if", "} else if")) and "threadIdx" in h]
+
+
+@pytest.mark.parametrize("variant", LOWER_VARIANTS, ids=_vid)
+def test_ws_kernel_lowers(lowered, variant):
+    src, smem = lowered[variant]
+    assert re.search(r'extern "C" __global__ void __launch_bounds__\(384, 1\) mla_decode_split_kernel', src)
+    assert "tl::wgmma_ss<" in src, "the GEMMs did not lower to Hopper WGMMA"
+    for n in (ws.REGS_WG0, ws.REGS_WG1):
+        assert f"warpgroup_reg_alloc<{n}>" in src
+    assert f"warpgroup_reg_dealloc<{ws.REGS_PRODUCER}>" in src
+
+    budget = ws.smem_budget()
+    # Exactly the sum of the buffers: TileLang merged no two of them (its liveness analysis is
+    # sequential and would not know that the roles run concurrently).
+    assert smem == budget["dynamic"], f"dynamic shared memory {smem} B, the budget says {budget}"
+    assert smem + budget["static"] <= SM90_SMEM_LIMIT
+    assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 8, "expected 8 mbarrier arrays (10 barriers)"
+
+
+@pytest.mark.parametrize("variant", LOWER_VARIANTS, ids=_vid)
+def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
+    """A __syncthreads() after the role split, a named barrier shared by two roles, or one inside a
+    thread-dependent branch of a role would deadlock or mis-synchronise."""
+    src, _ = lowered[variant]
+    first_role = min(src.index(f"warpgroup_reg_alloc<{ws.REGS_WG0}>"), src.index(f"warpgroup_reg_alloc<{ws.REGS_WG1}>"),
+                     src.index(f"warpgroup_reg_dealloc<{ws.REGS_PRODUCER}>"))
+    assert "__syncthreads()" not in src[first_role:], "CTA-wide barrier inside a warp role"
+    role_conditions = ("((int)threadIdx.x) < 128", "((int)threadIdx.x) < 256")
+    ids_by_role = {}
+    for role, text in _role_sections(src).items():
+        ids = set()
+        for m in re.finditer(r"__sync_thread_partial<(\d+), (\d+)>", text):
+            assert m.group(2) == "128", f"{role}: named barrier {m.group(1)} for {m.group(2)} threads"
+            ids.add(m.group(1))
+            offset = src.index(text) + m.start()
+            for header in _thread_dependent_ifs_around(src, offset):
+                assert any(c in header for c in role_conditions), \
+                    f"{role}: named barrier {m.group(1)} under a thread-dependent branch: {header}"
+        ids_by_role[role] = ids
+    roles = list(ids_by_role)
+    for i, a in enumerate(roles):
+        for b in roles[i + 1:]:
+            assert not ids_by_role[a] & ids_by_role[b], f"{a} and {b} share named barrier(s) {ids_by_role[a] & ids_by_role[b]}"
+
+
+def _nvcc() -> str:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+            if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+                return os.path.join(home, "bin", "nvcc")
+        pytest.skip("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
+    return nvcc
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from PATH, CUDA_HOME, $CUOBJDUMP, or the nvidia-cuda-cuobjdump wheel."""
+    found = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "bin", "cuobjdump")):
+            return os.path.join(home, "bin", "cuobjdump")
+    try:
+        import nvidia  # the wheel nvidia-cuda-cuobjdump installs nvidia/cu13/bin/cuobjdump
+
+        for base in nvidia.__path__:
+            for sub in ("cu13", "cuda_cuobjdump"):
+                path = os.path.join(base, sub, "bin", "cuobjdump")
+                if os.path.exists(path):
+                    return path
+    except ImportError:
+        pass
+    return None
+
+
+def role_registers(sass: str) -> dict[str, dict]:
+    """Per warpgroup role: highest register index used, local-memory instructions, HGMMA count.
+
+    The SASS is cut at each ``USETMAXREG`` (the role's setmaxnreg); ptxas lays the roles out one after
+    another, and the out-of-line wait loops at the end fall into the last one (they use few registers).
+    """
+    names = {ws.REGS_WG0: "wg0", ws.REGS_WG1: "wg1", ws.REGS_PRODUCER: "producer"}
+    sections, name, body = {}, "prologue", []
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if not m:
+            continue
+        ins = m.group(1)
+        if "USETMAXREG" in ins:
+            sections[name] = body
+            name, body = names[int(ins.split()[-1], 16)], []
+        body.append(ins)
+    sections[name] = body
+    out = {}
+    for name, body in sections.items():
+        regs = [int(r) for ins in body for r in re.findall(r"\bR(\d+)\b", ins)]
+        out[name] = {"max_reg": max(regs, default=-1), "local_mem": sum(bool(re.search(r"\b(LDL|STL)\b", i)) for i in body),
+                     "hgmma": sum("HGMMA" in i for i in body)}
+    return out
+
+
+def test_nvcc_compiles_ws_for_sm90a(lowered, tmp_path):
+    """TileLang's nvcc flags, with -c so ptxas runs: register limits, spills and WGMMA show here."""
+    nvcc = _nvcc()
+    import tilelang
+
+    tl_dir = os.path.dirname(tilelang.__file__)
+    src, _ = lowered[NVCC_VARIANT]
+    cu = tmp_path / "ws.cu"
+    cu.write_text(src)
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    cmd = [nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-O3", "--use_fast_math", "-w",
+           "-Xptxas", "-v", "-keep", f"-keep-dir={keep}", f"-I{tl_dir}/src", f"-I{tl_dir}/3rdparty/cutlass/include",
+           f"-I{tl_dir}/3rdparty/cutlass/tools/util/include", "-c", str(cu), "-o", str(tmp_path / "ws.o")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    report = proc.stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert regs and spills, report
+    # 384 threads x 168 registers = 64512 <= 65536: the launch bound caps the kernel at 168
+    assert int(regs.group(1)) <= 168, report
+    assert spills.groups() == ("0", "0"), f"register spills: {spills.group(0)}"
+    ptx = "".join(p.read_text() for p in keep.glob("*.ptx"))
+    assert "wgmma.mma_async" in ptx, "no WGMMA in the PTX"
+    for n in (ws.REGS_WG0, ws.REGS_WG1):
+        assert f"setmaxnreg.inc.sync.aligned.u32 {n}" in ptx
+    assert f"setmaxnreg.dec.sync.aligned.u32 {ws.REGS_PRODUCER}" in ptx
+
+    cuobjdump = _cuobjdump()
+    if cuobjdump is None:
+        return  # per-role registers need cuobjdump (pip install nvidia-cuda-cuobjdump)
+    sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "ws.o")], capture_output=True, text=True).stdout
+    per_role = role_registers(sass)
+    caps = {"wg0": ws.REGS_WG0, "wg1": ws.REGS_WG1, "producer": ws.REGS_PRODUCER}
+    for role, cap in caps.items():
+        assert per_role[role]["max_reg"] < cap, f"{role} uses R{per_role[role]['max_reg']} with setmaxnreg {cap}"
+        assert per_role[role]["local_mem"] == 0, f"{role} touches local memory"
+    assert per_role["wg0"]["hgmma"] > 0 and per_role["wg1"]["hgmma"] > 0
+
+
+# ============================================================================ protocol simulation
+class ProtocolError(AssertionError):
+    pass
+
+
+class Deadlock(AssertionError):
+    pass
+
+
+@dataclass
+class MBarrier:
+    """An mbarrier: ``completions`` phases done; a wait on parity p passes iff completions % 2 != p."""
+
+    name: str
+    expected: int
+    pending: int = 0
+    completions: int = 0
+
+    def __post_init__(self):
+        self.pending = self.expected
+
+    def arrive(self, threads: int, meant_for: int):
+        if meant_for != self.completions:
+            raise ProtocolError(f"{self.name}: arrival meant for completion {meant_for} lands in phase "
+                                f"{self.completions}")
+        self.pending -= threads
+        if self.pending < 0:
+            raise ProtocolError(f"{self.name}: too many arrivals in phase {self.completions}")
+        if self.pending == 0:
+            self.completions += 1
+            self.pending = self.expected
+
+    def passes(self, parity: int, waits_for: int) -> bool:
+        """``waits_for``: the completion (0-based) the waiter needs; -1 for 'none yet' (fresh barrier)."""
+        if parity != (waits_for & 1):
+            raise ProtocolError(f"{self.name}: parity {parity} does not name completion {waits_for}")
+        if self.completions % 2 == parity:
+            if self.completions >= waits_for + 2:
+                raise Deadlock(f"{self.name}: completion {waits_for} was overtaken (now {self.completions})")
+            return False
+        if self.completions != waits_for + 1:
+            raise ProtocolError(f"{self.name}: wait for completion {waits_for} passes with {self.completions} "
+                                "completions (parity aliasing)")
+        return True
+
+
+@dataclass
+class Buffer:
+    """Shared tile written in 4 slices (one per warp of the writing warpgroup); tags name the contents.
+
+    Reads are intervals (a WGMMA reads shared memory while it runs): a write may not begin while any
+    warp is between its read begin and read end, and a read must see the expected tag throughout.
+    """
+
+    name: str
+    tags: list = field(default_factory=lambda: ["init"] * 4)
+    writing: list = field(default_factory=lambda: [False] * 4)
+    readers: int = 0
+
+    def write_begin(self, s):
+        if self.readers:
+            raise ProtocolError(f"{self.name}[{s}] overwritten while {self.readers} warp(s) read it")
+        if self.writing[s]:
+            raise ProtocolError(f"{self.name}[{s}] written twice at once")
+        self.writing[s] = True
+        self.tags[s] = None
+
+    def write_end(self, s, tag):
+        self.writing[s] = False
+        self.tags[s] = tag
+
+    def check(self, tag):
+        if any(self.writing) or self.tags != [tag] * 4:
+            raise ProtocolError(f"{self.name} read for {tag!r} holds {self.tags} (writing {self.writing})")
+
+    def read_begin(self, tag):
+        self.check(tag)
+        self.readers += 1
+
+    def read_end(self, tag):
+        self.check(tag)
+        self.readers -= 1
+
+
+def plan_parts(kv_lens, width, num_parts, block_n=64):
+    """The planner's split (mla_backend.planner.SplitPlanner.plan) for an arbitrary width."""
+    import bisect
+
+    cu = [0]
+    for n in kv_lens:
+        cu.append(cu[-1] + -(-n // block_n))
+    total = cu[-1]
+    begin, end = [], []
+    for p in range(num_parts):
+        lo, hi = p * width, min((p + 1) * width, total)
+        b = bisect.bisect_right(cu[1:], lo)
+        e = bisect.bisect_right(cu[1:], hi - 1)
+        begin.append(b)
+        end.append(e if hi > lo else b - 1)
+    return cu, begin, end
+
+
+def part_segments(cu, width, part, begin, end):
+    """The kernel's request loop for one part: (req, blk_lo, blk_hi, g0) of each non-empty segment."""
+    part_lo = part * width
+    part_hi = min(part_lo + width, cu[-1])
+    segs = []
+    for req in range(begin[part], end[part] + 1):
+        req_lo, req_hi = cu[req], cu[req + 1]
+        blk_lo = max(part_lo, req_lo) - req_lo
+        blk_hi = min(part_hi, req_hi) - req_lo
+        if blk_hi > blk_lo:
+            segs.append((req, blk_lo, blk_hi, ws.segment_first_block(part_lo, req_lo, blk_lo)))
+    return segs
+
+
+def simulate_part(segs, *, fp8=False, seed=0, mutation=None, max_steps=5_000_000):
+    """Runs the 12 warps of one program over its segments with a random schedule.
+
+    The warps follow the kernel's code (same order of waits, arrivals, reads and writes, with the
+    kernel's parity functions); what each wait and arrival *should* target is computed here from
+    running counts, independently of the kernel's closed forms. cp.async copies complete at random
+    later steps, and their noinc arrivals fire after the issuing warp's earlier copies completed.
+    Returns the number of blocks the program processed.
+    """
+    rng = random.Random(seed)
+    bars = {"k_ready0": MBarrier("k_ready[0]", 128), "k_ready1": MBarrier("k_ready[1]", 128),
+            "k_free0": MBarrier("k_free[0]", 256), "k_free1": MBarrier("k_free[1]", 256),
+            "q_ready": MBarrier("q_ready", 128), "q_free": MBarrier("q_free", 128),
+            "p_ready": MBarrier("p_ready", 128), "p_free": MBarrier("p_free", 128),
+            "l_ready": MBarrier("l_ready", 128), "l_free": MBarrier("l_free", 128)}
+    bufs = {n: Buffer(n) for n in ("q", "kv0", "kv1", "p", "l")}
+
+    # independent bookkeeping: each block's running index and the fill number of its buffer
+    per_segment = []
+    fills = [0, 0]
+    run = 0
+    for s, (_, blk_lo, blk_hi, g0) in enumerate(segs):
+        blks = []
+        for blk in range(blk_hi - blk_lo):
+            g = g0 + blk
+            if mutation == "g_restarts_per_request":
+                g = blk  # the bug the running counter avoids: phases restart at every request
+            b = ws.kv_buffer(g)
+            blks.append((blk, g, b, fills[b], run))
+            fills[b] += 1
+            run += 1
+        per_segment.append((s, blks))
+    n_blocks = run
+
+    # ops: ("wait", bar, parity, waits_for) ("arrive", bar, meant_for) ("rbegin"|"rend", buf, tag)
+    #      ("wbegin", buf, slice) ("wend", buf, slice, tag) ("copy", buf, slice, tag): cp.async
+    #      ("noinc", bar, meant_for): cp.async.mbarrier.arrive.noinc
+    #      ("sync", group, n): a named barrier of the warpgroup (TileLang's, or a WGMMA's collective issue)
+    def wg0(w):
+        nsync = 0
+        seg = 0  # the kernel's counter of non-empty segments
+        for s, blks in per_segment:
+            yield ("wait", "q_ready", ws.seg_ready_parity(seg), s)
+            for (blk, g, b, fill, r) in blks:
+                yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g), fill)
+                nsync += 1
+                yield ("sync", "wg0", nsync)  # S = Q K^T: wgmma_gemm x 3, wait_wgmma(0)
+                yield ("rbegin", "q", s)
+                yield ("rbegin", f"kv{b}", r)
+                yield ("rend", "q", s)
+                yield ("rend", f"kv{b}", r)
+                if blk == len(blks) - 1 and mutation != "no_q_free":
+                    yield ("arrive", "q_free", s)
+                yield ("wait", "p_free", ws.p_free_parity(g), r - 1)
+                nsync += 1
+                yield ("sync", "wg0", nsync)  # TileLang's barrier before the alpha / P stores
+                yield ("wbegin", "p", w)
+                yield ("wend", "p", w, r)
+                yield ("arrive", "p_ready", r)  # after fence.proxy.async
+                nsync += 1
+                yield ("sync", "wg0", nsync)  # P @ V[:, :256]
+                yield ("rbegin", "p", r)
+                yield ("rbegin", f"kv{b}", r)
+                yield ("rend", "p", r)
+                yield ("rend", f"kv{b}", r)
+                yield ("arrive", f"k_free{b}", fill)
+            yield ("wait", "l_free", ws.seg_free_parity(seg), s - 1)
+            nsync += 1
+            yield ("sync", "wg0", nsync)
+            yield ("wbegin", "l", w)
+            yield ("wend", "l", w, s)
+            yield ("arrive", "l_ready", s)
+            seg += 1
+
+    def wg1(w):
+        nsync = 0
+        seg = 0
+        for s, blks in per_segment:
+            for (blk, g, b, fill, r) in blks:
+                yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g), fill)
+                yield ("wait", "p_ready", ws.p_ready_parity(g), r)
+                yield ("rbegin", "p", r)  # alpha, then P in the GEMM
+                nsync += 1
+                yield ("sync", "wg1", nsync)  # P @ V[:, 256:]
+                yield ("rbegin", f"kv{b}", r)
+                yield ("rend", f"kv{b}", r)
+                yield ("rend", "p", r)
+                if mutation != "wg1_no_p_free":
+                    yield ("arrive", "p_free", r)
+                yield ("arrive", f"k_free{b}", fill)
+            yield ("wait", "l_ready", ws.seg_ready_parity(seg), s)
+            yield ("rbegin", "l", s)
+            yield ("rend", "l", s)
+            yield ("arrive", "l_free", s)
+            seg += 1
+
+    def producer(w):
+        nsync = 0
+        seg = 0
+        for s, blks in per_segment:
+            yield ("wait", "q_free", ws.seg_free_parity(seg), s - 1)
+            yield ("copy", "q", w, s)
+            yield ("noinc", "q_ready", s)
+            for (blk, g, b, fill, r) in blks:
+                if mutation != "producer_skips_free_wait":
+                    yield ("wait", f"k_free{b}", ws.kv_free_parity(g), fill - 1)
+                if fp8:  # load, convert, store; TileLang's named barriers sit between the stores
+                    nsync += 1
+                    yield ("sync", "producer", nsync)
+                    yield ("wbegin", f"kv{b}", w)
+                    yield ("wend", f"kv{b}", w, r)
+                    yield ("arrive", f"k_ready{b}", fill)  # after fence.proxy.async
+                else:
+                    yield ("copy", f"kv{b}", w, r)
+                    yield ("noinc", f"k_ready{b}", fill)
+            seg += 1
+        if n_blocks and mutation != "producer_no_tail":  # the tail: wait for the part's last k_ready phase (the kernel's g = part_hi - part_lo - 1)
+            g_last = n_blocks - 1
+            b = ws.kv_buffer(g_last)
+            yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g_last), fills[b] - 1)
+
+    warps = [("wg0", w, wg0(w)) for w in range(4)] + [("wg1", w, wg1(w)) for w in range(4)] + \
+            [("producer", w, producer(w)) for w in range(4)]
+    nxt = [next(gen, None) for _, _, gen in warps]
+    arrived_at_sync = {}  # (group, n) -> warps that reached that named barrier
+    jobs = {}  # id -> (warp, buffer, slice, tag): cp.async in flight
+    noincs = []  # (barrier, meant_for, ids of the warp's copies it waits for)
+    next_job = 0
+    speed = [rng.choice((0.1, 1.0, 10.0)) for _ in warps]  # skew: some warps run ahead, some lag
+
+    for _ in range(max_steps):
+        enabled, weights = [], []
+        for i, op in enumerate(nxt):
+            if op is None:
+                continue
+            if op[0] == "wait" and not bars[op[1]].passes(op[2], op[3]):
+                continue
+            if op[0] == "sync_wait" and arrived_at_sync[(op[1], op[2])] < 4:
+                continue
+            enabled.append(("warp", i))
+            weights.append(speed[i])
+        for j in jobs:
+            enabled.append(("job", j))
+            weights.append(1.0)
+        for k, (_, _, deps) in enumerate(noincs):
+            if not deps & jobs.keys():
+                enabled.append(("noinc", k))
+                weights.append(1.0)
+        if not enabled:
+            if all(op is None for op in nxt):
+                break
+            state = [f"{warps[i][0]}.{warps[i][1]}: {op}" for i, op in enumerate(nxt) if op is not None]
+            raise Deadlock("no warp can move: " + "; ".join(state) + " | completions " +
+                           ", ".join(f"{b.name}={b.completions}" for b in bars.values()))
+        what, i = rng.choices(enabled, weights=weights)[0]
+        if what == "job":
+            _, buf, sl, tag = jobs.pop(i)
+            bufs[buf].write_end(sl, tag)
+            continue
+        if what == "noinc":
+            bar, meant_for, _ = noincs.pop(i)
+            bars[bar].arrive(32, meant_for)
+            continue
+        op = nxt[i]
+        kind = op[0]
+        if kind == "arrive":
+            bars[op[1]].arrive(32, op[2])
+        elif kind == "rbegin":
+            bufs[op[1]].read_begin(op[2])
+        elif kind == "rend":
+            bufs[op[1]].read_end(op[2])
+        elif kind == "wbegin":
+            bufs[op[1]].write_begin(op[2])
+        elif kind == "wend":
+            bufs[op[1]].write_end(op[2], op[3])
+        elif kind == "copy":
+            bufs[op[1]].write_begin(op[2])
+            jobs[next_job] = (i, op[1], op[2], op[3])
+            next_job += 1
+        elif kind == "noinc":
+            noincs.append((op[1], op[2], {j for j, job in jobs.items() if job[0] == i}))
+        elif kind == "sync":
+            key = (op[1], op[2])
+            arrived_at_sync[key] = arrived_at_sync.get(key, 0) + 1
+            nxt[i] = ("sync_wait", op[1], op[2])
+            continue
+        nxt[i] = next(warps[i][2], None)
+        if nxt[i] is None and warps[i][0] == "producer" and any(job[0] == i for job in jobs.values()):
+            raise ProtocolError(f"producer warp {warps[i][1]} exits with cp.async in flight")
+    else:
+        raise AssertionError("simulation did not finish")
+
+    assert not jobs and not noincs
+    for b in bars.values():
+        assert b.pending == b.expected, f"{b.name}: {b.expected - b.pending} stray arrivals left at the end"
+    assert all(buf.readers == 0 for buf in bufs.values())
+    assert bars["p_ready"].completions == n_blocks == bars["p_free"].completions
+    assert bars["k_ready0"].completions + bars["k_ready1"].completions == n_blocks
+    assert bars["k_free0"].completions + bars["k_free1"].completions == n_blocks
+    assert bars["q_ready"].completions == len(segs) == bars["l_ready"].completions
+    return n_blocks
+
+
+def test_protocol_parities_match_the_running_counts():
+    """The closed forms the kernel uses, against counting."""
+    for g in range(64):
+        fill = g // 2  # buffer g & 1 alternates, so this is block g's fill number of its buffer
+        assert ws.kv_buffer(g) == g % 2
+        assert ws.kv_ready_parity(g) == fill % 2
+        assert ws.kv_free_parity(g) == (fill - 1) % 2
+        assert ws.p_ready_parity(g) == g % 2
+        assert ws.p_free_parity(g) == (g - 1) % 2
+        assert ws.seg_ready_parity(g) == g % 2 and ws.seg_free_parity(g) == (g - 1) % 2
+
+
+def test_segments_number_blocks_contiguously():
+    """g runs 0, 1, ... through every part whatever the request boundaries, and the parts cover every
+    flat block exactly once: the phase counters never restart or skip."""
+    rng = random.Random(1)
+    for _ in range(300):
+        lens = [rng.choice((0, 0, 1, 63, 64, 65, 128, 200, 1000, rng.randrange(1, 3000))) for _ in range(rng.randrange(1, 12))]
+        total = sum(-(-n // 64) for n in lens)
+        num_parts = rng.randrange(1, 9)
+        width = max(1, -(-total // num_parts), rng.choice((1, 4)))
+        cu, begin, end = plan_parts(lens, width, num_parts)
+        seen = []
+        for part in range(num_parts):
+            segs = part_segments(cu, width, part, begin, end)
+            gs = [g0 + k for (_, lo, hi, g0) in segs for k in range(hi - lo)]
+            assert gs == list(range(len(gs)))
+            seen += [cu[req] + lo + k for (req, lo, hi, _) in segs for k in range(hi - lo)]
+        assert sorted(seen) == list(range(total))
+
+
+EDGE_CASES = {
+    # kv_lens, width, num_parts
+    "one-block": ([5], 4, 1),
+    "odd-blocks": ([64 * 3], 4, 1),
+    "odd-then-odd": ([64 * 3, 64 * 5 - 7], 16, 1),
+    "empty-request-between": ([64 * 3, 0, 0, 64 * 2 + 1, 0], 16, 1),
+    "many-short-requests": ([1, 64, 65, 3, 130, 7, 0, 64], 4, 3),
+    "width-1": ([64 * 3, 64, 1], 1, 5),
+    "request-spans-parts": ([64 * 11], 4, 3),
+    "empty-part": ([64], 4, 3),
+}
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["cp.async", "fp8-registers"])
+@pytest.mark.parametrize("case", list(EDGE_CASES), ids=list(EDGE_CASES))
+def test_protocol_edge_cases(case, fp8):
+    lens, width, num_parts = EDGE_CASES[case]
+    cu, begin, end = plan_parts(lens, width, num_parts)
+    for part in range(num_parts):
+        segs = part_segments(cu, width, part, begin, end)
+        for seed in range(20):
+            simulate_part(segs, fp8=fp8, seed=seed)
+
+
+def test_protocol_random_plans():
+    rng = random.Random(2024)
+    runs = 0
+    for trial in range(150):
+        lens = [rng.choice((0, 1, 64, 65, 127, 128, 129, rng.randrange(1, 1500))) for _ in range(rng.randrange(1, 10))]
+        total = sum(-(-n // 64) for n in lens)
+        num_parts = rng.randrange(1, 6)
+        width = max(rng.choice((1, 2, 3, 4)), -(-total // num_parts))
+        cu, begin, end = plan_parts(lens, width, num_parts)
+        for part in range(num_parts):
+            segs = part_segments(cu, width, part, begin, end)
+            simulate_part(segs, fp8=trial % 3 == 0, seed=trial * 31 + part)
+            runs += 1
+    assert runs > 150
+
+
+def test_protocol_with_the_real_planner():
+    """Plans made by mla_backend.planner.SplitPlanner with 64-token blocks (the kernel's block size)."""
+    torch = pytest.importorskip("torch")
+    from mla_backend.planner import SplitPlanner
+
+    rng = random.Random(7)
+    for trial in range(20):
+        batch = rng.randrange(1, 9)
+        lens = [rng.choice((0, 1, 64, 100, rng.randrange(1, 4000))) for _ in range(batch)]
+        planner = SplitPlanner(batch, 16, 1, "cpu", num_sms=rng.choice((4, 8, 16)), block_n=ws.SM90_WS.block_n)
+        plan = planner.plan(torch.tensor(lens, dtype=torch.int32))
+        cu = plan.cu_blocks[: batch + 1].tolist()
+        width = int(plan.blocks_per_part.item())
+        begin, end = plan.part_begin_req.tolist(), plan.part_end_req.tolist()
+        assert (cu, begin, end) == plan_parts(lens, width, plan.num_parts)
+        for part in range(plan.num_parts):
+            simulate_part(part_segments(cu, width, part, begin, end), seed=trial, fp8=trial % 2 == 1)
+
+
+@pytest.mark.parametrize("mutation,error", [
+    ("g_restarts_per_request", (ProtocolError, Deadlock)),
+    ("no_q_free", Deadlock),
+    ("wg1_no_p_free", Deadlock),
+    ("producer_skips_free_wait", ProtocolError),
+    ("producer_no_tail", ProtocolError),
+])
+def test_protocol_simulation_catches_broken_protocols(mutation, error):
+    """The simulation has teeth: each of these bugs is caught on some plan and schedule."""
+    lens, width, num_parts = [64 * 3, 0, 64 * 2 + 1, 64 * 3], 16, 1
+    cu, begin, end = plan_parts(lens, width, num_parts)
+    segs = part_segments(cu, width, 0, begin, end)
+    caught = 0
+    for seed in range(30):
+        try:
+            simulate_part(segs, seed=seed, mutation=mutation)
+        except error:
+            caught += 1
+    assert caught > 0, f"{mutation} went unnoticed in 30 schedules"
