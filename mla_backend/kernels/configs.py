@@ -32,5 +32,6 @@ MAX_HEADS = 128
 MAX_Q_LEN = 4
 
 
-def target_for_arch(arch: str) -> str:
-    return {"sm90": "cuda -arch=sm_90a", "gfx942": "hip -mcpu=gfx942"}[arch]
+def target_for_arch(arch: str) -> dict:
+    """TVM target in dict form: TileLang >= 0.1.11 (SGLang's pin) rejects the "cuda -arch=..." string form."""
+    return {"sm90": {"kind": "cuda", "arch": "sm_90a"}, "gfx942": {"kind": "hip", "mcpu": "gfx942"}}[arch]

@@ -26,8 +26,10 @@ Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + d
     KV x 2     2 x 64 x 576 x 2        147456
     P          64 x 64 x 2               8192
     alpha, l   2 x 64 x 4                 512
-    mbarriers  10 x 8                      80   (static)
-    total                              229968   (2480 B to spare)
+    dynamic                            229888   (TileLang's dyn_shared_memory_buf)
+    mbarriers  10 x 8, static            1024   (nvcc pads static shared to the 1 KiB alignment
+                                                 of the dynamic buffer)
+    total                              230912   (1536 B to spare)
 
 There is no room for a separate fp8 staging tile (64 x 576 x 1 = 36864 B), so for an fp8 cache the
 producer converts in registers: e4m3 -> fp16/bf16 is exact, and the per-tensor ``k_scale`` is

@@ -48,11 +48,12 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         if key in _KERNELS:
             return _KERNELS[key]
         import tilelang
+        from tilelang import tvm
 
         from .mla_decode import build_combine_kernel, build_decode_kernel
 
         cfg = CONFIGS[arch]
-        target = target_for_arch(arch)
+        target = tvm.target.Target(target_for_arch(arch))
         pass_configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
         start = time.perf_counter()
         split = tilelang.compile(
