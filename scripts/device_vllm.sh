@@ -8,8 +8,9 @@
 set -o pipefail
 source .devkit/unpack.sh
 export VLLM_USE_FLASHINFER_SAMPLER=0 TILELANG_CACHE_DIR=/tmp/tlcache PYTHONUNBUFFERED=1
-python3 -c "import mla_backend" 2>/dev/null && python3 -c "from importlib.metadata import entry_points as e; assert e(group='vllm.general_plugins')" 2>/dev/null \
-  || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+# Engines find plugins through installed entry points: install the package (no deps) every call.
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warn" | tail -3
+python3 -c "from importlib.metadata import entry_points as e; print('entry points:', list(e(group='vllm.general_plugins')))"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 case "$1" in
   kernel)
