@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from .dispatch import REFERENCE, log_choice, select_impl
@@ -10,7 +13,11 @@ from .planner import SplitPlan, plan_split_kv
 from .reference import mla_decode_reference
 from .validation import FP8_DTYPES, KV_LORA_RANK, MLAInputError, check_inputs, normalize_kv_cache, split_query
 
+logger = logging.getLogger("mla_backend")
 _SCALARS: dict[tuple, torch.Tensor] = {}
+# MLA_BACKEND_VERIFY=1: recompute every eager kernel call with the fp32 reference on the host and keep
+# the worst relative error (a debugging aid for engine integrations: it syncs, so never in production).
+VERIFY = {"calls": 0, "max_rel_err": 0.0, "max_lse_err": 0.0}
 
 
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
@@ -76,7 +83,24 @@ def mla_decode(
         out, lse = mla_decode_reference(q_nope, q_pe, kv_cache, metadata, softmax_scale, scale, out)
     else:
         out, lse = _run_kernel(choice.impl, q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out)
+        if os.environ.get("MLA_BACKEND_VERIFY") == "1" and not torch.cuda.is_current_stream_capturing():
+            _verify(q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _verify(q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out, lse) -> None:
+    scale = float(k_scale) if k_scale is not None else 1.0
+    ref, ref_lse = mla_decode_reference(q_nope.cpu(), q_pe.cpu(), kv_cache.cpu(), metadata.to("cpu"), softmax_scale,
+                                        scale)
+    err = float((out.float().cpu() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6))
+    finite = torch.isfinite(ref_lse)
+    lse_err = float((lse.cpu()[finite] - ref_lse[finite]).abs().max()) if finite.any() else 0.0
+    VERIFY["calls"] += 1
+    VERIFY["max_rel_err"] = max(VERIFY["max_rel_err"], err)
+    VERIFY["max_lse_err"] = max(VERIFY["max_lse_err"], lse_err)
+    if err > 2e-2 or lse_err > 1e-2:
+        logger.warning("mla_backend verify: rel err %.3e, LSE err %.3e (batch %d, q_len %s, page %d)", err, lse_err,
+                       metadata.batch_size, metadata.q_len, metadata.page_size)
 
 
 def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, softmax_scale, k_scale, out):

@@ -30,10 +30,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from mla_backend.kernels import mla_decode_ws as ws
+if os.environ.get("CI"):
+    import tilelang  # noqa: F401  (in CI a broken TileLang install must fail, not skip)
+else:
+    pytest.importorskip("tilelang")
+
+from mla_backend.kernels import mla_decode_ws as ws  # noqa: E402  (imports tilelang.language)
 
 SM90_SMEM_LIMIT = 232448  # 227 KiB: static + dynamic shared memory one block may use on H100 / H200
-CUDA = "cuda -arch=sm_90a"
+# dict form: TileLang >= 0.1.11 rejects the "cuda -arch=sm_90a" string; 0.1.9 takes both
+CUDA = {"kind": "cuda", "arch": "sm_90a"}
 
 # (num_heads, q_len, page_size, dtype, kv_dtype)
 LOWER_VARIANTS = [
@@ -53,12 +59,13 @@ def _vid(v) -> str:
 def _lower(variant):
     """Runs in a worker process: (kernel source, dynamic shared memory bytes)."""
     import tilelang
-    from tilelang import tvm
+    from tilelang import tvm  # noqa: F401  (registers TileLang's TVM)
     from tvm.target import Target
 
     func = ws.build_decode_kernel_ws(*variant)
-    with tvm.target.Target(CUDA):
-        art = tilelang.lower(func, target=Target(CUDA), enable_device_compile=False)
+    target = Target(CUDA)
+    with target:
+        art = tilelang.lower(func, target=target, enable_device_compile=False)
     sizes = [int(f.attrs["dyn_shared_memory_buf"]) for _, f in art.device_mod.functions.items()
              if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs]
     return art.kernel_source, max(sizes, default=0)
@@ -66,10 +73,6 @@ def _lower(variant):
 
 @pytest.fixture(scope="module")
 def lowered():
-    if os.environ.get("CI"):
-        import tilelang  # noqa: F401  (in CI a broken TileLang install must fail, not skip)
-    else:
-        pytest.importorskip("tilelang")
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as pool:
         results = list(pool.map(_lower, LOWER_VARIANTS))

@@ -62,6 +62,14 @@ CASES = {
              engine("CUSTOM", 64, num_spec=3), engine("FLASHMLA", 64, num_spec=3)),
     "fp8": ("fp8 KV cache, CUSTOM vs TRITON_MLA (both keep q in bf16), block 64",
             engine("CUSTOM", 64, kv_cache_dtype="fp8"), engine("TRITON_MLA", 64, kv_cache_dtype="fp8")),
+    "verify": ("every CUSTOM decode call (eager, block 16) recomputed by the fp32 reference inside the engine "
+               "(MLA_BACKEND_VERIFY=1); tokens vs TRITON_MLA eager shown for information",
+               engine("CUSTOM", 16, eager=True, verify=True), engine("TRITON_MLA", 16, eager=True)),
+    "baseline": ("two built-in backends against each other (FLASHMLA vs TRITON_MLA, block 64): how far correct "
+                 "kernels drift apart on this random model, to read the CUSTOM rows against",
+                 engine("FLASHMLA", 64), engine("TRITON_MLA", 64)),
+    "pages": ("CUSTOM block 16 vs CUSTOM block 64: the same kernel on different page tables must give "
+              "identical tokens", engine("CUSTOM", 16), engine("CUSTOM", 64)),
     "graphs": ("CUSTOM with full CUDA graphs (default) vs CUSTOM with attention outside graphs (PIECEWISE): "
                "checks that graph replays read refreshed metadata",
                engine("CUSTOM", 64), engine("CUSTOM", 64, cudagraph_mode="PIECEWISE")),
@@ -103,6 +111,8 @@ def engine_label(spec: dict) -> str:
         parts.append(spec["cudagraph_mode"].lower())
     if spec.get("eager"):
         parts.append("eager")
+    if spec.get("verify"):
+        parts.append("verify")
     return "-".join(parts)
 
 
@@ -166,11 +176,13 @@ def engine_main(spec_path: str, result_path: str) -> None:
 
     if spec["init"] == "scaled":
         register_scaled_loader()
-    result: dict = {"label": engine_label(spec), "vllm": vllm.__version__, "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(0)}
+    if spec.get("verify"):
+        os.environ["MLA_BACKEND_VERIFY"] = "1"
+    result: dict = {"label": engine_label(spec), "vllm": vllm.__version__, "torch": torch.__version__}
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(spec, spec["model_dir"]))
     result["start_s"] = round(time.perf_counter() - t0, 1)
+    result["device"] = torch.cuda.get_device_name(0)  # after LLM(): CUDA untouched before the engine forks
     try:
         cfg = llm.llm_engine.vllm_config
         result["cudagraph_mode"] = str(cfg.compilation_config.cudagraph_mode)
@@ -195,9 +207,15 @@ def engine_main(spec_path: str, result_path: str) -> None:
 
             result["mla_backend_calls"] = sorted(str(k) for k in dispatch._LOGGED)
             result["mla_backend_kernels"] = [str(v) for v in runtime.STATS.variants]
+            from mla_backend.op import VERIFY
+
+            result["mla_backend_verify"] = dict(VERIFY)
         except Exception as e:
             result["introspection_error"] = repr(e)
     Path(result_path).write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip engine teardown (it can hang); the parent kills what is left of the process group
 
 
 def run_engine(spec: dict, workdir: Path, log_dir: Path, timeout: int) -> dict:
@@ -216,8 +234,9 @@ def run_engine(spec: dict, workdir: Path, log_dir: Path, timeout: int) -> dict:
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             rc = "timeout"
+        _kill_stragglers(proc)  # e.g. an engine-core process: free the GPU before the next engine
     wall = round(time.perf_counter() - t0, 1)
-    if rc == 0 and result_path.exists():
+    if result_path.exists():
         result = json.loads(result_path.read_text())
         result["wall_s"] = wall
         print(f"[e2e] engine {label} done in {wall}s (start {result.get('start_s')}s, "
@@ -226,6 +245,14 @@ def run_engine(spec: dict, workdir: Path, log_dir: Path, timeout: int) -> dict:
     tail = log_path.read_text()[-3000:] if log_path.exists() else ""
     print(f"[e2e] engine {label} FAILED (rc={rc}) after {wall}s; log tail:\n{tail}", flush=True)
     return {"label": label, "error": f"rc={rc}", "wall_s": wall, "log_tail": tail}
+
+
+def _kill_stragglers(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+        time.sleep(3)  # let the driver release the GPU memory
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -311,7 +338,18 @@ def run_cases(args, workdir: Path, log_dir: Path, model_dir: Path) -> dict:
         entry = {"description": desc, "a": ra["label"], "b": rb["label"]}
         if "tokens" in ra and "tokens" in rb:
             entry.update(compare(ra["tokens"], rb["tokens"], lens))
+            entry["tokens"] = {ra["label"]: ra["tokens"], rb["label"]: rb["tokens"]}
             print_case(name, desc, ra["label"], rb["label"], entry)
+            if name in ("pages", "graphs"):  # same kernel, same numerics: must be identical
+                entry["passed"] = ra["tokens"] == rb["tokens"]
+                print(f"    identical tokens: {entry['passed']}", flush=True)
+            if name == "verify":
+                v = ra.get("mla_backend_verify", {})
+                entry["verify"] = v
+                entry["passed"] = v.get("calls", 0) > 0 and v["max_rel_err"] < 2e-2 and v["max_lse_err"] < 1e-2
+                print(f"    in-engine check of {v.get('calls', 0)} decode calls: max rel err "
+                      f"{v.get('max_rel_err', float('nan')):.2e}, max LSE err {v.get('max_lse_err', float('nan')):.2e}"
+                      f" -> {'PASS' if entry['passed'] else 'FAIL'}", flush=True)
         else:
             entry.update(passed=False, error=ra.get("error") or rb.get("error"))
             print(f"\n=== {name}: {desc}\n    ERROR: {entry['error']}", flush=True)
@@ -409,6 +447,7 @@ def run_serve(args, log_dir: Path, model_dir: Path) -> dict:
         print(f"[e2e] serve FAILED: {e}", flush=True)
     finally:
         _kill_group(proc)
+        _kill_stragglers(proc)
         log.close()
         report["log_tail"] = log_path.read_text()[-3000:]
         if not report["passed"]:
