@@ -1,0 +1,19 @@
+#!/bin/bash
+# GPU machine, SGLang 0.5.17 sequence (../shared/devkit/README.md): call 1 carries .devkit/sglang,
+# sgl-kernel, sglang-deps + unpack.sh and runs `source .devkit/unpack.sh`; call 2+ carry flashinfer-sgl,
+# tilelang-0.1.11, sgl-ipython, sgl-transformers + unpack.sh and run `bash scripts/device_sglang.sh STAGE`.
+#   unit    kernel GPU tests under TileLang 0.1.11 (SGLang's pin) + SGLang's attention unit kit
+#   e2e     Engine: tilelang_mla vs triton (page 1) and flashmla (page 64); extra args pass through
+set -o pipefail
+source .devkit/unpack.sh
+export TILELANG_CACHE_DIR=/tmp/tlcache011 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warn" | tail -3
+python3 -c "from importlib.metadata import entry_points as e; print('entry points:', list(e(group='sglang.srt.plugins')))"
+python3 -c "import tilelang, sglang; print('tilelang', tilelang.__version__, 'sglang', sglang.__version__)"
+stage=$1; shift
+case "$stage" in
+  unit)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -15 | tee $OUT/pytest_gpu_tl011.log
+    timeout 330 python3 tests/e2e/sglang_unit.py --out $OUT/sglang_unit.json "$@" 2>&1 | tail -40 ;;
+  e2e) timeout 590 python3 tests/e2e/sglang_e2e.py --out $OUT/sglang_e2e.json "$@" 2>&1 | tail -60 ;;
+esac
