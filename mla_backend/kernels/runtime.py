@@ -91,8 +91,13 @@ def warmup(variants: list[tuple], workers: int = 1) -> float:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx) as pool:
-            list(pool.map(_compile_one, todo))
+        try:
+            with concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx) as pool:
+                list(pool.map(_compile_one, todo))
+        except Exception as exc:  # noqa: BLE001 - the pool only pre-fills the disk cache
+            # Seen with TileLang 0.1.11: a spawned worker dies (BrokenProcessPool). Compile here instead.
+            logger.warning("mla_backend: parallel kernel compile failed (%s: %s); compiling serially",
+                           type(exc).__name__, exc)
     for variant in todo:
         get_kernels(*variant)
     seconds = time.perf_counter() - start
