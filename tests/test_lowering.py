@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
+from toolchain import find_nvcc
 
 if os.environ.get("CI"):
     import tilelang  # in CI a broken TileLang install must fail, not skip
@@ -93,22 +93,12 @@ def test_combine_kernel_lowers(cuda_lowered, variant):
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine', src)
 
 
-def _nvcc() -> str:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-            if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-                return os.path.join(home, "bin", "nvcc")
-        pytest.skip("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): the CUDA sources are not compiled")
-    return nvcc
-
-
 @pytest.mark.parametrize("kind,variant", [("split", SPLIT_VARIANTS[0]), ("split", SPLIT_VARIANTS[4]),
                                           ("combine", COMBINE_VARIANTS[1])], ids=lambda v: _vid(v) if isinstance(v, tuple) else v)
 def test_nvcc_compiles_for_sm90a(cuda_lowered, kind, variant, tmp_path):
     """The flags TileLang's own nvcc callback uses (tilelang.engine.lower.tilelang_callback_cuda_compile),
     with -c: ptxas runs too, so register or instruction errors show here."""
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
     src = tmp_path / f"{kind}.cu"

@@ -29,6 +29,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 import pytest
+from toolchain import find_nvcc
 
 if os.environ.get("CI"):
     import tilelang  # noqa: F401  (in CI a broken TileLang install must fail, not skip)
@@ -147,16 +148,6 @@ def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
             assert not ids_by_role[a] & ids_by_role[b], f"{a} and {b} share named barrier(s) {ids_by_role[a] & ids_by_role[b]}"
 
 
-def _nvcc() -> str:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-            if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-                return os.path.join(home, "bin", "nvcc")
-        pytest.skip("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
-    return nvcc
-
-
 def _cuobjdump() -> str | None:
     """cuobjdump from PATH, CUDA_HOME, $CUOBJDUMP, or the nvidia-cuda-cuobjdump wheel."""
     found = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
@@ -206,7 +197,7 @@ def role_registers(sass: str) -> dict[str, dict]:
 
 def test_nvcc_compiles_ws_for_sm90a(lowered, tmp_path):
     """TileLang's nvcc flags, with -c so ptxas runs: register limits, spills and WGMMA show here."""
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     import tilelang
 
     tl_dir = os.path.dirname(tilelang.__file__)
