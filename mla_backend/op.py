@@ -15,8 +15,8 @@ from .validation import FP8_DTYPES, KV_LORA_RANK, MLAInputError, check_inputs, n
 
 logger = logging.getLogger("mla_backend")
 _SCALARS: dict[tuple, torch.Tensor] = {}
-# MLA_BACKEND_VERIFY=1: recompute every eager kernel call with the fp32 reference on the host and keep
-# the worst relative error (a debugging aid for engine integrations: it syncs, so never in production).
+# MLA_BACKEND_VERIFY=1: recompute every eager kernel call with the fp32 reference (on the kernel's device)
+# and keep the worst relative error (a debugging aid for engine integrations: it syncs, so never in production).
 VERIFY = {"calls": 0, "max_rel_err": 0.0, "max_lse_err": 0.0}
 
 

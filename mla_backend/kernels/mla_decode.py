@@ -29,6 +29,42 @@ def num_row_blocks(num_heads: int, q_len: int, block_rows: int) -> int:
     return -(-num_heads * q_len // block_rows)
 
 
+def make_store_rows(num_heads: int, q_len: int, block_rows: int, ncols: int, col0: int = 0,
+                    with_lse: bool = True):
+    """Segment epilogue shared by the decode kernels: normalise ``acc`` (columns ``col0 .. col0 + ncols``
+    of 512) by ``l_sum`` and the fp8 scale, then write the tile's rows to ``out`` / ``lse`` when the part
+    holds the whole request (``direct``), else to partial slot ``slot`` (log2-domain LSE). Rows past
+    ``num_heads * q_len`` are padding and never stored. Stored straight from registers: a shared staging
+    tile would not fit beside the KV stages."""
+    rows = num_heads * q_len
+    accum = "float32"
+
+    @T.macro
+    def store_rows(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, row0, out, lse, out_partial, lse_partial):
+        for i, d in T.Parallel(block_rows, ncols):
+            acc[i, d] = T.if_then_else(l_sum[i] > 0, acc[i, d] * kv_scale / l_sum[i], 0)
+        if direct:
+            for i, d in T.Parallel(block_rows, ncols):
+                if row0 + i < rows:
+                    out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, col0 + d] = acc[i, d]
+            if with_lse:
+                for i in T.Parallel(block_rows):
+                    if row0 + i < rows:
+                        lse[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads] = T.if_then_else(
+                            l_sum[i] > 0, (T.log2(l_sum[i]) + m_cur[i]) * LN2, -T.infinity(accum))
+        else:
+            for i, d in T.Parallel(block_rows, ncols):
+                if row0 + i < rows:
+                    out_partial[slot, row0 + i, col0 + d] = acc[i, d]
+            if with_lse:
+                for i in T.Parallel(block_rows):
+                    if row0 + i < rows:
+                        lse_partial[slot, row0 + i] = T.if_then_else(
+                            l_sum[i] > 0, T.log2(l_sum[i]) + m_cur[i], -T.infinity(accum))
+
+    return store_rows
+
+
 def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
                         cfg: KernelConfig):
     """Returns the split-KV prim_func.
@@ -58,6 +94,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     # transposed bmm output, a 576-wide q gives two strided slices): strides are runtime values.
     q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
     q_pe_stride = (T.dynamic("q_pe_stride_t"), T.dynamic("q_pe_stride_h"), 1)
+    store_rows = make_store_rows(num_heads, q_len, block_rows, KV_LORA_RANK)
 
     @T.macro
     def load_block(kv_cache, page_table, pt0, pos0, kv_len, kv_dst, pe_dst):
@@ -185,28 +222,9 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                         attend_block(q_shared, q_pe_shared, kv_shared, k_pe_shared, p_shared, acc_s, acc_o, m_prev, m_cur,
                                      alpha, row_sum, l_sum, pos0, vis0, row0, scale_log2)
 
-                    num_first = req_lo // width
-                    num_last = (req_hi - 1) // width
-                    for i, d in T.Parallel(block_rows, KV_LORA_RANK):
-                        acc_o[i, d] = T.if_then_else(l_sum[i] > 0, acc_o[i, d] * kv_scale / l_sum[i], 0)
-                    if num_first == num_last:
-                        # the whole request is in this part: final output, natural-log LSE
-                        # straight from registers: a shared staging tile would not fit beside 2 KV stages
-                        for i, d in T.Parallel(block_rows, KV_LORA_RANK):
-                            if row0 + i < rows:
-                                out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d] = acc_o[i, d]
-                        for i in T.Parallel(block_rows):
-                            if row0 + i < rows:
-                                lse[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads] = T.if_then_else(
-                                    l_sum[i] > 0, (T.log2(l_sum[i]) + m_cur[i]) * LN2, -T.infinity(accum))
-                    else:
-                        for i, d in T.Parallel(block_rows, KV_LORA_RANK):
-                            if row0 + i < rows:
-                                out_partial[part + req, row0 + i, d] = acc_o[i, d]
-                        for i in T.Parallel(block_rows):
-                            if row0 + i < rows:
-                                lse_partial[part + req, row0 + i] = T.if_then_else(
-                                    l_sum[i] > 0, T.log2(l_sum[i]) + m_cur[i], -T.infinity(accum))
+                    # direct write when the whole request lies in this part, else partial slot part + req
+                    store_rows(acc_o, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width, part + req,
+                               tok0, row0, out, lse, out_partial, lse_partial)
 
     return mla_decode_split
 

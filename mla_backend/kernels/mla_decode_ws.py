@@ -58,13 +58,9 @@ that touches several requests); tests/test_lowering_ws.py simulates them for ran
 import tilelang.language as T
 
 from .configs import KernelConfig
+from .mla_decode import HEAD_DIM, KV_LORA_RANK, LOG2E, ROPE_DIM, make_store_rows, num_row_blocks
 
-KV_LORA_RANK = 512
-ROPE_DIM = 64
-HEAD_DIM = KV_LORA_RANK + ROPE_DIM
 HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 # Hopper, warp-specialised: 64 query rows x 64-token KV blocks, 2 KV buffers, 3 warpgroups.
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=8)
@@ -76,10 +72,6 @@ REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
 WG0_NAMED_BARRIER = 15
 
 SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one block may opt into on H100 / H200
-
-
-def num_row_blocks(num_heads: int, q_len: int, block_rows: int = 64) -> int:
-    return -(-num_heads * q_len // block_rows)
 
 
 def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2) -> dict:
@@ -169,6 +161,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     pad_rows = n_row_blocks * block_rows != rows  # the last row block has rows that are never stored
     accum = "float32"
     is_fp8 = kv_dtype != dtype
+    # each consumer warpgroup stores its 256 output columns; WG0 also owns the LSE
+    store_left = make_store_rows(num_heads, q_len, block_rows, HALF)
+    store_right = make_store_rows(num_heads, q_len, block_rows, HALF, col0=HALF, with_lse=False)
     # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
     vec = 8  # dtype elements per 16-byte cp.async
 
@@ -400,24 +395,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         for i in T.Parallel(block_rows):
                             l_shared[i] = l_sum[i]
                         T.barrier_arrive(l_ready[0])
-                        for i, d in T.Parallel(block_rows, HALF):
-                            acc_o_l[i, d] = T.if_then_else(l_sum[i] > 0, acc_o_l[i, d] * kv_scale / l_sum[i], 0)
-                        if req_lo // width == (req_hi - 1) // width:
-                            for i, d in T.Parallel(block_rows, HALF):
-                                if row0 + i < rows:
-                                    out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d] = acc_o_l[i, d]
-                            for i in T.Parallel(block_rows):
-                                if row0 + i < rows:
-                                    lse[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads] = T.if_then_else(
-                                        l_sum[i] > 0, (T.log2(l_sum[i]) + m_cur[i]) * LN2, -T.infinity(accum))
-                        else:
-                            for i, d in T.Parallel(block_rows, HALF):
-                                if row0 + i < rows:
-                                    out_partial[part + req, row0 + i, d] = acc_o_l[i, d]
-                            for i in T.Parallel(block_rows):
-                                if row0 + i < rows:
-                                    lse_partial[part + req, row0 + i] = T.if_then_else(
-                                        l_sum[i] > 0, T.log2(l_sum[i]) + m_cur[i], -T.infinity(accum))
+                        store_left(acc_o_l, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                   part + req, tok0, row0, out, lse, out_partial, lse_partial)
                         seg = seg + 1
             elif tx < 256:
                 # ------------------------------------------------ WG1: O[:, 256:]
@@ -450,16 +429,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         for i in T.Parallel(block_rows):
                             l_r[i] = l_shared[i]
                         T.barrier_arrive(l_free[0])
-                        for i, d in T.Parallel(block_rows, HALF):
-                            acc_o_r[i, d] = T.if_then_else(l_r[i] > 0, acc_o_r[i, d] * kv_scale / l_r[i], 0)
-                        if req_lo // width == (req_hi - 1) // width:
-                            for i, d in T.Parallel(block_rows, HALF):
-                                if row0 + i < rows:
-                                    out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, HALF + d] = acc_o_r[i, d]
-                        else:
-                            for i, d in T.Parallel(block_rows, HALF):
-                                if row0 + i < rows:
-                                    out_partial[part + req, row0 + i, HALF + d] = acc_o_r[i, d]
+                        store_right(acc_o_r, l_r, l_r, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                    part + req, tok0, row0, out, lse, out_partial, lse_partial)
                         seg = seg + 1
             else:
                 # ------------------------------------------------ WG2: producer
