@@ -103,7 +103,16 @@ def _verify(q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out, lse) 
                        metadata.batch_size, metadata.q_len, metadata.page_size)
 
 
+def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
+    step = 16 // x.element_size()
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s % step == 0 for s in x.stride()[:-1]):
+        return x
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, softmax_scale, k_scale, out):
+    from .kernels.configs import config_for
     from .kernels.runtime import get_kernels
 
     num_tokens, num_heads, _ = q_nope.shape
@@ -120,6 +129,11 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
                             f"{plan.cu_blocks.shape[0] - 1}; this call has {num_heads * metadata.q_len} rows "
                             f"(heads x q_len) and batch {metadata.batch_size}")
     arch = impl.split("-", 1)[1]
+    block_n = config_for(arch).block_n
+    if plan.block_n != block_n:
+        raise MLAInputError(f"mla_decode: metadata.plan was made with {plan.block_n}-token blocks but the {arch} "
+                            f"kernel ({config_for(arch).kernel}) walks {block_n}-token blocks; build the "
+                            f"SplitPlanner after choosing the kernel (block_n=None picks it)")
     split, combine = get_kernels(num_heads, metadata.q_len, metadata.page_size, q_nope.dtype, kv_cache.dtype, arch)
     if isinstance(k_scale, torch.Tensor):
         k_scale_t = k_scale.reshape(1).float()
@@ -127,9 +141,9 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
         k_scale_t = _scalar(1.0 if k_scale is None else k_scale, device)
     batch = metadata.batch_size
     cu_blocks = plan.cu_blocks[: batch + 1]
-    # The kernels read q through its (token, head) strides: only the last dim must be dense.
-    q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
-    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    # The kernels read q through its (token, head) strides: the last dim must be dense and rows
+    # 16-byte aligned (vectorised / cp.async loads); anything else is copied once.
+    q_nope, q_pe = _rows_aligned(q_nope), _rows_aligned(q_pe)
     split(q_nope, q_pe, kv_cache, k_scale_t, metadata.page_table, metadata.page_table_start, metadata.kv_lens,
           metadata.qo_indptr, cu_blocks, plan.part_begin_req, plan.part_end_req, plan.blocks_per_part,
           _scalar(softmax_scale, device), out, lse, plan.out_partial, plan.lse_partial)

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.configs import SM90
+from .kernels.configs import config_for
 from .metadata import INDEX_DTYPE, MLADecodeMetadata
 
-BLOCK_N = SM90.block_n  # KV tokens per block of work: must equal the kernel's block_n
 MIN_BLOCKS_PER_PART = 4  # below this the combine costs more than the split saves
 KV_LORA_RANK = 512
 
@@ -42,12 +41,21 @@ class SplitPlan:
     lse_partial: torch.Tensor
     num_parts: int
     rows: int
+    block_n: int  # KV tokens per block of work: the kernel checks it equals its own block_n
 
 
 def num_parts_for(num_sms: int, num_heads: int, q_len: int, block_rows: int = 64) -> int:
     """One part per SM and row block: ``rows`` tiles of 64 share the SMs."""
     row_blocks = -(-num_heads * q_len // block_rows)
     return max(1, num_sms // row_blocks)
+
+
+def default_block_n(device: torch.device) -> int:
+    """The KV block of the kernel that will run on ``device`` (Hopper's default config off-GPU)."""
+    from .dispatch import device_arch
+
+    arch = device_arch(device)[0] or "sm90"
+    return config_for(arch).block_n
 
 
 def device_sm_count(device: torch.device) -> int:
@@ -60,9 +68,9 @@ class SplitPlanner:
     """Owns persistent plan buffers for up to ``max_batch`` requests; ``plan()`` refills them in place."""
 
     def __init__(self, max_batch: int, num_heads: int, q_len: int, device: torch.device | str,
-                 num_sms: int | None = None, block_n: int = BLOCK_N):
+                 num_sms: int | None = None, block_n: int | None = None):
         device = torch.device(device)
-        self.max_batch, self.block_n = max_batch, block_n
+        self.max_batch, self.block_n = max_batch, block_n or default_block_n(device)
         self.num_sms = num_sms or device_sm_count(device)
         self.num_parts = num_parts_for(self.num_sms, num_heads, q_len)
         rows = num_heads * q_len
@@ -76,6 +84,7 @@ class SplitPlanner:
             lse_partial=torch.empty(self.num_parts + max_batch, rows, dtype=torch.float32, device=device),
             num_parts=self.num_parts,
             rows=rows,
+            block_n=self.block_n,
         )
         self._part_ids = torch.arange(self.num_parts, **i32)
 
@@ -107,7 +116,7 @@ _PLANNERS: dict[tuple, SplitPlanner] = {}
 def plan_split_kv(metadata: MLADecodeMetadata, num_heads: int) -> SplitPlan:
     """Plan for one call (standalone use). Engines keep a :class:`SplitPlanner` and plan once per step."""
     batch = metadata.batch_size
-    key = (metadata.device, num_heads, metadata.q_len)
+    key = (metadata.device, num_heads, metadata.q_len, default_block_n(metadata.device))
     planner = _PLANNERS.get(key)
     if planner is None or planner.max_batch < batch:
         planner = SplitPlanner(max(batch, 1), num_heads, metadata.q_len or 1, metadata.device)

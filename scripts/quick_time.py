@@ -1,11 +1,31 @@
-"""Quick timing of our kernel alone (the full side-by-side benchmark is mla_backend/bench.py)."""
+"""Quick timing of our kernel alone (the full side-by-side benchmark is mla_backend/bench.py).
+
+``--smoke``: one small ragged case against the fp32 reference (exits 1 on a mismatch)."""
+import os
 import sys
+
 import torch
-from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode
 from triton.testing import do_bench
 
+from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode, mla_decode_reference
+
+kernel = os.environ.get("MLA_BACKEND_SM90_KERNEL", "default")
+if "--smoke" in sys.argv:
+    lens = torch.tensor([1, 63, 65, 700, 0, 130], dtype=torch.int32)
+    kv = torch.randn(40, 64, 576).bfloat16().cuda()
+    table = torch.randperm(40)[:36].int().view(6, 6).cuda()
+    q = torch.randn(6, 16, 576).bfloat16().cuda()
+    md = MLADecodeMetadata.from_block_table(table, lens.cuda(), 64)
+    out = mla_decode(q, kv, md, 0.07)
+    torch.cuda.synchronize()
+    ref, _ = mla_decode_reference(q[..., :512], q[..., 512:], kv, md, 0.07)
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    print(f"smoke {kernel}: rel err {err:.2e}")
+    sys.exit(0 if err < 1e-2 else 1)
+
 cases = [(128, 16384, 16, 1, 64), (128, 16384, 128, 1, 64), (128, 16384, 128, 2, 64), (1, 4096, 16, 1, 64),
-         (128, 16384, 16, 1, 1), (128, 16384, 16, 1, 16), (64, 8192, 16, 1, 64)]
+         (16, 4096, 16, 1, 64), (128, 16384, 16, 1, 1), (128, 16384, 16, 1, 16), (64, 8192, 16, 1, 64),
+         (128, 16384, 16, 2, 64), (64, 8192, 64, 1, 64)]
 flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
 for b, s, h, sq, ps in cases:
     pages = b * s // ps
@@ -16,10 +36,11 @@ for b, s, h, sq, ps in cases:
     md = MLADecodeMetadata.from_block_table(table, lens, ps, q_len=sq)
     md.plan = SplitPlanner(b, h, sq, "cuda").plan(lens)
     out = torch.empty(b * sq, h, 512, dtype=torch.bfloat16, device="cuda")
-    fn = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False)
+    fn = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False)  # noqa: E731
     fn()
     t = do_bench(fn, warmup=50, rep=300, return_mode="median", grad_to_none=None) * 1e-3  # s
     nbytes = (b * s * 576 + b * sq * h * 1088) * 2
     flops = 2 * sq * b * s * h * 1088
-    print(f"b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: {t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s {flops/t/1e12:6.1f} TF", flush=True)
+    print(f"{kernel} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: {t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s "
+          f"{flops/t/1e12:6.1f} TF", flush=True)
     del kv, table

@@ -64,3 +64,19 @@ def test_auto_on_gpu_names_the_device_or_problem():
     if choice.impl != REFERENCE:
         unsupported = select_impl(dev, BF16, BF16, 128, 1, 3)
         assert unsupported.impl == REFERENCE and "page_size=3" in unsupported.reason
+
+
+def test_sm90_kernel_choice_follows_the_environment(monkeypatch):
+    from mla_backend.kernels import configs
+    from mla_backend.planner import SplitPlanner
+
+    monkeypatch.delenv(configs.SM90_KERNEL_ENV, raising=False)
+    assert configs.config_for("sm90") is configs.SM90_KERNELS[configs.DEFAULT_SM90_KERNEL]
+    monkeypatch.setenv(configs.SM90_KERNEL_ENV, "ws")
+    assert configs.config_for("sm90") is configs.SM90_WS
+    # the planner cuts work in the chosen kernel's KV blocks (64 tokens for the warp-specialised one)
+    assert SplitPlanner(4, 16, 1, "cpu", num_sms=8).block_n == configs.SM90_WS.block_n
+    assert configs.config_for("gfx942") is configs.GFX942  # not affected
+    monkeypatch.setenv(configs.SM90_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match=r"MLA_BACKEND_SM90_KERNEL='fast' is not supported; expected one of"):
+        configs.config_for("sm90")

@@ -182,3 +182,16 @@ def test_strided_query_views():
     got = mla_decode((q_nope, q_pe), kv_cache, md, SCALE)
     want = mla_decode(torch.cat([q_nope, q_pe], -1).contiguous(), kv_cache, md, SCALE)
     assert torch.equal(got, want)
+
+
+def test_plan_with_other_block_size_is_refused():
+    """A plan cut in another kernel's KV blocks would index the wrong blocks: refused, naming both."""
+    impl = _kernel_or_skip()
+    from mla_backend.kernels.configs import config_for
+    from mla_backend.validation import MLAInputError
+
+    q, kv_cache, md, _ = make_problem([100, 7], 16, 1, 64, torch.bfloat16, seed=2)
+    other = 96 - config_for(impl.split("-", 1)[1]).block_n  # 32 <-> 64
+    md.plan = SplitPlanner(2, 16, 1, "cuda", block_n=other).plan(md.kv_lens)
+    with pytest.raises(MLAInputError, match=rf"made with {other}-token blocks"):
+        mla_decode(q, kv_cache, md, SCALE)

@@ -130,7 +130,7 @@ def test_plan_split_kv_reuses_planner():
     md = p.metadata()
     first = plan_split_kv(md, 16)
     assert plan_split_kv(md, 16) is first
-    assert first.cu_blocks[:3].tolist()[-1] == sum(-(-n // configs.SM90.block_n) for n in p.lens)
+    assert first.cu_blocks[:3].tolist()[-1] == sum(-(-n // configs.config_for("sm90").block_n) for n in p.lens)
 
 
 # ----------------------------------------------------------------------------- split + combine run
@@ -198,7 +198,7 @@ def test_split_and_combine_follow_the_reference(heads, q_len, num_sms, batch, ma
     lens[0] = q_len - 1 if q_len > 1 else 0  # a request whose first queries see nothing
     p = make_problem(lens, heads, q_len, 16, torch.bfloat16, seed=num_sms)
     planner = SplitPlanner(batch, heads, q_len, device="cpu", num_sms=num_sms)
-    assert planner.block_n == configs.SM90.block_n, "the planner's blocks must be the kernel's blocks"
+    assert planner.block_n == configs.config_for("sm90").block_n, "the planner's blocks must be the kernel's blocks"
     plan = planner.plan(torch.tensor(lens, dtype=torch.int32))
     cu, _, _, width = plan_lists(plan, batch)
     n_split = sum(cu[r] // width != (cu[r + 1] - 1) // width for r in range(batch))

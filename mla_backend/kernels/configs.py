@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -12,17 +13,34 @@ class KernelConfig:
     threads: int
     num_stages: int
     combine_rows: int  # rows merged per combine program
+    kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py) or "ws" (mla_decode_ws.py)
 
 
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
 # plus 2 stages of 64-token KV (144 KB), P and TileLang's reduction scratch come to 228 KB: 1 KB too many,
 # so 32-token blocks with 3 stages (108 KB, more bytes in flight).
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3, combine_rows=8)
+# Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
+SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=8, kernel="ws")
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1, combine_rows=8)
 
 CONFIGS = {"sm90": SM90, "gfx942": GFX942}
+SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS}
+# MLA_BACKEND_SM90_KERNEL picks the Hopper kernel (benchmarks/RESULTS.md has both measured).
+SM90_KERNEL_ENV = "MLA_BACKEND_SM90_KERNEL"
+DEFAULT_SM90_KERNEL = "pipelined"
+
+
+def config_for(arch: str) -> KernelConfig:
+    """The tile configuration the kernels of ``arch`` ("sm90" or "gfx942") are built and planned with."""
+    if arch != "sm90":
+        return CONFIGS[arch]
+    name = os.environ.get(SM90_KERNEL_ENV, DEFAULT_SM90_KERNEL)
+    if name not in SM90_KERNELS:
+        raise ValueError(f"{SM90_KERNEL_ENV}={name!r} is not supported; expected one of {tuple(SM90_KERNELS)}")
+    return SM90_KERNELS[name]
 
 # What the kernels accept (the op validates against these before launching).
 SUPPORTED_DTYPES = ("float16", "bfloat16")

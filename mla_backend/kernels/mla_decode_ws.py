@@ -57,13 +57,11 @@ that touches several requests); tests/test_lowering_ws.py simulates them for ran
 
 import tilelang.language as T
 
-from .configs import KernelConfig
+from .configs import SM90_WS, KernelConfig
 from .mla_decode import HEAD_DIM, KV_LORA_RANK, LOG2E, ROPE_DIM, make_store_rows, num_row_blocks
 
 HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 
-# Hopper, warp-specialised: 64 query rows x 64-token KV blocks, 2 KV buffers, 3 warpgroups.
-SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=8)
 
 # setmaxnreg budgets (multiples of 8; 128 * (240 + 168 + 80) = 62464 <= 65536 registers per SM)
 REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
@@ -173,6 +171,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     num_entries = T.dynamic("num_entries")
     num_parts = T.dynamic("num_parts")
     num_slots = T.dynamic("num_slots")
+    # q is read through runtime (token, head) strides, as in mla_decode (the op guarantees 16-byte
+    # aligned rows for cp.async).
+    q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
+    q_pe_stride = (T.dynamic("q_pe_stride_t"), T.dynamic("q_pe_stride_h"), 1)
 
     @T.macro
     def load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t):
@@ -248,8 +250,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     @T.prim_func
     def mla_decode_split(
-        q_nope: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
-        q_pe: T.Tensor([num_tokens, num_heads, ROPE_DIM], dtype),
+        q_nope: T.StridedTensor([num_tokens, num_heads, KV_LORA_RANK], q_nope_stride, dtype),
+        q_pe: T.StridedTensor([num_tokens, num_heads, ROPE_DIM], q_pe_stride, dtype),
         kv_cache: T.Tensor([num_pages, page_size, HEAD_DIM], kv_dtype),
         k_scale: T.Tensor([1], accum),
         page_table: T.Tensor([num_entries], "int32"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .configs import CONFIGS, target_for_arch
+from .configs import config_for, target_for_arch
 
 logger = logging.getLogger("mla_backend")
 
@@ -39,8 +39,12 @@ def tl_dtype(dtype: torch.dtype) -> str:
 
 
 def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype, arch: str):
-    """Returns the compiled ``(split, combine)`` kernels of one variant, compiling on first use."""
-    key = (num_heads, q_len, page_size, dtype, kv_dtype, arch)
+    """Returns the compiled ``(split, combine)`` kernels of one variant, compiling on first use.
+
+    The tile config (and so the kernel source) is ``config_for(arch)``; plans must use its ``block_n``.
+    """
+    cfg = config_for(arch)
+    key = (num_heads, q_len, page_size, dtype, kv_dtype, arch, cfg)
     kernels = _KERNELS.get(key)
     if kernels is not None:
         return kernels
@@ -50,9 +54,10 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         import tilelang
         from tilelang import tvm
 
-        from .mla_decode import build_combine_kernel, build_decode_kernel
+        from . import mla_decode, mla_decode_ws
 
-        cfg = CONFIGS[arch]
+        build_decode_kernel = (mla_decode_ws if cfg.kernel == "ws" else mla_decode).build_decode_kernel
+        build_combine_kernel = mla_decode.build_combine_kernel
         target = tvm.target.Target(target_for_arch(arch))
         pass_configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
         start = time.perf_counter()
@@ -66,8 +71,8 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         STATS.seconds += seconds
         STATS.variants += (key,)
         # A disk-cache hit takes well under a second; a real compile takes several.
-        logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s ready in %.2fs (%s)", num_heads, q_len,
-                    page_size, dtype, kv_dtype, arch, seconds, "disk cache hit" if seconds < 1.5 else "compiled")
+        logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s (%s) ready in %.2fs (%s)", num_heads, q_len,
+                    page_size, dtype, kv_dtype, arch, cfg.kernel, seconds, "disk cache hit" if seconds < 1.5 else "compiled")
         _KERNELS[key] = (split, combine)
         return split, combine
 
@@ -85,7 +90,7 @@ def warmup(variants: list[tuple], workers: int = 1) -> float:
     then this process loads them from it. Returns the wall time in seconds.
     """
     start = time.perf_counter()
-    todo = [v for v in dict.fromkeys(variants) if v not in _KERNELS]
+    todo = [v for v in dict.fromkeys(variants) if (*v, config_for(v[-1])) not in _KERNELS]
     if workers > 1 and len(todo) > 1:
         import concurrent.futures
         import multiprocessing
