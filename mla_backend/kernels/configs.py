@@ -13,7 +13,7 @@ class KernelConfig:
     threads: int
     num_stages: int
     combine_rows: int  # rows merged per combine program
-    kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py) or "ws" (mla_decode_ws.py)
+    kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py), "ws" or "seesaw" (mla_decode_ws.py)
 
 
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
@@ -22,12 +22,15 @@ class KernelConfig:
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3, combine_rows=8)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=8, kernel="ws")
+# Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
+# and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
+SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=8, kernel="seesaw")
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1, combine_rows=8)
 
 CONFIGS = {"sm90": SM90, "gfx942": GFX942}
-SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS}
+SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS, "seesaw": SM90_SEESAW}
 # MLA_BACKEND_SM90_KERNEL picks the Hopper kernel (benchmarks/RESULTS.md has both measured).
 SM90_KERNEL_ENV = "MLA_BACKEND_SM90_KERNEL"
 DEFAULT_SM90_KERNEL = "pipelined"

@@ -65,6 +65,8 @@ HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 
 # setmaxnreg budgets (multiples of 8; 128 * (240 + 168 + 80) = 62464 <= 65536 registers per SM)
 REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
+# seesaw: both consumers hold an S tile, P and half of O (128 * (224 + 224 + 56) = 64512; no spills)
+REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
 
 # Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range.
 WG0_NAMED_BARRIER = 15
@@ -154,6 +156,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     block_rows, block_n = cfg.block_rows, cfg.block_n
     if (block_rows, block_n, cfg.threads) != (64, 64, 384):
         raise ValueError(f"the warp-specialised kernel is written for 64 rows x 64 tokens x 384 threads, got {cfg}")
+    seesaw = cfg.kernel == "seesaw"
     rows = num_heads * q_len
     n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
     pad_rows = n_row_blocks * block_rows != rows  # the last row block has rows that are never stored
@@ -248,6 +251,45 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
         T.wait_wgmma(0)
 
+    @T.macro
+    def mask_scale(acc_s, pos0, vis0, row0, scale_log2):
+        """Scale S to the log2 domain; -inf where the causal / length rule hides a position."""
+        if pos0 + block_n <= vis0 + row0 // num_heads:
+            # every position of the block is visible to every row of the tile
+            for i, j in T.Parallel(block_rows, block_n):
+                acc_s[i, j] = acc_s[i, j] * scale_log2
+        else:
+            for i, j in T.Parallel(block_rows, block_n):
+                acc_s[i, j] = T.if_then_else(pos0 + j < vis0 + (row0 + i) // num_heads,
+                                             acc_s[i, j] * scale_log2, -T.infinity(accum))
+
+    @T.macro
+    def zero_pad_rows(q_l, q_r, q_t, row0, barrier_id):
+        """Rows past `rows` (last row block only) stay zero in Q for the whole program: the producer only
+        ever writes the valid rows (disjoint bytes). Generic stores read by WGMMA (async proxy): fence,
+        then every warp of this warpgroup has its zeros in place before its first WGMMA."""
+        for i, d in T.Parallel(block_rows, HALF):
+            if row0 + i >= rows:
+                q_l[i, d] = T.cast(0, dtype)
+                q_r[i, d] = T.cast(0, dtype)
+        for i, d in T.Parallel(block_rows, ROPE_DIM):
+            if row0 + i >= rows:
+                q_t[i, d] = T.cast(0, dtype)
+        T.fence_proxy_async()
+        T.sync_threads(barrier_id, 128)
+
+    @T.macro
+    def exchange_l(l_part, l_mine, l_other, l_ready, l_free, seg):
+        """Seesaw epilogue: each consumer holds the row sums of the P tiles it made; both need the total."""
+        T.barrier_wait(l_free[0], seg_free_parity(seg))
+        for i in T.Parallel(block_rows):
+            l_mine[i] = l_part[i]
+        T.barrier_arrive(l_ready[0])
+        T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+        for i in T.Parallel(block_rows):
+            l_part[i] = l_part[i] + l_other[i]
+        T.barrier_arrive(l_free[0])
+
     @T.prim_func
     def mla_decode_split(
         q_nope: T.StridedTensor([num_tokens, num_heads, KV_LORA_RANK], q_nope_stride, dtype),
@@ -293,15 +335,28 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             l_r = T.alloc_fragment([block_rows], accum)
             alpha_r = T.alloc_fragment([block_rows], accum)
             raw = T.alloc_local([9, 16], kv_dtype)  # producer, fp8 cache only: one row's 9 chunks
+            if seesaw:  # WG1's own S / P / softmax state, and the row maxima / sums the consumers swap
+                acc_s_r = T.alloc_fragment([block_rows, block_n], accum)
+                p_frag_l = T.alloc_fragment([block_rows, block_n], dtype)
+                p_frag_r = T.alloc_fragment([block_rows, block_n], dtype)
+                m_run_r = T.alloc_fragment([block_rows], accum)
+                m_new_r = T.alloc_fragment([block_rows], accum)
+                m0_r = T.alloc_fragment([block_rows], accum)
+                row_max_r = T.alloc_fragment([block_rows], accum)
+                row_sum_r = T.alloc_fragment([block_rows], accum)
+                m_big_shared = T.alloc_shared([block_rows], accum)  # M: max after the pair's second block
+                l_r_shared = T.alloc_shared([block_rows], accum)
+                pc = T.alloc_var("int32")  # block pairs started by this program (per thread)
 
             k_ready = T.alloc_barrier([128, 128])
             k_free = T.alloc_barrier([256, 256])
             q_ready = T.alloc_barrier(128)
-            q_free = T.alloc_barrier(128)
-            p_ready = T.alloc_barrier(128)
-            p_free = T.alloc_barrier(128)
-            l_ready = T.alloc_barrier(128)
-            l_free = T.alloc_barrier(128)
+            # seesaw: both consumers read Q and swap l (256 arrivals); otherwise WG0 alone reads Q
+            q_free = T.alloc_barrier(256 if seesaw else 128)
+            p_ready = T.alloc_barrier(128)  # seesaw: P0 (and m0) of a pair written by WG0
+            p_free = T.alloc_barrier(128)  # seesaw: P1 (and M) of a pair written by WG1
+            l_ready = T.alloc_barrier(256 if seesaw else 128)
+            l_free = T.alloc_barrier(256 if seesaw else 128)
 
             seg = T.alloc_var("int32")  # non-empty request segments started by this program (per thread)
 
@@ -314,7 +369,172 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             scale_log2 = sm_scale[0] * kv_scale * LOG2E
 
             seg = 0
-            if tx < 128:
+            if seesaw:
+                pc = 0
+            if seesaw and tx < 128:
+                # ------------------------------------------------ seesaw WG0: even blocks' S and P, O[:, :256]
+                # Pair (a, b) of blocks (b may be missing at a segment's end), old max m:
+                #   m0 = max(m, rowmax S_a); P_a = exp2(S_a - m0) -> registers and shared (with m0)
+                #   O_L = O_L * 2^(m - m0) + P_a V_a[:, :256]      (P_a from registers)
+                #   [WG1: M = max(m0, rowmax S_b); P_b = exp2(S_b - M) -> shared (with M)]
+                #   O_L = O_L * 2^(m0 - M) + P_b V_b[:, :256]      (P_b from shared)
+                # l (row sums) of P_a stays here, of P_b in WG1; added in the epilogue.
+                T.set_max_nreg(REGS_SEESAW, 1)
+                if pad_rows:
+                    zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
+                    blk_lo = T.max(part_lo, req_lo) - req_lo
+                    blk_hi = T.min(part_hi, req_hi) - req_lo
+                    if blk_hi > blk_lo:
+                        tok0 = qo_indptr[req]
+                        vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
+                        g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                        n_blk = blk_hi - blk_lo
+                        n_pairs = (n_blk + 1) // 2
+                        T.fill(acc_o_l, 0)
+                        T.fill(l_sum, 0)
+                        T.fill(m_prev, -T.infinity(accum))  # m: running max
+                        T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                        for k in T.serial(n_pairs):
+                            ga = g0 + 2 * k
+                            T.barrier_wait(k_ready[kv_buffer(ga)], kv_ready_parity(ga))
+                            if kv_buffer(ga) == 0:
+                                score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s)
+                            else:
+                                score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s)
+                            if k == n_pairs - 1:
+                                T.barrier_arrive(q_free[0])  # WG0's last read of this segment's Q
+                            mask_scale(acc_s, (blk_lo + 2 * k) * block_n, vis0, row0, scale_log2)
+                            T.reduce_max(acc_s, row_sum, dim=1, clear=True)
+                            for i in T.Parallel(block_rows):
+                                m_cur[i] = T.max(m_prev[i], row_sum[i])  # m0
+                                alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
+                                                          T.exp2(m_prev[i] - m_cur[i]))
+                            for i, j in T.Parallel(block_rows, block_n):
+                                acc_s[i, j] = T.exp2(acc_s[i, j]
+                                                     - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                            T.reduce_sum(acc_s, row_sum, dim=1)
+                            T.copy(acc_s, p_frag_l)
+                            # P_b of the previous pair is no longer read (WG0's own GEMM below waited)
+                            T.copy(p_frag_l, p_shared)
+                            for i in T.Parallel(block_rows):
+                                alpha_shared[i] = m_cur[i]  # m0 for WG1
+                            T.fence_proxy_async()
+                            T.barrier_arrive(p_ready[0])
+                            for i in T.Parallel(block_rows):
+                                l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                            for i, d in T.Parallel(block_rows, HALF):
+                                acc_o_l[i, d] *= alpha[i]
+                            if kv_buffer(ga) == 0:
+                                T.gemm(p_frag_l, kv0_l, acc_o_l)
+                            else:
+                                T.gemm(p_frag_l, kv1_l, acc_o_l)
+                            T.barrier_arrive(k_free[kv_buffer(ga)])
+                            # WG1 has published M (and P_b when the pair has a second block)
+                            T.barrier_wait(p_free[0], pc & 1)
+                            for i in T.Parallel(block_rows):
+                                m_prev[i] = m_big_shared[i]
+                                alpha[i] = T.if_then_else(m_prev[i] == -T.infinity(accum), 1,
+                                                          T.exp2(m_cur[i] - m_prev[i]))
+                                l_sum[i] = l_sum[i] * alpha[i]
+                            for i, d in T.Parallel(block_rows, HALF):
+                                acc_o_l[i, d] *= alpha[i]
+                            if 2 * k + 1 < n_blk:
+                                T.barrier_wait(k_ready[kv_buffer(ga + 1)], kv_ready_parity(ga + 1))
+                                if kv_buffer(ga + 1) == 0:
+                                    T.gemm(p_shared, kv0_l, acc_o_l)
+                                else:
+                                    T.gemm(p_shared, kv1_l, acc_o_l)
+                                T.barrier_arrive(k_free[kv_buffer(ga + 1)])
+                            pc = pc + 1
+                        exchange_l(l_sum, l_shared, l_r_shared, l_ready, l_free, seg)
+                        store_left(acc_o_l, l_sum, m_prev, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                   part + req, tok0, row0, out, lse, out_partial, lse_partial)
+                        seg = seg + 1
+            elif seesaw and tx < 256:
+                # ------------------------------------------------ seesaw WG1: odd blocks' S and P, O[:, 256:]
+                T.set_max_nreg(REGS_SEESAW, 1)
+                if pad_rows:
+                    zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER - 1)
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
+                    blk_lo = T.max(part_lo, req_lo) - req_lo
+                    blk_hi = T.min(part_hi, req_hi) - req_lo
+                    if blk_hi > blk_lo:
+                        tok0 = qo_indptr[req]
+                        vis0 = kv_lens[req] - q_len + 1
+                        g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                        n_blk = blk_hi - blk_lo
+                        n_pairs = (n_blk + 1) // 2
+                        T.fill(acc_o_r, 0)
+                        T.fill(l_r, 0)
+                        T.fill(m_run_r, -T.infinity(accum))
+                        T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                        for k in T.serial(n_pairs):
+                            ga = g0 + 2 * k
+                            if 2 * k + 1 < n_blk:
+                                T.barrier_wait(k_ready[kv_buffer(ga + 1)], kv_ready_parity(ga + 1))
+                                if kv_buffer(ga + 1) == 0:
+                                    score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s_r)
+                                else:
+                                    score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s_r)
+                                mask_scale(acc_s_r, (blk_lo + 2 * k + 1) * block_n, vis0, row0, scale_log2)
+                                T.reduce_max(acc_s_r, row_max_r, dim=1, clear=True)
+                            else:
+                                T.fill(row_max_r, -T.infinity(accum))
+                            if k == n_pairs - 1:
+                                T.barrier_arrive(q_free[0])  # WG1's last read of this segment's Q
+                            T.barrier_wait(p_ready[0], pc & 1)  # P_a and m0 from WG0
+                            for i in T.Parallel(block_rows):
+                                m0_r[i] = alpha_shared[i]
+                                m_new_r[i] = T.max(m0_r[i], row_max_r[i])  # M
+                                alpha_r[i] = T.if_then_else(m0_r[i] == -T.infinity(accum), 1,
+                                                            T.exp2(m_run_r[i] - m0_r[i]))
+                                l_r[i] = l_r[i] * alpha_r[i]
+                            for i, d in T.Parallel(block_rows, HALF):
+                                acc_o_r[i, d] *= alpha_r[i]
+                            T.barrier_wait(k_ready[kv_buffer(ga)], kv_ready_parity(ga))
+                            if kv_buffer(ga) == 0:
+                                T.gemm(p_shared, kv0_r, acc_o_r)
+                            else:
+                                T.gemm(p_shared, kv1_r, acc_o_r)
+                            T.barrier_arrive(k_free[kv_buffer(ga)])
+                            for i in T.Parallel(block_rows):
+                                alpha_r[i] = T.if_then_else(m_new_r[i] == -T.infinity(accum), 1,
+                                                            T.exp2(m0_r[i] - m_new_r[i]))
+                            if 2 * k + 1 < n_blk:
+                                for i, j in T.Parallel(block_rows, block_n):
+                                    acc_s_r[i, j] = T.exp2(acc_s_r[i, j] - T.if_then_else(
+                                        m_new_r[i] == -T.infinity(accum), 0, m_new_r[i]))
+                                T.reduce_sum(acc_s_r, row_sum_r, dim=1)
+                                T.copy(acc_s_r, p_frag_r)
+                                T.copy(p_frag_r, p_shared)  # P_a is no longer read: the GEMM above waited
+                            else:
+                                T.fill(row_sum_r, 0)
+                            for i in T.Parallel(block_rows):
+                                m_big_shared[i] = m_new_r[i]
+                            T.fence_proxy_async()
+                            T.barrier_arrive(p_free[0])
+                            for i in T.Parallel(block_rows):
+                                l_r[i] = l_r[i] * alpha_r[i] + row_sum_r[i]
+                                m_run_r[i] = m_new_r[i]
+                            for i, d in T.Parallel(block_rows, HALF):
+                                acc_o_r[i, d] *= alpha_r[i]
+                            if 2 * k + 1 < n_blk:
+                                if kv_buffer(ga + 1) == 0:
+                                    T.gemm(p_frag_r, kv0_r, acc_o_r)
+                                else:
+                                    T.gemm(p_frag_r, kv1_r, acc_o_r)
+                                T.barrier_arrive(k_free[kv_buffer(ga + 1)])
+                            pc = pc + 1
+                        exchange_l(l_r, l_r_shared, l_shared, l_ready, l_free, seg)
+                        store_right(acc_o_r, l_r, l_r, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                    part + req, tok0, row0, out, lse, out_partial, lse_partial)
+                        seg = seg + 1
+            elif tx < 128:
                 # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
                 T.set_max_nreg(REGS_WG0, 1)
                 if pad_rows:
@@ -436,7 +656,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         seg = seg + 1
             else:
                 # ------------------------------------------------ WG2: producer
-                T.set_max_nreg(REGS_PRODUCER, 0)
+                T.set_max_nreg(REGS_SEESAW_PRODUCER if seesaw else REGS_PRODUCER, 0)
                 t = tx - 256
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]

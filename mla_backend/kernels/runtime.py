@@ -56,7 +56,7 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
 
         from . import mla_decode, mla_decode_ws
 
-        build_decode_kernel = (mla_decode_ws if cfg.kernel == "ws" else mla_decode).build_decode_kernel
+        build_decode_kernel = (mla_decode if cfg.kernel == "pipelined" else mla_decode_ws).build_decode_kernel
         build_combine_kernel = mla_decode.build_combine_kernel
         target = tvm.target.Target(target_for_arch(arch))
         pass_configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
