@@ -19,21 +19,21 @@ class KernelConfig:
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
 # plus 2 stages of 64-token KV (144 KB), P and TileLang's reduction scratch come to 228 KB: 1 KB too many,
 # so 32-token blocks with 3 stages (108 KB, more bytes in flight).
-SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3, combine_rows=8)
+SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3, combine_rows=1)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
-SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=8, kernel="ws")
+SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=1, kernel="ws")
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
-SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=8, kernel="seesaw")
+SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=1, kernel="seesaw")
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
-GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1, combine_rows=8)
+GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1, combine_rows=1)
 
 CONFIGS = {"sm90": SM90, "gfx942": GFX942}
 SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS, "seesaw": SM90_SEESAW}
 # MLA_BACKEND_SM90_KERNEL picks the Hopper kernel (benchmarks/RESULTS.md has both measured).
 SM90_KERNEL_ENV = "MLA_BACKEND_SM90_KERNEL"
-DEFAULT_SM90_KERNEL = "pipelined"
+DEFAULT_SM90_KERNEL = "ws"
 
 
 def config_for(arch: str) -> KernelConfig:
