@@ -14,8 +14,9 @@ python3 -c "from importlib.metadata import entry_points as e; print('entry point
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 case "$1" in
   kernel)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log
-    timeout 300 python3 -m mla_backend.bench --quick --check --out-dir $OUT/bench 2>&1 | tail -60 | tee $OUT/bench.log ;;
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log
+    timeout 250 python3 -m mla_backend.bench --quick --check --out-dir $OUT/bench 2>&1 | tail -60 | tee $OUT/bench.log
+    timeout 110 python3 -m mla_backend.bench --quick --fp8 --filter h=16,s_q=1 --out-dir $OUT/bench_fp8 2>&1 | tail -30 | tee $OUT/bench_fp8.log ;;
   e2e) timeout 590 python3 tests/e2e/vllm_e2e.py --budget 560 --cases "${2:-block64,block16}" --out $OUT/vllm_e2e.json 2>&1 | tail -60 ;;
   serve) timeout 560 python3 tests/e2e/vllm_e2e.py --serve --out $OUT/vllm_serve.json 2>&1 | tail -40 ;;
   throughput) timeout 560 python3 tests/e2e/vllm_e2e.py --throughput --tp-prompts ${2:-256} --out $OUT/vllm_tput.json 2>&1 | tail -40 ;;
