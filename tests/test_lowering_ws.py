@@ -122,6 +122,39 @@ def test_ws_kernel_lowers(lowered, variant):
     assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 8, "expected 8 mbarrier arrays (10 barriers)"
 
 
+def _lower_seesaw(variant):
+    import tilelang
+    from tilelang import tvm  # noqa: F401
+    from tvm.target import Target
+
+    from mla_backend.kernels.configs import SM90_SEESAW
+
+    target = Target(CUDA)
+    with target:
+        art = tilelang.lower(ws.build_decode_kernel_ws(*variant, cfg=SM90_SEESAW), target=target,
+                             enable_device_compile=False)
+    sizes = [int(f.attrs["dyn_shared_memory_buf"]) for _, f in art.device_mod.functions.items()
+             if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs]
+    return art.kernel_source, max(sizes, default=0)
+
+
+def test_seesaw_kernel_lowers():
+    """The seesaw schedule (opt-in, MLA_BACKEND_SM90_KERNEL=seesaw): padded MTP row block, fp16."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        src, smem = pool.submit(_lower_seesaw, (16, 2, 16, "float16", "float16")).result()
+    assert "tl::wgmma_ss<" in src and "tl::wgmma_rs<" in src, "S and P_b @ V via shared, P_a @ V from registers"
+    assert src.count(f"warpgroup_reg_alloc<{ws.REGS_SEESAW}>") == 2
+    assert f"warpgroup_reg_dealloc<{ws.REGS_SEESAW_PRODUCER}>" in src
+    assert 2 * ws.REGS_SEESAW + ws.REGS_SEESAW_PRODUCER <= 512, "128 threads per role, 65536 registers"
+    # one more P-sized exchange of row maxima / sums than the plain ws kernel, still under the limit
+    assert smem == ws.smem_budget()["dynamic"] + 2 * 64 * 4
+    assert smem + 1024 <= SM90_SMEM_LIMIT
+    first_role = src.index(f"warpgroup_reg_alloc<{ws.REGS_SEESAW}>")
+    assert "__syncthreads()" not in src[first_role:], "CTA-wide barrier inside a warp role"
+    assert set(re.findall(r"__sync_thread_partial<\d+, (\d+)>", src)) == {"128"}
+
+
 @pytest.mark.parametrize("variant", LOWER_VARIANTS, ids=_vid)
 def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
     """A __syncthreads() after the role split, a named barrier shared by two roles, or one inside a
