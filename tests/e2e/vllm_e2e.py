@@ -8,6 +8,7 @@ Engine starts take 75-110 s; pick at most ~4 engines per invocation to stay unde
     python tests/e2e/vllm_e2e.py --cases block64,block16 --out /tmp/e2e.json    # 4 engines
     python tests/e2e/vllm_e2e.py --cases graphs,mtp --out /tmp/e2e2.json        # 4 engines (CUSTOM/64 shared)
     python tests/e2e/vllm_e2e.py --cases fp8,mtp3 --out /tmp/e2e3.json
+    python tests/e2e/vllm_e2e.py --cases forced,forced_baseline --out /tmp/e2e4.json  # teacher-forced, 3 engines
     python tests/e2e/vllm_e2e.py --serve --out /tmp/serve.json                  # vllm serve, 1 engine
     python tests/e2e/vllm_e2e.py --throughput --out /tmp/tput.json              # 3 engines
 
@@ -70,6 +71,14 @@ CASES = {
                  engine("FLASHMLA", 64), engine("TRITON_MLA", 64)),
     "pages": ("CUSTOM block 16 vs CUSTOM block 64: the same kernel on different page tables must give "
               "identical tokens", engine("CUSTOM", 16), engine("CUSTOM", 64)),
+    "forced": ("teacher-forced decode: both engines are made to emit the same random token sequence (a logits "
+               "processor), so every step sees the same context; compares each step's own argmax (raw logits) "
+               "instead of free-running tokens, whose first near-tie divergence changes every later context",
+               engine("CUSTOM", 64, forced=True), engine("FLASHMLA", 64, forced=True)),
+    "forced16": ("teacher-forced decode (see forced), block 16",
+                 engine("CUSTOM", 16, forced=True), engine("TRITON_MLA", 16, forced=True)),
+    "forced_baseline": ("teacher-forced decode, two built-in backends against each other (FLASHMLA vs TRITON_MLA)",
+                        engine("FLASHMLA", 64, forced=True), engine("TRITON_MLA", 64, forced=True)),
     "graphs": ("CUSTOM with full CUDA graphs (default) vs CUSTOM with attention outside graphs (PIECEWISE): "
                "checks that graph replays read refreshed metadata",
                engine("CUSTOM", 64), engine("CUSTOM", 64, cudagraph_mode="PIECEWISE")),
@@ -113,6 +122,8 @@ def engine_label(spec: dict) -> str:
         parts.append("eager")
     if spec.get("verify"):
         parts.append("verify")
+    if spec.get("forced"):
+        parts.append("forced")
     return "-".join(parts)
 
 
@@ -147,6 +158,33 @@ def register_scaled_loader() -> None:
     register_model_loader(SCALED_LOAD_FORMAT)(ScaledDummyModelLoader)
 
 
+def force_tokens_processor():
+    """A vLLM logits processor that makes request r emit ``extra_args["force_tokens"]`` (teacher forcing).
+
+    Logprobs stay vLLM's default ``raw_logprobs`` (computed before logits processors), so the rank-1 token
+    of each step is the model's own greedy choice given the forced context."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class ForceTokens(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            force = (params.extra_args or {}).get("force_tokens")
+            if not force:
+                return None
+
+            def lp(output_ids, logits):
+                token = force[min(len(output_ids), len(force) - 1)]
+                logits.fill_(float("-inf"))
+                logits[token] = 0.0
+                return logits
+
+            return lp
+
+    return ForceTokens
+
+
 def engine_kwargs(spec: dict, model_dir: str) -> dict:
     kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               load_format=SCALED_LOAD_FORMAT if spec["init"] == "scaled" else "dummy",
@@ -161,6 +199,8 @@ def engine_kwargs(spec: dict, model_dir: str) -> dict:
         kw["compilation_config"] = {"cudagraph_mode": spec["cudagraph_mode"]}
     if spec.get("eager"):
         kw["enforce_eager"] = True
+    if spec.get("forced"):
+        kw["logits_processors"] = [force_tokens_processor()]
     return kw
 
 
@@ -191,10 +231,21 @@ def engine_main(spec_path: str, result_path: str) -> None:
         result["introspection_error"] = repr(e)
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    if spec.get("forced"):
+        forced = make_prompts([spec["max_tokens"]] * len(prompts), vocab_size(), seed=7)
+        params = [SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=1,
+                                 extra_args={"force_tokens": f}) for f in forced]
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    if spec.get("forced"):
+        # compare the model's own choice at each step (rank 1 of the raw logprobs), not the forced tokens
+        result["forcing_held"] = tokens == forced
+        result["forced_logprobs"] = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, f)]
+                                     for o, f in zip(outputs, forced)]
+        tokens = [[next(t for t, lp in step.items() if lp.rank == 1) for step in o.outputs[0].logprobs]
+                  for o in outputs]
     n_out = sum(len(t) for t in tokens)
     result.update(gen_s=round(gen_s, 3), output_tokens=n_out, output_tok_per_s=round(n_out / gen_s, 1),
                   total_tok_per_s=round((n_out + sum(len(p) for p in spec["prompts"])) / gen_s, 1))
@@ -338,8 +389,19 @@ def run_cases(args, workdir: Path, log_dir: Path, model_dir: Path) -> dict:
         entry = {"description": desc, "a": ra["label"], "b": rb["label"]}
         if "tokens" in ra and "tokens" in rb:
             entry.update(compare(ra["tokens"], rb["tokens"], lens))
+            if "forced_logprobs" in ra and "forced_logprobs" in rb:
+                diffs = [abs(x - y) for pa, pb in zip(ra["forced_logprobs"], rb["forced_logprobs"])
+                         for x, y in zip(pa, pb)]
+                entry["forcing_held"] = bool(ra.get("forcing_held") and rb.get("forcing_held"))
+                entry["forced_logprob_abs_diff"] = {"max": round(max(diffs), 4),
+                                                    "mean": round(sum(diffs) / len(diffs), 5)}
+                entry["passed"] = entry["passed"] and entry["forcing_held"]
             entry["tokens"] = {ra["label"]: ra["tokens"], rb["label"]: rb["tokens"]}
             print_case(name, desc, ra["label"], rb["label"], entry)
+            if "forcing_held" in entry:
+                print(f"    forcing held: {entry['forcing_held']}; |logprob difference| of the forced tokens: "
+                      f"max {entry['forced_logprob_abs_diff']['max']}, mean {entry['forced_logprob_abs_diff']['mean']}",
+                      flush=True)
             if name in ("pages", "graphs"):  # same kernel, same numerics: must be identical
                 entry["passed"] = ra["tokens"] == rb["tokens"]
                 print(f"    identical tokens: {entry['passed']}", flush=True)
