@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,19 @@ TILELANG_SM90 = "tilelang-sm90"
 TILELANG_GFX942 = "tilelang-gfx942"
 IMPLS = ("auto", REFERENCE, TILELANG_SM90, TILELANG_GFX942)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# What the engine plugins ask the op for (both engines read it at startup).
+ENV_IMPL = "MLA_BACKEND_IMPL"
+_LEGACY_ENV_IMPL = "MLA_BACKEND_SGLANG_IMPL"  # the SGLang plugin's earlier name, still honoured
+
+
+def engine_impl_request() -> str:
+    """``$MLA_BACKEND_IMPL`` (default "auto"): e.g. "tilelang-gfx942" opts an engine into the MI300X kernel."""
+    value = os.environ.get(ENV_IMPL) or os.environ.get(_LEGACY_ENV_IMPL) or "auto"
+    if value not in IMPLS:
+        raise ValueError(f"{ENV_IMPL}={value!r} is not supported; expected one of {IMPLS}")
+    return value
 
 
 @dataclass(frozen=True)

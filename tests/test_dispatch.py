@@ -80,3 +80,18 @@ def test_sm90_kernel_choice_follows_the_environment(monkeypatch):
     monkeypatch.setenv(configs.SM90_KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match=r"MLA_BACKEND_SM90_KERNEL='fast' is not supported; expected one of"):
         configs.config_for("sm90")
+
+
+def test_engine_impl_request(monkeypatch):
+    from mla_backend.dispatch import engine_impl_request
+
+    monkeypatch.delenv("MLA_BACKEND_IMPL", raising=False)
+    monkeypatch.delenv("MLA_BACKEND_SGLANG_IMPL", raising=False)
+    assert engine_impl_request() == "auto"
+    monkeypatch.setenv("MLA_BACKEND_SGLANG_IMPL", "reference")  # the older SGLang-only name
+    assert engine_impl_request() == "reference"
+    monkeypatch.setenv("MLA_BACKEND_IMPL", "tilelang-gfx942")
+    assert engine_impl_request() == "tilelang-gfx942"
+    monkeypatch.setenv("MLA_BACKEND_IMPL", "cuda")
+    with pytest.raises(ValueError, match=r"MLA_BACKEND_IMPL='cuda' is not supported; expected one of"):
+        engine_impl_request()

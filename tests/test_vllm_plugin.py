@@ -167,7 +167,8 @@ def test_declared_capabilities():
     assert set(cls.supported_dtypes) == {torch.float16, torch.bfloat16}
     assert set(cls.supported_kv_cache_dtypes) == {"auto", "float16", "bfloat16", "fp8", "fp8_e4m3"}
     assert cls.supports_compute_capability(DeviceCapability(9, 0))
-    for major, minor in ((8, 0), (8, 9), (10, 0), (12, 0)):
+    assert cls.supports_compute_capability(DeviceCapability(9, 4))  # MI300X on vLLM's ROCm platform
+    for major, minor in ((8, 0), (8, 9), (9, 5), (10, 0), (12, 0)):
         assert not cls.supports_compute_capability(DeviceCapability(major, minor))
     # vLLM's default block size (16) stays 16; a larger block is split into kernel blocks.
     assert cls.get_preferred_block_size(16) == 16
@@ -231,6 +232,21 @@ def test_validate_configuration_refuses(overrides, expected):
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
 def test_validate_configuration_refuses_other_gpus(capability):
     assert "compute capability not supported" in _validate(_backend(), capability)
+
+
+def test_rocm_needs_the_gfx942_opt_in(monkeypatch):
+    """On vLLM's ROCm platform the backend is refused with the opt-in named, and accepted once opted in."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.delenv("MLA_BACKEND_IMPL", raising=False)
+    monkeypatch.delenv("MLA_BACKEND_SGLANG_IMPL", raising=False)
+    monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: True)
+    reasons = _validate(_backend(), capability=(9, 4))
+    assert any("set MLA_BACKEND_IMPL=tilelang-gfx942" in r for r in reasons), reasons
+    monkeypatch.setenv("MLA_BACKEND_IMPL", "tilelang-gfx942")
+    assert _strip_tilelang(_validate(_backend(), capability=(9, 4))) == []
+    monkeypatch.setenv("MLA_BACKEND_IMPL", "fastest")
+    assert any("MLA_BACKEND_IMPL='fastest' is not supported" in r for r in _validate(_backend(), capability=(9, 4)))
 
 
 def test_cudagraph_and_query_len_support():

@@ -30,7 +30,7 @@ import torch
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from ..dispatch import REFERENCE, select_impl
+from ..dispatch import ENV_IMPL, REFERENCE, engine_impl_request, select_impl
 from ..kernels.configs import MAX_HEADS, MAX_Q_LEN, SUPPORTED_PAGE_SIZES
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
 from ..op import mla_decode
@@ -46,7 +46,6 @@ SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 #: Largest eager page table (bytes) sized from the static bound before falling back to a host sync.
 _EAGER_STATIC_TABLE_BYTES = 64 << 20
 
-ENV_IMPL = "MLA_BACKEND_SGLANG_IMPL"  # auto (default) | reference | tilelang-sm90 | tilelang-gfx942
 ENV_WARMUP = "MLA_BACKEND_SGLANG_WARMUP"  # "0": do not compile the kernels at startup
 ENV_PAGE_TABLE = "MLA_BACKEND_SGLANG_PAGE_TABLE"  # auto (default) | triton | torch
 ENV_REPORT = "MLA_BACKEND_SGLANG_REPORT"  # directory: per-process JSON with config + step counters
@@ -101,7 +100,7 @@ class SupportedConfig:
     num_draft_tokens: int
     q_lens: tuple
     impl: str  # resolved implementation ("tilelang-sm90", ... or "reference")
-    impl_request: str  # what MLA_BACKEND_SGLANG_IMPL asked for
+    impl_request: str  # what MLA_BACKEND_IMPL asked for
 
 
 def check_supported(model_runner) -> SupportedConfig:
@@ -169,7 +168,10 @@ def check_supported(model_runner) -> SupportedConfig:
                     f"1..{MAX_Q_LEN} (e.g. --speculative-num-steps 3 --speculative-num-draft-tokens 4).")
     q_lens = (1,) + ((n_draft,) if 1 < n_draft <= MAX_Q_LEN else ())
 
-    impl_request = os.environ.get(ENV_IMPL, "auto")
+    try:
+        impl_request = engine_impl_request()
+    except ValueError as exc:
+        _refuse(f"{exc}")
     device = model_runner.req_to_token_pool.req_to_token.device
     choice = None
     for q_len in q_lens:
@@ -178,8 +180,10 @@ def check_supported(model_runner) -> SupportedConfig:
         except ValueError as exc:
             _refuse(f"{exc}")
         if choice.impl == REFERENCE and impl_request != REFERENCE:
-            _refuse(f"no TileLang kernel can run this setup ({choice.reason}). For debugging only, "
-                    f"{ENV_IMPL}=reference runs the slow PyTorch reference (needs --disable-cuda-graph).")
+            _refuse(f"no TileLang kernel can run this setup ({choice.reason}). On an MI300X, "
+                    f"{ENV_IMPL}=tilelang-gfx942 opts into the gfx942 kernel (unverified on hardware, docs/amd.md); "
+                    f"for debugging only, {ENV_IMPL}=reference runs the slow PyTorch reference "
+                    "(needs --disable-cuda-graph).")
     return SupportedConfig(num_heads, page_size, dtype, kv_dtype, algo, n_draft, q_lens, choice.impl,
                            impl_request)
 

@@ -25,7 +25,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
 
-from ..dispatch import REFERENCE, select_impl, tilelang_available
+from ..dispatch import ENV_IMPL, REFERENCE, TILELANG_GFX942, engine_impl_request, select_impl, tilelang_available
 from ..kernels.configs import MAX_HEADS, MAX_Q_LEN
 from ..metadata import MLADecodeMetadata
 from ..op import mla_decode
@@ -70,6 +70,20 @@ def config_problems(vllm_config: VllmConfig | None) -> list[str]:
     return problems
 
 
+def platform_problems() -> list[str]:
+    """ROCm: the gfx942 kernel lowers in CI but has not run on an MI300X, so it is opt-in (docs/amd.md)."""
+    try:
+        request = engine_impl_request()
+    except ValueError as exc:
+        return [str(exc)]
+    from vllm.platforms import current_platform
+
+    if current_platform.is_rocm() and request != TILELANG_GFX942:
+        return [f"on ROCm the TileLang gfx942 kernel is unverified on hardware; set {ENV_IMPL}={TILELANG_GFX942} "
+                "to use it (docs/amd.md)"]
+    return []
+
+
 class TileLangMLABackend(MLACommonBackend):
     """DeepSeek-style MLA (head size 576) decode on Hopper through TileLang kernels."""
 
@@ -101,7 +115,8 @@ class TileLangMLABackend(MLACommonBackend):
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
-        return capability.major == 9  # the kernels target sm_90a (Hopper)
+        # sm_90 (H100 / H200); vLLM's ROCm platform reports MI300X (gfx942) as 9.4
+        return (capability.major, capability.minor) in ((9, 0), (9, 4))
 
     @classmethod
     def supports_combination(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
@@ -114,6 +129,7 @@ class TileLangMLABackend(MLACommonBackend):
             reasons.append(f"kv_cache_dtype {kv_cache_dtype} with model dtype {dtype} (the kernels take the "
                            f"model dtype or fp8)")
         reasons += config_problems(get_current_vllm_config_or_none())
+        reasons += platform_problems()
         return "; ".join(reasons) if reasons else None
 
 
@@ -189,6 +205,7 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
             raise NotImplementedError("TileLangMLAImpl (attention backend CUSTOM) does not support: "
                                       + "; ".join(unsupported))
         self._fp8_cache = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+        self._impl = engine_impl_request()  # "auto", or e.g. tilelang-gfx942 on an MI300X (opt-in)
         # Keep q in the model dtype with an fp8 cache: the kernels dequantise K/V with k_scale.
         self.supports_quant_query_input = False
 
@@ -199,7 +216,7 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
         assert decode is not None and decode.mla is not None
         result = mla_decode(q, kv_c_and_k_pe_cache, decode.mla, self.scale,
                             k_scale=layer._k_scale if self._fp8_cache else None,
-                            return_lse=self.need_to_return_lse_for_decode, check_indices=False)
+                            return_lse=self.need_to_return_lse_for_decode, impl=self._impl, check_indices=False)
         if self.need_to_return_lse_for_decode:
             return result
         return result, None
@@ -226,7 +243,7 @@ def warm_up_kernels(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dt
         return []
     variants = []
     for q_len in q_lens:
-        choice = select_impl(device, dtype, kv_dtype, num_heads, q_len, page_size)
+        choice = select_impl(device, dtype, kv_dtype, num_heads, q_len, page_size, engine_impl_request())
         if choice.impl == REFERENCE:
             raise RuntimeError(f"mla_backend (CUSTOM): no TileLang kernel for heads={num_heads} q_len={q_len} "
                                f"page={page_size} {dtype}/{kv_dtype} on {device}: {choice.reason}")

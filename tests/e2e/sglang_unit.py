@@ -423,7 +423,7 @@ class _Result(unittest.TextTestResult):
 
 def _cpu_debug_setup():
     """No GPU: the reference op, and SGLang's Triton MLA KV write replaced by its torch equivalent."""
-    os.environ.setdefault("MLA_BACKEND_SGLANG_IMPL", "reference")
+    os.environ.setdefault("MLA_BACKEND_IMPL", "reference")
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
