@@ -9,8 +9,12 @@ from triton.testing import do_bench
 
 from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode, mla_decode_reference
 
-kernel = os.environ.get("MLA_BACKEND_SM90_KERNEL", "default")
-if "--smoke" in sys.argv:
+CASES = [(128, 16384, 16, 1, 64), (128, 16384, 128, 1, 64), (128, 16384, 128, 2, 64), (1, 4096, 16, 1, 64),
+         (16, 4096, 16, 1, 64), (128, 16384, 16, 1, 1), (128, 16384, 16, 1, 16), (64, 8192, 16, 1, 64),
+         (128, 16384, 16, 2, 64), (64, 8192, 64, 1, 64)]
+
+
+def smoke(kernel: str) -> int:
     lens = torch.tensor([1, 63, 65, 700, 0, 130], dtype=torch.int32)
     kv = torch.randn(40, 64, 576).bfloat16().cuda()
     table = torch.randperm(40)[:36].int().view(6, 6).cuda()
@@ -21,13 +25,12 @@ if "--smoke" in sys.argv:
     ref, _ = mla_decode_reference(q[..., :512], q[..., 512:], kv, md, 0.07)
     err = float((out.float() - ref.float()).norm() / ref.float().norm())
     print(f"smoke {kernel}: rel err {err:.2e}")
-    sys.exit(0 if err < 1e-2 else 1)
+    return 0 if err < 1e-2 else 1
 
-cases = [(128, 16384, 16, 1, 64), (128, 16384, 128, 1, 64), (128, 16384, 128, 2, 64), (1, 4096, 16, 1, 64),
-         (16, 4096, 16, 1, 64), (128, 16384, 16, 1, 1), (128, 16384, 16, 1, 16), (64, 8192, 16, 1, 64),
-         (128, 16384, 16, 2, 64), (64, 8192, 64, 1, 64)]
-flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-for b, s, h, sq, ps in cases:
+
+def decode_step(b: int, s: int, h: int, sq: int, ps: int):
+    """A fixed-length bf16 problem with pages in random order; returns the captured call (a CUDA graph
+    replay, as engines run decode), the eager call, and (bytes, flops) for the rates."""
     pages = b * s // ps
     kv = torch.randn(pages, ps, 576, dtype=torch.bfloat16, device="cuda")
     table = torch.randperm(pages, device="cuda").int().view(b, s // ps)
@@ -36,15 +39,28 @@ for b, s, h, sq, ps in cases:
     md = MLADecodeMetadata.from_block_table(table, lens, ps, q_len=sq)
     md.plan = SplitPlanner(b, h, sq, "cuda").plan(lens)
     out = torch.empty(b * sq, h, 512, dtype=torch.bfloat16, device="cuda")
-    fn = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False)  # noqa: E731
-    fn()
-    t_eager = do_bench(fn, warmup=50, rep=300, return_mode="median", grad_to_none=None) * 1e-3  # s
-    graph = torch.cuda.CUDAGraph()  # as engines run decode: no host overhead in the timing
+    eager = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False)  # noqa: E731
+    eager()
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    t = do_bench(graph.replay, warmup=50, rep=300, return_mode="median", grad_to_none=None) * 1e-3
+        eager()
     nbytes = (b * s * 576 + b * sq * h * 1088) * 2
-    flops = 2 * sq * b * s * h * 1088
-    print(f"{kernel} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph {t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s "
-          f"{flops/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us", flush=True)
-    del kv, table
+    return graph.replay, eager, (nbytes, 2 * sq * b * s * h * 1088)
+
+
+def main() -> int:
+    kernel = os.environ.get("MLA_BACKEND_SM90_KERNEL", "default")
+    if "--smoke" in sys.argv:
+        return smoke(kernel)
+    for b, s, h, sq, ps in CASES:
+        replay, eager, (nbytes, flops) = decode_step(b, s, h, sq, ps)
+        t_eager = do_bench(eager, warmup=50, rep=300, return_mode="median") * 1e-3  # s
+        t = do_bench(replay, warmup=50, rep=300, return_mode="median") * 1e-3
+        print(f"{kernel} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph {t*1e6:8.1f} us "
+              f"{nbytes/t/1e9:7.0f} GB/s {flops/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us", flush=True)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -252,6 +252,22 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         T.wait_wgmma(0)
 
     @T.macro
+    def score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s):
+        """S = Q K^T over the KV buffer holding block g."""
+        if kv_buffer(g) == 0:
+            score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s)
+        else:
+            score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s)
+
+    @T.macro
+    def pv_block(p, g, v0, v1, acc_o):
+        """acc_o += P V, V being this warpgroup's half of the KV buffer holding block g."""
+        if kv_buffer(g) == 0:
+            T.gemm(p, v0, acc_o)
+        else:
+            T.gemm(p, v1, acc_o)
+
+    @T.macro
     def mask_scale(acc_s, pos0, vis0, row0, scale_log2):
         """Scale S to the log2 domain; -inf where the causal / length rule hides a position."""
         if pos0 + block_n <= vis0 + row0 // num_heads:
@@ -400,10 +416,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         for k in T.serial(n_pairs):
                             ga = g0 + 2 * k
                             T.barrier_wait(k_ready[kv_buffer(ga)], kv_ready_parity(ga))
-                            if kv_buffer(ga) == 0:
-                                score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s)
-                            else:
-                                score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s)
+                            score_block(q_l, q_r, q_t, ga, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
                             if k == n_pairs - 1:
                                 T.barrier_arrive(q_free[0])  # WG0's last read of this segment's Q
                             mask_scale(acc_s, (blk_lo + 2 * k) * block_n, vis0, row0, scale_log2)
@@ -427,10 +440,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
                             for i, d in T.Parallel(block_rows, HALF):
                                 acc_o_l[i, d] *= alpha[i]
-                            if kv_buffer(ga) == 0:
-                                T.gemm(p_frag_l, kv0_l, acc_o_l)
-                            else:
-                                T.gemm(p_frag_l, kv1_l, acc_o_l)
+                            pv_block(p_frag_l, ga, kv0_l, kv1_l, acc_o_l)
                             T.barrier_arrive(k_free[kv_buffer(ga)])
                             # WG1 has published M (and P_b when the pair has a second block)
                             T.barrier_wait(p_free[0], pc & 1)
@@ -443,10 +453,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 acc_o_l[i, d] *= alpha[i]
                             if 2 * k + 1 < n_blk:
                                 T.barrier_wait(k_ready[kv_buffer(ga + 1)], kv_ready_parity(ga + 1))
-                                if kv_buffer(ga + 1) == 0:
-                                    T.gemm(p_shared, kv0_l, acc_o_l)
-                                else:
-                                    T.gemm(p_shared, kv1_l, acc_o_l)
+                                pv_block(p_shared, ga + 1, kv0_l, kv1_l, acc_o_l)
                                 T.barrier_arrive(k_free[kv_buffer(ga + 1)])
                             pc = pc + 1
                         exchange_l(l_sum, l_shared, l_r_shared, l_ready, l_free, seg)
@@ -477,10 +484,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             ga = g0 + 2 * k
                             if 2 * k + 1 < n_blk:
                                 T.barrier_wait(k_ready[kv_buffer(ga + 1)], kv_ready_parity(ga + 1))
-                                if kv_buffer(ga + 1) == 0:
-                                    score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s_r)
-                                else:
-                                    score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s_r)
+                                score_block(q_l, q_r, q_t, ga + 1, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s_r)
                                 mask_scale(acc_s_r, (blk_lo + 2 * k + 1) * block_n, vis0, row0, scale_log2)
                                 T.reduce_max(acc_s_r, row_max_r, dim=1, clear=True)
                             else:
@@ -497,10 +501,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             for i, d in T.Parallel(block_rows, HALF):
                                 acc_o_r[i, d] *= alpha_r[i]
                             T.barrier_wait(k_ready[kv_buffer(ga)], kv_ready_parity(ga))
-                            if kv_buffer(ga) == 0:
-                                T.gemm(p_shared, kv0_r, acc_o_r)
-                            else:
-                                T.gemm(p_shared, kv1_r, acc_o_r)
+                            pv_block(p_shared, ga, kv0_r, kv1_r, acc_o_r)
                             T.barrier_arrive(k_free[kv_buffer(ga)])
                             for i in T.Parallel(block_rows):
                                 alpha_r[i] = T.if_then_else(m_new_r[i] == -T.infinity(accum), 1,
@@ -524,10 +525,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             for i, d in T.Parallel(block_rows, HALF):
                                 acc_o_r[i, d] *= alpha_r[i]
                             if 2 * k + 1 < n_blk:
-                                if kv_buffer(ga + 1) == 0:
-                                    T.gemm(p_frag_r, kv0_r, acc_o_r)
-                                else:
-                                    T.gemm(p_frag_r, kv1_r, acc_o_r)
+                                pv_block(p_frag_r, ga + 1, kv0_r, kv1_r, acc_o_r)
                                 T.barrier_arrive(k_free[kv_buffer(ga + 1)])
                             pc = pc + 1
                         exchange_l(l_r, l_r_shared, l_shared, l_ready, l_free, seg)
@@ -538,19 +536,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
                 T.set_max_nreg(REGS_WG0, 1)
                 if pad_rows:
-                    # Rows past `rows` (last row block only) stay zero in Q for the whole program: the
-                    # producer only ever writes the valid rows (disjoint bytes), WG0 is Q's only reader.
-                    # Generic stores, read by WGMMA (async proxy): fence.
-                    for i, d in T.Parallel(block_rows, HALF):
-                        if row0 + i >= rows:
-                            q_l[i, d] = T.cast(0, dtype)
-                            q_r[i, d] = T.cast(0, dtype)
-                    for i, d in T.Parallel(block_rows, ROPE_DIM):
-                        if row0 + i >= rows:
-                            q_t[i, d] = T.cast(0, dtype)
-                    T.fence_proxy_async()
-                    # every WG0 warp's zeros are in place before any warp's first WGMMA reads Q
-                    T.sync_threads(WG0_NAMED_BARRIER, 128)
+                    zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)  # WG0 is Q's only reader
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
                     req_hi = cu_blocks[req + 1]
@@ -570,20 +556,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             g = g0 + blk
                             pos0 = (blk_lo + blk) * block_n
                             T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
-                            if kv_buffer(g) == 0:
-                                score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s)
-                            else:
-                                score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s)
+                            score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
                             if blk == n_blk - 1:
                                 T.barrier_arrive(q_free[0])  # last read of this segment's Q
-                            if pos0 + block_n <= vis0 + row0 // num_heads:
-                                # every position of the block is visible to every row of the tile
-                                for i, j in T.Parallel(block_rows, block_n):
-                                    acc_s[i, j] = acc_s[i, j] * scale_log2
-                            else:
-                                for i, j in T.Parallel(block_rows, block_n):
-                                    acc_s[i, j] = T.if_then_else(pos0 + j < vis0 + (row0 + i) // num_heads,
-                                                                 acc_s[i, j] * scale_log2, -T.infinity(accum))
+                            mask_scale(acc_s, pos0, vis0, row0, scale_log2)
                             T.copy(m_cur, m_prev)
                             T.reduce_max(acc_s, m_cur, dim=1, clear=False)
                             # A row that has seen nothing yet keeps max -inf: offset by 0 instead, so
@@ -606,10 +582,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_arrive(p_ready[0])
                             for i, d in T.Parallel(block_rows, HALF):
                                 acc_o_l[i, d] *= alpha[i]
-                            if kv_buffer(g) == 0:
-                                T.gemm(p_shared, kv0_l, acc_o_l)
-                            else:
-                                T.gemm(p_shared, kv1_l, acc_o_l)
+                            pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
                             T.barrier_arrive(k_free[kv_buffer(g)])
 
                         # epilogue: hand l to WG1, write O[:, :256] and the LSE
@@ -640,10 +613,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 alpha_r[i] = alpha_shared[i]
                             for i, d in T.Parallel(block_rows, HALF):
                                 acc_o_r[i, d] *= alpha_r[i]
-                            if kv_buffer(g) == 0:
-                                T.gemm(p_shared, kv0_r, acc_o_r)
-                            else:
-                                T.gemm(p_shared, kv1_r, acc_o_r)
+                            pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
                             T.barrier_arrive(p_free[0])
                             T.barrier_arrive(k_free[kv_buffer(g)])
 
