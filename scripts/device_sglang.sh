@@ -2,7 +2,9 @@
 # GPU machine, SGLang 0.5.17 sequence (../shared/devkit/README.md): call 1 carries .devkit/sglang,
 # sgl-kernel, sglang-deps + unpack.sh and runs `source .devkit/unpack.sh`; call 2+ carry flashinfer-sgl,
 # tilelang-0.1.11, sgl-ipython, sgl-transformers, sgl-extra (soundfile + cffi: launch_server imports them;
-# `../shared/devkit/pack.sh sgl-extra -- soundfile==0.13.1 cffi==2.0.0 pycparser==2.23`) + unpack.sh
+# `../shared/devkit/pack.sh sgl-extra -- soundfile==0.13.1 cffi==2.0.0 pycparser==2.23`), sgl-deepgemm
+# (`pack.sh sgl-deepgemm -- sgl-deep-gemm==0.1.5.post1`: SGLang's EAGLE v2 draft graph capture imports
+# dsa_backend, which imports deep_gemm; without it --mtp fails for every attention backend) + unpack.sh
 # and run `bash scripts/device_sglang.sh STAGE`.
 #   unit    kernel GPU tests under TileLang 0.1.11 (SGLang's pin) + SGLang's attention unit kit
 #   e2e     Engine: tilelang_mla vs triton (page 1) and flashmla (page 64); extra args pass through
