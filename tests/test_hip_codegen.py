@@ -53,7 +53,11 @@ def hip_sources(tmp_path_factory):
     if not (SIDE / "tilelang").is_dir():
         pytest.skip(f"no TileLang with HIP codegen at {SIDE} (.ci/install_hip_toolchain.sh installs 0.1.11 there)")
     out = tmp_path_factory.mktemp("hip")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SIDE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    # Importing TileLang 0.1.9 here (test collection does) exports its own library / tvm paths: drop them so
+    # the subprocess loads 0.1.11 whole.
+    inherited = ("PYTHONPATH", "TVM_LIBRARY_PATH", "TL_CUTLASS_PATH", "TL_COMPOSABLE_KERNEL_PATH", "TL_TEMPLATE_PATH")
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
+    env["PYTHONPATH"] = os.pathsep.join([str(SIDE), str(ROOT)])
     proc = subprocess.run([sys.executable, "-c", GENERATE, str(out), json.dumps(VARIANTS)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
