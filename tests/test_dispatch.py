@@ -95,3 +95,17 @@ def test_engine_impl_request(monkeypatch):
     monkeypatch.setenv("MLA_BACKEND_IMPL", "cuda")
     with pytest.raises(ValueError, match=r"MLA_BACKEND_IMPL='cuda' is not supported; expected one of"):
         engine_impl_request()
+
+
+def test_fp8_cache_refused_on_gfx942(monkeypatch):
+    """The gfx942 config has no room for the fp8 staging tile: refused with the reason, not a launch failure."""
+    from mla_backend import dispatch
+
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: ("gfx942", "AMD Instinct MI300X (gfx942)"))
+    monkeypatch.setattr(dispatch, "tilelang_available", lambda: True)
+    gpu = torch.device("cuda", 0)
+    assert select_impl(gpu, BF16, BF16, 16, 1, 1, requested="tilelang-gfx942").impl == "tilelang-gfx942"
+    with pytest.raises(ValueError, match=r"float8_e4m3fn cache is not supported by the gfx942 kernel"):
+        select_impl(gpu, BF16, torch.float8_e4m3fn, 16, 1, 1, requested="tilelang-gfx942")
+    auto = select_impl(gpu, BF16, torch.float8_e4m3fn, 16, 1, 1)
+    assert auto.impl == REFERENCE and "float8_e4m3fn" in auto.reason
