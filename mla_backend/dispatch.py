@@ -88,18 +88,15 @@ def select_impl(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
     problem = kernel_unsupported(dtype, kv_dtype, num_heads, q_len, page_size)
     if arch is not None and not tilelang_available():
         arch, why = None, "tilelang is not installed"
+    if problem is None and arch == "gfx942" and kv_dtype == torch.float8_e4m3fn:
+        # The fp8 staging tile takes the gfx942 config to 76800 B of LDS; MI300X has 64 KB per workgroup.
+        problem = "kv_cache: a float8_e4m3fn cache is not supported by the gfx942 kernel (LDS), use bf16/fp16"
     if arch is None or problem is not None:
         reason = why if arch is None else f"unsupported {problem}"
         if requested != "auto":
             raise ValueError(f"mla_decode: impl={requested!r} cannot run here: {reason}")
         return Choice(REFERENCE, reason)
     impl = TILELANG_SM90 if arch == "sm90" else TILELANG_GFX942
-    if impl == TILELANG_GFX942 and kv_dtype == torch.float8_e4m3fn:
-        # The fp8 staging tile takes the gfx942 config to 76800 B of LDS; MI300X has 64 KB per workgroup.
-        reason = f"{why}: a float8_e4m3fn cache is not supported by the gfx942 kernel (LDS), use bf16/fp16"
-        if requested != "auto":
-            raise ValueError(f"mla_decode: impl={requested!r} cannot run here: {reason}")
-        return Choice(REFERENCE, reason)
     if impl == TILELANG_GFX942 and requested == "auto":
         # Lowered for gfx942 in CI but never run on an MI300X: opt in explicitly (docs/amd.md).
         return Choice(REFERENCE, f"{why}: the gfx942 kernel is unverified on hardware; pass impl={impl!r} to use it")

@@ -129,10 +129,10 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
                             f"{plan.cu_blocks.shape[0] - 1}; this call has {num_heads * metadata.q_len} rows "
                             f"(heads x q_len) and batch {metadata.batch_size}")
     arch = impl.split("-", 1)[1]
-    block_n = config_for(arch).block_n
-    if plan.block_n != block_n:
+    cfg = config_for(arch)
+    if plan.block_n != cfg.block_n:
         raise MLAInputError(f"mla_decode: metadata.plan was made with {plan.block_n}-token blocks but the {arch} "
-                            f"kernel ({config_for(arch).kernel}) walks {block_n}-token blocks; build the "
+                            f"kernel ({cfg.kernel}) walks {cfg.block_n}-token blocks; build the "
                             f"SplitPlanner after choosing the kernel (block_n=None picks it)")
     split, combine = get_kernels(num_heads, metadata.q_len, metadata.page_size, q_nope.dtype, kv_cache.dtype, arch)
     if isinstance(k_scale, torch.Tensor):

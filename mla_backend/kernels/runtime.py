@@ -38,13 +38,18 @@ def tl_dtype(dtype: torch.dtype) -> str:
     return _TORCH_TO_TL[dtype]
 
 
+def _variant_key(variant: tuple) -> tuple:
+    """``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` plus the arch's current tile config."""
+    return (*variant, config_for(variant[-1]))
+
+
 def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype, arch: str):
     """Returns the compiled ``(split, combine)`` kernels of one variant, compiling on first use.
 
     The tile config (and so the kernel source) is ``config_for(arch)``; plans must use its ``block_n``.
     """
-    cfg = config_for(arch)
-    key = (num_heads, q_len, page_size, dtype, kv_dtype, arch, cfg)
+    key = _variant_key((num_heads, q_len, page_size, dtype, kv_dtype, arch))
+    cfg = key[-1]
     kernels = _KERNELS.get(key)
     if kernels is not None:
         return kernels
@@ -90,7 +95,7 @@ def warmup(variants: list[tuple], workers: int = 1) -> float:
     then this process loads them from it. Returns the wall time in seconds.
     """
     start = time.perf_counter()
-    todo = [v for v in dict.fromkeys(variants) if (*v, config_for(v[-1])) not in _KERNELS]
+    todo = [v for v in dict.fromkeys(variants) if _variant_key(v) not in _KERNELS]
     if workers > 1 and len(todo) > 1:
         import concurrent.futures
         import multiprocessing
