@@ -3,6 +3,7 @@
 # (`source .devkit/unpack.sh`); call 3+ run `bash scripts/device_vllm.sh STAGE` carrying
 # .devkit/vllm-deps.tar.xz, .devkit/tilelang-0.1.9.tar.xz and .devkit/unpack.sh.
 #   kernel  GPU kernel tests + side-by-side benchmark (--quick, FlashMLA / FA3 / Triton anchors)
+#   tests   GPU kernel tests only
 #   e2e     vLLM E2E cases given as $2 (default block64,block16)
 #   serve   vllm serve over HTTP; throughput  decode-heavy tokens/s vs FLASHMLA and FLASH_ATTN_MLA
 set -o pipefail
@@ -13,6 +14,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i 
 python3 -c "from importlib.metadata import entry_points as e; print('entry points:', list(e(group='vllm.general_plugins')))"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 case "$1" in
+  tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log ;;
   kernel)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log
     timeout 250 python3 -m mla_backend.bench --quick --check --out-dir $OUT/bench 2>&1 | tail -60 | tee $OUT/bench.log
