@@ -76,7 +76,8 @@ BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 # (heads, q_len, page_size, dtype, kv_dtype) of every test below, compiled up front in parallel.
 VARIANTS = ([(16, 1, p, BF16, BF16) for p in (1, 16, 32, 64, 128)] + [(h, 1, 64, BF16, BF16) for h in (1, 32, 64, 128)]
             + [(16, 2, 64, BF16, BF16), (128, 2, 64, BF16, BF16), (16, 3, 16, BF16, BF16), (32, 4, 1, BF16, BF16),
-               (128, 4, 16, BF16, BF16), (16, 1, 64, FP16, FP16), (16, 1, 64, BF16, FP8)])
+               (128, 4, 16, BF16, BF16), (16, 1, 64, FP16, FP16), (16, 1, 64, BF16, FP8), (16, 1, 64, FP16, FP8),
+               (16, 1, 1, BF16, FP8), (128, 2, 16, BF16, FP8)])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,10 +121,34 @@ def test_long_and_zero():
     check(*make_problem([32768, 0, 1, 5000], 16, 1, 64, torch.bfloat16, seed=7), torch.bfloat16)
 
 
-def test_fp8_cache():
-    _kernel_or_skip(kv_dtype=torch.float8_e4m3fn)
-    check(*make_problem(RAGGED, 16, 1, 64, torch.bfloat16, kv_dtype=torch.float8_e4m3fn, seed=9), torch.bfloat16,
-          rel_tol=2e-2)
+@pytest.mark.parametrize("heads,q_len,page_size,dtype", [(16, 1, 64, BF16), (16, 1, 64, FP16), (16, 1, 1, BF16),
+                                                         (128, 2, 16, BF16)])
+def test_fp8_cache(heads, q_len, page_size, dtype):
+    _kernel_or_skip(dtype=dtype, kv_dtype=FP8, heads=heads, q_len=q_len, page_size=page_size)
+    lens = RAGGED if q_len == 1 else [q_len, 63, 65, 300, 1500]
+    check(*make_problem(lens, heads, q_len, page_size, dtype, kv_dtype=FP8, seed=9), dtype, rel_tol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_fp8_dequant_is_exact(dtype):
+    """Every e4m3 value (subnormals, +-0, 448) comes out exactly: with one visible position the output
+    is k_scale * V of that row, and a power-of-two k_scale keeps it representable in bf16 / fp16."""
+    _kernel_or_skip(dtype=dtype, kv_dtype=FP8)
+    codes = torch.arange(512) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    g = torch.Generator(device="cpu").manual_seed(3)
+    kv = (torch.randn(2, 64, 576, generator=g) * 4).to(FP8)
+    kv[1, 0, :512] = codes.to(torch.uint8).view(FP8)  # page 1, slot 0: every code, twice
+    q = torch.randn(1, 16, 576, generator=g).to(dtype).cuda()
+    table = torch.tensor([[1, 0]], dtype=torch.int32)
+    md = MLADecodeMetadata.from_block_table(table, torch.tensor([1], dtype=torch.int32), 64, q_len=1).to("cuda")
+    out = torch.full((1, 16, 512), float("nan"), dtype=dtype, device="cuda")
+    mla_decode(q, kv.cuda(), md, SCALE, k_scale=0.5, out=out)
+    expected = (kv[1, 0, :512].float() * 0.5).to(dtype).float().expand(16, 512)
+    assert torch.equal(out[0].float().cpu(), expected), "e4m3 -> dtype conversion is not exact"
+    # the same rows among others (two pages, 100 positions), against the reference
+    md = MLADecodeMetadata.from_block_table(table, torch.tensor([100], dtype=torch.int32), 64, q_len=1).to("cuda")
+    check(q, kv.cuda(), md, 0.5, dtype, rel_tol=2e-2)
 
 
 def test_no_recompile_across_batches():

@@ -32,8 +32,12 @@ Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + d
     total                              230912   (1536 B to spare)
 
 There is no room for a separate fp8 staging tile (64 x 576 x 1 = 36864 B), so for an fp8 cache the
-producer converts in registers: e4m3 -> fp16/bf16 is exact, and the per-tensor ``k_scale`` is
-applied to S (through the softmax scale) and to O, as in ``mla_decode``.
+producer loads with plain loads and converts in registers: e4m3 -> fp16/bf16 is exact, and the
+per-tensor ``k_scale`` is applied to S (through the softmax scale) and to O, as in ``mla_decode``.
+Plain loads stall the producer for a full memory latency per half block, so it first asks L2 for the
+rows of the block two ahead (``prefetch.global.L2``, no registers, no shared memory): its own
+loads then hit L2 while DRAM streams the next blocks. The conversion is bit moves plus one exact
+multiply per pair (``PRELUDE``), not TileLang's per-element casts through fp32.
 
 Synchronisation (mbarriers; arrive counts in threads). ``g`` is the block's index inside the part
 (``flat block - part * blocks_per_part``: a running counter that carries across requests, so the
@@ -72,6 +76,40 @@ REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
 WG0_NAMED_BARRIER = 15
 
 SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one block may opt into on H100 / H200
+
+# Device helpers pasted into the generated CUDA (T.Kernel prelude).
+# e4m3 -> bf16 / fp16: put each byte in the high byte of a 16-bit lane, move exponent + mantissa down
+# into the target's fields (sign stays); the value is then x * 2^-(target bias - 7) for normal and
+# subnormal e4m3 alike, so one multiply by 2^120 (bf16) / 2^8 (fp16) restores it exactly.
+PRELUDE = r'''
+__device__ __forceinline__ void mla_l2_prefetch(const void* ptr) {  // the 128-byte line holding ptr
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
+}
+template <bool kBF16>
+__device__ __forceinline__ unsigned mla_e4m3x2(unsigned word, unsigned selector) {
+  unsigned t = __byte_perm(word, 0u, selector);  // [0, b_lo, 0, b_hi]
+  unsigned v = (t & 0x80008000u) | ((t & 0x7F007F00u) >> (kBF16 ? 4 : 1));
+  unsigned r;
+  if (kBF16) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x7B807B80u));
+  else asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x5C005C00u));
+  return r;
+}
+// 16 e4m3 values at src (16-byte aligned) -> 8 converted values at lo and 8 at hi (16 bytes each).
+template <bool kBF16>
+__device__ __forceinline__ void mla_e4m3x16_store(const void* src, void* lo, void* hi) {
+  uint4 in = *reinterpret_cast<const uint4*>(src);
+  uint4 a, b;
+  a.x = mla_e4m3x2<kBF16>(in.x, 0x1404u); a.y = mla_e4m3x2<kBF16>(in.x, 0x3424u);
+  a.z = mla_e4m3x2<kBF16>(in.y, 0x1404u); a.w = mla_e4m3x2<kBF16>(in.y, 0x3424u);
+  b.x = mla_e4m3x2<kBF16>(in.z, 0x1404u); b.y = mla_e4m3x2<kBF16>(in.z, 0x3424u);
+  b.z = mla_e4m3x2<kBF16>(in.w, 0x1404u); b.w = mla_e4m3x2<kBF16>(in.w, 0x3424u);
+  *reinterpret_cast<uint4*>(lo) = a;
+  *reinterpret_cast<uint4*>(hi) = b;
+}
+'''
+
+# Blocks ahead of the one being loaded whose rows the fp8 producer asks L2 for.
+FP8_PREFETCH_AHEAD = 2
 
 
 def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2) -> dict:
@@ -167,6 +205,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     store_right = make_store_rows(num_heads, q_len, block_rows, HALF, col0=HALF, with_lse=False)
     # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
     vec = 8  # dtype elements per 16-byte cp.async
+    convert = "mla_e4m3x16_store<true>" if dtype == "bfloat16" else "mla_e4m3x16_store<false>"
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -211,7 +250,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             # Two half-blocks of 32 rows; 4 threads per row, thread t loads 16-byte chunks t % 4 + 4 k
             # (k = 0..8: 512 latent dims, then 64 rope dims) of row t // 4: all 9 loads are issued
             # before the first conversion (144 B in flight per thread), then converted to `dtype`
-            # in registers (exact) and stored. The stores are uniform over the 128 producer threads.
+            # in registers (exact) and stored, 8 values (16 B) per store: the shared tiles are
+            # swizzled in 16-byte units, so each half of a 16-value chunk gets its own address.
             for h in T.serial(2):
                 j = h * 32 + t // 4
                 p = T.min(pos0 + j, kv_len - 1)
@@ -221,13 +261,16 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     for e in T.vectorized(16):
                         raw[k, e] = kv_cache[page, slot, k * 64 + (t % 4) * 16 + e]
                 for k in T.unroll(4):
-                    for e in T.vectorized(16):
-                        kv_l[j, k * 64 + (t % 4) * 16 + e] = T.cast(raw[k, e], dtype)
+                    c = k * 64 + (t % 4) * 16
+                    T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[k, 0], "r", 16),
+                                             T.access_ptr(kv_l[j, c], "w", 8), T.access_ptr(kv_l[j, c + 8], "w", 8)))
                 for k in T.unroll(4):
-                    for e in T.vectorized(16):
-                        kv_r[j, k * 64 + (t % 4) * 16 + e] = T.cast(raw[4 + k, e], dtype)
-                for e in T.vectorized(16):
-                    k_t[j, (t % 4) * 16 + e] = T.cast(raw[8, e], dtype)
+                    c = k * 64 + (t % 4) * 16
+                    T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[4 + k, 0], "r", 16),
+                                             T.access_ptr(kv_r[j, c], "w", 8), T.access_ptr(kv_r[j, c + 8], "w", 8)))
+                c = (t % 4) * 16
+                T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[8, 0], "r", 16),
+                                         T.access_ptr(k_t[j, c], "w", 8), T.access_ptr(k_t[j, c + 8], "w", 8)))
         else:
             for r in T.serial(block_n // 16):
                 j = r * 16 + t // 8
@@ -242,6 +285,19 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                    T.access_ptr(kv_cache[page, slot, HALF + c], "r", vec), vec)
                 T.ptx_cp_async(T.access_ptr(k_t[j, (t % 8) * vec], "w", vec),
                                T.access_ptr(kv_cache[page, slot, KV_LORA_RANK + (t % 8) * vec], "r", vec), vec)
+
+    @T.macro
+    def prefetch_block(kv_cache, page_table, pt0, pos0, kv_len, t):
+        """Asks L2 for the fp8 cache rows pos0 .. pos0 + 63 of one request: thread t takes half t % 2 of
+        row t // 2 (288 bytes, at most 4 lines: bytes 0, 128, 256 and 287 of the half). Per-thread line
+        prefetches: the bulk form takes a warp-uniform address and would loop over the warp's rows."""
+        p = pos0 + t // 2
+        if p < kv_len:
+            page = page_table[pt0 + p // page_size]
+            for u in T.unroll(4):
+                T.evaluate(T.call_extern("handle", "mla_l2_prefetch", T.access_ptr(
+                    kv_cache[page, p % page_size, (t % 2) * (HEAD_DIM // 2) + T.min(u * 128, HEAD_DIM // 2 - 1)],
+                    "r", 1)))
 
     @T.macro
     def score(q_l, q_r, q_t, kv_l, kv_r, k_t, acc_s):
@@ -326,7 +382,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
         lse_partial: T.Tensor([num_slots, rows], accum),
     ):
-        with T.Kernel(num_parts, n_row_blocks, threads=384) as (part, row_block):
+        with T.Kernel(num_parts, n_row_blocks, threads=384, prelude=PRELUDE if is_fp8 else None) as (part, row_block):
             q_l = T.alloc_shared([block_rows, HALF], dtype)
             q_r = T.alloc_shared([block_rows, HALF], dtype)
             q_t = T.alloc_shared([block_rows, ROPE_DIM], dtype)
@@ -639,12 +695,18 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         pt0 = page_table_start[req]
                         g0 = segment_first_block(part_lo, req_lo, blk_lo)
                         # Q of segment seg: WG0 has finished reading Q of segment seg - 1
+                        if is_fp8:  # the segment's first blocks (later ones are asked for FP8_PREFETCH_AHEAD ahead)
+                            for a in T.serial(FP8_PREFETCH_AHEAD):
+                                if blk_lo + a < blk_hi:
+                                    prefetch_block(kv_cache, page_table, pt0, (blk_lo + a) * block_n, kv_len, t)
                         T.barrier_wait(q_free[0], seg_free_parity(seg))
                         load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
                         T.cp_async_barrier_noinc(q_ready[0])
                         for blk in T.serial(blk_hi - blk_lo):
                             g = g0 + blk
                             pos0 = (blk_lo + blk) * block_n
+                            if is_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
+                                prefetch_block(kv_cache, page_table, pt0, pos0 + FP8_PREFETCH_AHEAD * block_n, kv_len, t)
                             # both consumers are done with the block that used this buffer before (g - 2)
                             T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
                             if kv_buffer(g) == 0:
