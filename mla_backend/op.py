@@ -17,7 +17,7 @@ logger = logging.getLogger("mla_backend")
 _SCALARS: dict[tuple, torch.Tensor] = {}
 # MLA_BACKEND_VERIFY=1: recompute every eager kernel call with the fp32 reference (on the kernel's device)
 # and keep the worst relative error (a debugging aid for engine integrations: it syncs, so never in production).
-VERIFY = {"calls": 0, "max_rel_err": 0.0, "max_lse_err": 0.0}
+VERIFY = {"calls": 0, "max_rel_err": 0.0, "max_lse_err": 0.0, "calls_by_q_len": {}}
 
 
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
@@ -96,6 +96,8 @@ def _verify(q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out, lse) 
     finite = torch.isfinite(ref_lse)
     lse_err = float((lse[finite] - ref_lse[finite]).abs().max()) if bool(finite.any()) else 0.0
     VERIFY["calls"] += 1
+    by_q_len = VERIFY["calls_by_q_len"]
+    by_q_len[str(metadata.q_len)] = by_q_len.get(str(metadata.q_len), 0) + 1
     VERIFY["max_rel_err"] = max(VERIFY["max_rel_err"], err)
     VERIFY["max_lse_err"] = max(VERIFY["max_lse_err"], lse_err)
     if err > 2e-2 or lse_err > 1e-2:
