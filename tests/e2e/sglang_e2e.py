@@ -207,7 +207,11 @@ def run_engine(spec: dict, timeout: float, env: dict) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="e2e_sgl_") as report_dir:
         spec = dict(spec, report_dir=report_dir)
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+        # the spec goes through a file: throughput specs hold thousands of prompts (too long for argv)
+        spec_path = os.path.join(report_dir, "engine.spec")  # not *.json: those are backend reports
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec_path],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
         try:
@@ -400,12 +404,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tp-in", type=int, default=1024)
     parser.add_argument("--tp-out", type=int, default=512)
     parser.add_argument("--port", type=int, default=30111)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # path of an engine spec (JSON)
     args = parser.parse_args(argv)
 
     if args.child is not None:
         try:
-            res = child_main(json.loads(args.child))
+            with open(args.child) as f:
+                res = child_main(json.load(f))
             res["ok"] = True
         except BaseException as exc:  # noqa: BLE001 - report, don't hang
             import traceback
