@@ -14,3 +14,5 @@ for k in ${1:-pipelined ws seesaw}; do
   timeout 120 python3 scripts/quick_time.py 2>&1 | grep -v Cache | tee $OUT/quick_time_$k.log
 done
 for k in ${2:-}; do MLA_BACKEND_SM90_KERNEL=$k timeout 120 python3 scripts/quick_time.py 2>&1 | grep -v Cache | tee $OUT/quick_time_$k.log; done
+# FP8=1: bf16 and e4m3 caches side by side with the default kernel
+[ -n "${FP8:-}" ] && timeout 150 python3 scripts/quick_time.py --fp8 2>&1 | grep -v Cache | tee $OUT/quick_time_fp8.log

@@ -1,6 +1,7 @@
 """Quick timing of our kernel alone (the full side-by-side benchmark is mla_backend/bench.py).
 
-``--smoke``: one small ragged case against the fp32 reference (exits 1 on a mismatch)."""
+``--smoke``: one small ragged case against the fp32 reference (exits 1 on a mismatch).
+``--fp8``: h=16 cases with a bf16 and an e4m3 cache (k_scale 0.5) in the same run."""
 import os
 import sys
 
@@ -12,6 +13,8 @@ from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode, mla_decode_
 CASES = [(128, 16384, 16, 1, 64), (128, 16384, 128, 1, 64), (128, 16384, 128, 2, 64), (1, 4096, 16, 1, 64),
          (16, 4096, 16, 1, 64), (128, 16384, 16, 1, 1), (128, 16384, 16, 1, 16), (64, 8192, 16, 1, 64),
          (128, 16384, 16, 2, 64), (64, 8192, 64, 1, 64)]
+FP8_CASES = [(128, 16384, 16, 1, 64), (128, 16384, 16, 1, 16), (128, 16384, 16, 1, 1), (64, 8192, 16, 1, 64),
+             (1, 4096, 16, 1, 64), (128, 16384, 16, 2, 64)]
 
 
 def smoke(kernel: str) -> int:
@@ -28,23 +31,26 @@ def smoke(kernel: str) -> int:
     return 0 if err < 1e-2 else 1
 
 
-def decode_step(b: int, s: int, h: int, sq: int, ps: int):
+def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
     """A fixed-length bf16 problem with pages in random order; returns the captured call (a CUDA graph
     replay, as engines run decode), the eager call, and (bytes, flops) for the rates."""
     pages = b * s // ps
     kv = torch.randn(pages, ps, 576, dtype=torch.bfloat16, device="cuda")
+    if fp8:
+        kv = (kv * 2).to(torch.float8_e4m3fn)
     table = torch.randperm(pages, device="cuda").int().view(b, s // ps)
     lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
     q = torch.randn(b * sq, h, 576, dtype=torch.bfloat16, device="cuda")
     md = MLADecodeMetadata.from_block_table(table, lens, ps, q_len=sq)
     md.plan = SplitPlanner(b, h, sq, "cuda").plan(lens)
     out = torch.empty(b * sq, h, 512, dtype=torch.bfloat16, device="cuda")
-    eager = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False)  # noqa: E731
+    eager = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False,  # noqa: E731
+                               k_scale=0.5 if fp8 else None)
     eager()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         eager()
-    nbytes = (b * s * 576 + b * sq * h * 1088) * 2
+    nbytes = b * s * 576 * kv.element_size() + b * sq * h * 1088 * 2
     return graph.replay, eager, (nbytes, 2 * sq * b * s * h * 1088)
 
 
@@ -52,13 +58,16 @@ def main() -> int:
     kernel = os.environ.get("MLA_BACKEND_SM90_KERNEL", "default")
     if "--smoke" in sys.argv:
         return smoke(kernel)
-    for b, s, h, sq, ps in CASES:
-        replay, eager, (nbytes, flops) = decode_step(b, s, h, sq, ps)
-        t_eager = do_bench(eager, warmup=50, rep=300, return_mode="median") * 1e-3  # s
-        t = do_bench(replay, warmup=50, rep=300, return_mode="median") * 1e-3
-        print(f"{kernel} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph {t*1e6:8.1f} us "
-              f"{nbytes/t/1e9:7.0f} GB/s {flops/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us", flush=True)
-        torch.cuda.empty_cache()
+    fp8_mode = "--fp8" in sys.argv
+    for b, s, h, sq, ps in FP8_CASES if fp8_mode else CASES:
+        for fp8 in (False, True) if fp8_mode else (False,):
+            replay, eager, (nbytes, flops) = decode_step(b, s, h, sq, ps, fp8)
+            t_eager = do_bench(eager, warmup=50, rep=300, return_mode="median") * 1e-3  # s
+            t = do_bench(replay, warmup=50, rep=300, return_mode="median") * 1e-3
+            print(f"{kernel}{'-fp8' if fp8 else ''} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
+                  f"{t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s {flops/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us",
+                  flush=True)
+            torch.cuda.empty_cache()
     return 0
 
 

@@ -80,10 +80,16 @@ def lowered():
     return dict(zip(LOWER_VARIANTS, results))
 
 
-def _role_sections(src: str) -> dict[str, str]:
+def _role_marks(variant) -> dict[str, str]:
+    """Each role's setmaxnreg call in the CUDA source of a variant."""
+    wg0, wg1, producer = ws.register_budget(fp8=variant[4] != variant[3])
+    return {"wg0": f"warpgroup_reg_alloc<{wg0}>", "wg1": f"warpgroup_reg_alloc<{wg1}>",
+            "producer": f"warpgroup_reg_dealloc<{producer}>"}
+
+
+def _role_sections(src: str, variant) -> dict[str, str]:
     """The CUDA source of each warpgroup role (the branches start with their setmaxnreg call)."""
-    marks = {"wg0": f"warpgroup_reg_alloc<{ws.REGS_WG0}>", "wg1": f"warpgroup_reg_alloc<{ws.REGS_WG1}>",
-             "producer": f"warpgroup_reg_dealloc<{ws.REGS_PRODUCER}>"}
+    marks = _role_marks(variant)
     pos = {name: src.index(m) for name, m in marks.items()}
     order = sorted(pos, key=pos.get)
     bounds = [pos[n] for n in order] + [len(src)]
@@ -110,9 +116,11 @@ def test_ws_kernel_lowers(lowered, variant):
     src, smem = lowered[variant]
     assert re.search(r'extern "C" __global__ void __launch_bounds__\(384, 1\) mla_decode_split_kernel', src)
     assert "tl::wgmma_ss<" in src, "the GEMMs did not lower to Hopper WGMMA"
-    for n in (ws.REGS_WG0, ws.REGS_WG1):
+    wg0, wg1, producer = ws.register_budget(fp8=variant[4] != variant[3])
+    assert wg0 + wg1 + producer <= 512, "128 threads per role, 65536 registers"
+    for n in (wg0, wg1):
         assert f"warpgroup_reg_alloc<{n}>" in src
-    assert f"warpgroup_reg_dealloc<{ws.REGS_PRODUCER}>" in src
+    assert f"warpgroup_reg_dealloc<{producer}>" in src
 
     budget = ws.smem_budget()
     # Exactly the sum of the buffers: TileLang merged no two of them (its liveness analysis is
@@ -160,12 +168,11 @@ def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
     """A __syncthreads() after the role split, a named barrier shared by two roles, or one inside a
     thread-dependent branch of a role would deadlock or mis-synchronise."""
     src, _ = lowered[variant]
-    first_role = min(src.index(f"warpgroup_reg_alloc<{ws.REGS_WG0}>"), src.index(f"warpgroup_reg_alloc<{ws.REGS_WG1}>"),
-                     src.index(f"warpgroup_reg_dealloc<{ws.REGS_PRODUCER}>"))
+    first_role = min(src.index(m) for m in _role_marks(variant).values())
     assert "__syncthreads()" not in src[first_role:], "CTA-wide barrier inside a warp role"
     role_conditions = ("((int)threadIdx.x) < 128", "((int)threadIdx.x) < 256")
     ids_by_role = {}
-    for role, text in _role_sections(src).items():
+    for role, text in _role_sections(src, variant).items():
         ids = set()
         for m in re.finditer(r"__sync_thread_partial<(\d+), (\d+)>", text):
             assert m.group(2) == "128", f"{role}: named barrier {m.group(1)} for {m.group(2)} threads"

@@ -69,8 +69,18 @@ HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 
 # setmaxnreg budgets (multiples of 8; 128 * (240 + 168 + 80) = 62464 <= 65536 registers per SM)
 REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
-# seesaw: both consumers hold an S tile, P and half of O (128 * (224 + 224 + 56) = 64512; no spills)
-REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
+# fp8 cache: the producer holds a whole block's raw bytes (2 rows x 144 B per thread = 72 registers) to
+# keep 36 KB of loads in flight; WG1 needs fewer there (no cp.async bookkeeping): 240 + 160 + 112 = 512.
+REGS_WG1_FP8, REGS_PRODUCER_FP8 = 160, 112
+
+
+def register_budget(fp8: bool, seesaw: bool = False) -> tuple[int, int, int]:
+    """setmaxnreg of (WG0, WG1, producer) for a kernel variant."""
+    if seesaw:
+        return REGS_SEESAW, REGS_SEESAW, REGS_SEESAW_PRODUCER
+    return (REGS_WG0, REGS_WG1_FP8, REGS_PRODUCER_FP8) if fp8 else (REGS_WG0, REGS_WG1, REGS_PRODUCER)
+# seesaw: both consumers hold an S tile, P and half of O (128 * (224 + 224 + 64) = 65536; no spills)
+REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 64
 
 # Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range.
 WG0_NAMED_BARRIER = 15
@@ -85,13 +95,21 @@ PRELUDE = r'''
 __device__ __forceinline__ void mla_l2_prefetch(const void* ptr) {  // the 128-byte line holding ptr
   asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
 }
+// 16 bytes global -> registers. volatile, like the multiplies below: ptxas keeps volatile asm in program
+// order, so every load of a pass is issued before the first conversion (it interleaves them otherwise).
+__device__ __forceinline__ void mla_ldg16(void* dst, const void* src) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
+  *reinterpret_cast<uint4*>(dst) = v;
+}
 template <bool kBF16>
 __device__ __forceinline__ unsigned mla_e4m3x2(unsigned word, unsigned selector) {
   unsigned t = __byte_perm(word, 0u, selector);  // [0, b_lo, 0, b_hi]
   unsigned v = (t & 0x80008000u) | ((t & 0x7F007F00u) >> (kBF16 ? 4 : 1));
   unsigned r;
-  if (kBF16) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x7B807B80u));
-  else asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x5C005C00u));
+  if (kBF16) asm volatile("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x7B807B80u));
+  else asm volatile("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x5C005C00u));
   return r;
 }
 // 16 e4m3 values at src (16-byte aligned) -> 8 converted values at lo and 8 at hi (16 bytes each).
@@ -206,6 +224,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
     vec = 8  # dtype elements per 16-byte cp.async
     convert = "mla_e4m3x16_store<true>" if dtype == "bfloat16" else "mla_e4m3x16_store<false>"
+    fp8_rows = 1 if seesaw else 2  # KV rows per producer thread per load pass (fp8 cache)
+    _, regs_wg1, regs_producer = register_budget(is_fp8, seesaw)
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -247,30 +267,33 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         request is touched and no stale (possibly NaN) cache slot can reach P @ V.
         """
         if is_fp8:
-            # Two half-blocks of 32 rows; 4 threads per row, thread t loads 16-byte chunks t % 4 + 4 k
-            # (k = 0..8: 512 latent dims, then 64 rope dims) of row t // 4: all 9 loads are issued
-            # before the first conversion (144 B in flight per thread), then converted to `dtype`
-            # in registers (exact) and stored, 8 values (16 B) per store: the shared tiles are
-            # swizzled in 16-byte units, so each half of a 16-value chunk gets its own address.
-            for h in T.serial(2):
-                j = h * 32 + t // 4
-                p = T.min(pos0 + j, kv_len - 1)
-                page = page_table[pt0 + p // page_size]
-                slot = p % page_size
-                for k in T.unroll(9):
-                    for e in T.vectorized(16):
-                        raw[k, e] = kv_cache[page, slot, k * 64 + (t % 4) * 16 + e]
-                for k in T.unroll(4):
-                    c = k * 64 + (t % 4) * 16
-                    T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[k, 0], "r", 16),
-                                             T.access_ptr(kv_l[j, c], "w", 8), T.access_ptr(kv_l[j, c + 8], "w", 8)))
-                for k in T.unroll(4):
-                    c = k * 64 + (t % 4) * 16
-                    T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[4 + k, 0], "r", 16),
-                                             T.access_ptr(kv_r[j, c], "w", 8), T.access_ptr(kv_r[j, c + 8], "w", 8)))
-                c = (t % 4) * 16
-                T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[8, 0], "r", 16),
-                                         T.access_ptr(k_t[j, c], "w", 8), T.access_ptr(k_t[j, c + 8], "w", 8)))
+            # 4 threads per row: thread t loads 16-byte chunks t % 4 + 4 k (k = 0..8: 512 latent dims, then
+            # 64 rope dims) of rows t // 4 + 32 r. All loads of a pass are issued before the first
+            # conversion (ws: both rows, the whole block, 288 B per thread in flight; seesaw, whose
+            # producer has 56 registers: one row per pass). The conversion to `dtype` is exact; each
+            # 16-value chunk is stored as two 16-byte halves, because the shared tiles are swizzled in
+            # 16-byte units.
+            for h in T.serial(2 // fp8_rows):
+                for r in T.unroll(fp8_rows):
+                    p = T.min(pos0 + (h * fp8_rows + r) * 32 + t // 4, kv_len - 1)
+                    page = page_table[pt0 + p // page_size]
+                    for k in T.unroll(9):
+                        T.evaluate(T.call_extern("handle", "mla_ldg16", T.access_ptr(raw[r * 9 + k, 0], "w", 16),
+                                                 T.access_ptr(kv_cache[page, p % page_size, k * 64 + (t % 4) * 16],
+                                                              "r", 16)))
+                for r in T.unroll(fp8_rows):
+                    j = (h * fp8_rows + r) * 32 + t // 4
+                    for k in T.unroll(4):
+                        c = k * 64 + (t % 4) * 16
+                        T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[r * 9 + k, 0], "r", 16),
+                                                 T.access_ptr(kv_l[j, c], "w", 8), T.access_ptr(kv_l[j, c + 8], "w", 8)))
+                    for k in T.unroll(4):
+                        c = k * 64 + (t % 4) * 16
+                        T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[r * 9 + 4 + k, 0], "r", 16),
+                                                 T.access_ptr(kv_r[j, c], "w", 8), T.access_ptr(kv_r[j, c + 8], "w", 8)))
+                    c = (t % 4) * 16
+                    T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[r * 9 + 8, 0], "r", 16),
+                                             T.access_ptr(k_t[j, c], "w", 8), T.access_ptr(k_t[j, c + 8], "w", 8)))
         else:
             for r in T.serial(block_n // 16):
                 j = r * 16 + t // 8
@@ -406,7 +429,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             l_sum = T.alloc_fragment([block_rows], accum)
             l_r = T.alloc_fragment([block_rows], accum)
             alpha_r = T.alloc_fragment([block_rows], accum)
-            raw = T.alloc_local([9, 16], kv_dtype)  # producer, fp8 cache only: one row's 9 chunks
+            raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
             if seesaw:  # WG1's own S / P / softmax state, and the row maxima / sums the consumers swap
                 acc_s_r = T.alloc_fragment([block_rows, block_n], accum)
                 p_frag_l = T.alloc_fragment([block_rows, block_n], dtype)
@@ -651,7 +674,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         seg = seg + 1
             elif tx < 256:
                 # ------------------------------------------------ WG1: O[:, 256:]
-                T.set_max_nreg(REGS_WG1, 1)
+                T.set_max_nreg(regs_wg1, 1)
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
                     req_hi = cu_blocks[req + 1]
@@ -682,7 +705,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         seg = seg + 1
             else:
                 # ------------------------------------------------ WG2: producer
-                T.set_max_nreg(REGS_SEESAW_PRODUCER if seesaw else REGS_PRODUCER, 0)
+                T.set_max_nreg(regs_producer, 0)
                 t = tx - 256
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
