@@ -67,11 +67,14 @@ from .mla_decode import HEAD_DIM, KV_LORA_RANK, LOG2E, ROPE_DIM, make_store_rows
 HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 
 
-# setmaxnreg budgets (multiples of 8; 128 * (240 + 168 + 80) = 62464 <= 65536 registers per SM)
+# setmaxnreg budgets, multiples of 8. setmaxnreg moves registers between the warpgroups of a CTA, whose
+# pool is what it was launched with: 384 threads x 168 (launch bound) = 3 x 168 per thread slot. A sum
+# above 504 is an illegal instruction at run time.
+REGS_PER_CTA_SLOT = 3 * 168
 REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
 # fp8 cache: the producer holds a whole block's raw bytes (2 rows x 144 B per thread = 72 registers) to
-# keep 36 KB of loads in flight; WG1 needs fewer there (no cp.async bookkeeping): 240 + 160 + 112 = 512.
-REGS_WG1_FP8, REGS_PRODUCER_FP8 = 160, 112
+# keep 36 KB of loads in flight; WG1 needs fewer there (it peaks at R152): 240 + 160 + 104 = 504.
+REGS_WG1_FP8, REGS_PRODUCER_FP8 = 160, 104
 
 
 def register_budget(fp8: bool, seesaw: bool = False) -> tuple[int, int, int]:
@@ -79,8 +82,8 @@ def register_budget(fp8: bool, seesaw: bool = False) -> tuple[int, int, int]:
     if seesaw:
         return REGS_SEESAW, REGS_SEESAW, REGS_SEESAW_PRODUCER
     return (REGS_WG0, REGS_WG1_FP8, REGS_PRODUCER_FP8) if fp8 else (REGS_WG0, REGS_WG1, REGS_PRODUCER)
-# seesaw: both consumers hold an S tile, P and half of O (128 * (224 + 224 + 64) = 65536; no spills)
-REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 64
+# seesaw: both consumers hold an S tile, P and half of O (224 + 224 + 56 = 504; no spills with bf16)
+REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
 
 # Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range.
 WG0_NAMED_BARRIER = 15
