@@ -677,7 +677,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         seg = seg + 1
             elif tx < 256:
                 # ------------------------------------------------ WG1: O[:, 256:]
-                T.set_max_nreg(regs_wg1, 1)
+                # .inc may not go below the launch count (168): an illegal instruction; fp8's 160 is a .dec
+                T.set_max_nreg(regs_wg1, 1 if regs_wg1 >= REGS_PER_CTA_SLOT // 3 else 0)
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
                     req_hi = cu_blocks[req + 1]
