@@ -83,9 +83,9 @@ def lowered():
 def _role_marks(variant) -> dict[str, str]:
     """Each role's setmaxnreg call in the CUDA source of a variant."""
     wg0, wg1, producer = ws.register_budget(fp8=variant[4] != variant[3])
-    launch = ws.REGS_PER_CTA_SLOT // 3  # setmaxnreg.inc below the launch count is an illegal instruction
+    # setmaxnreg.inc below the launch count is an illegal instruction
     return {"wg0": f"warpgroup_reg_alloc<{wg0}>",
-            "wg1": f"warpgroup_reg_{'alloc' if wg1 >= launch else 'dealloc'}<{wg1}>",
+            "wg1": f"warpgroup_reg_{'alloc' if wg1 >= ws.LAUNCH_REGS else 'dealloc'}<{wg1}>",
             "producer": f"warpgroup_reg_dealloc<{producer}>"}
 
 

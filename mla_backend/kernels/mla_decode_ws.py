@@ -34,9 +34,10 @@ Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + d
 There is no room for a separate fp8 staging tile (64 x 576 x 1 = 36864 B), so for an fp8 cache the
 producer loads with plain loads and converts in registers: e4m3 -> fp16/bf16 is exact, and the
 per-tensor ``k_scale`` is applied to S (through the softmax scale) and to O, as in ``mla_decode``.
-Plain loads stall the producer for a full memory latency per half block, so it first asks L2 for the
-rows of the block two ahead (``prefetch.global.L2``, no registers, no shared memory): its own
-loads then hit L2 while DRAM streams the next blocks. The conversion is bit moves plus one exact
+Plain loads stall the producer for a full memory latency, so it issues a whole block's loads before
+converting any (2 rows per thread) and first asks L2 for the rows of the block two ahead
+(``prefetch.global.L2``, no registers, no shared memory): its own loads then hit L2 while DRAM
+streams the next blocks. The conversion is bit moves plus one exact
 multiply per pair (``PRELUDE``), not TileLang's per-element casts through fp32.
 
 Synchronisation (mbarriers; arrive counts in threads). ``g`` is the block's index inside the part
@@ -68,13 +69,16 @@ HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 
 
 # setmaxnreg budgets, multiples of 8. setmaxnreg moves registers between the warpgroups of a CTA, whose
-# pool is what it was launched with: 384 threads x 168 (launch bound) = 3 x 168 per thread slot. A sum
-# above 504 is an illegal instruction at run time.
-REGS_PER_CTA_SLOT = 3 * 168
+# pool is what it was launched with: 384 threads x 168 (launch bound). A sum above 3 x 168 = 504 per
+# thread slot, or a setmaxnreg.inc below the launch count, is an illegal instruction at run time.
+LAUNCH_REGS = 168
+REGS_PER_CTA_SLOT = 3 * LAUNCH_REGS
 REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
 # fp8 cache: the producer holds a whole block's raw bytes (2 rows x 144 B per thread = 72 registers) to
-# keep 36 KB of loads in flight; WG1 needs fewer there (it peaks at R152): 240 + 160 + 104 = 504.
+# keep 36 KB of loads in flight; WG1 needs fewer there (it peaks at R153): 240 + 160 + 104 = 504.
 REGS_WG1_FP8, REGS_PRODUCER_FP8 = 160, 104
+# seesaw: both consumers hold an S tile, P and half of O (224 + 224 + 56 = 504; no spills with bf16)
+REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
 
 
 def register_budget(fp8: bool, seesaw: bool = False) -> tuple[int, int, int]:
@@ -82,8 +86,13 @@ def register_budget(fp8: bool, seesaw: bool = False) -> tuple[int, int, int]:
     if seesaw:
         return REGS_SEESAW, REGS_SEESAW, REGS_SEESAW_PRODUCER
     return (REGS_WG0, REGS_WG1_FP8, REGS_PRODUCER_FP8) if fp8 else (REGS_WG0, REGS_WG1, REGS_PRODUCER)
-# seesaw: both consumers hold an S tile, P and half of O (224 + 224 + 56 = 504; no spills with bf16)
-REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
+
+
+def grows(count: int) -> int:
+    """setmaxnreg direction for a role's budget: 1 (.inc) from the launch count up, 0 (.dec) below it.
+    WG0 and the seesaw consumers always grow, producers always shrink; WG1 depends on the variant."""
+    return 1 if count >= LAUNCH_REGS else 0
+
 
 # Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range.
 WG0_NAMED_BARRIER = 15
@@ -263,6 +272,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     vec)
 
     @T.macro
+    def store_converted(raw, chunk, dst, j, c):
+        """16 e4m3 values of ``raw[chunk]`` -> ``dst[j, c .. c + 15]`` in ``dtype``, as two 16-byte stores
+        (the shared tiles are swizzled in 16-byte units)."""
+        T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16),
+                                 T.access_ptr(dst[j, c], "w", 8), T.access_ptr(dst[j, c + 8], "w", 8)))
+
+    @T.macro
     def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, raw, t):
         """Gathers KV rows pos0 .. pos0 + 63 of one request into one buffer (3 tiles: 256 | 256 | 64 dims).
 
@@ -273,9 +289,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             # 4 threads per row: thread t loads 16-byte chunks t % 4 + 4 k (k = 0..8: 512 latent dims, then
             # 64 rope dims) of rows t // 4 + 32 r. All loads of a pass are issued before the first
             # conversion (ws: both rows, the whole block, 288 B per thread in flight; seesaw, whose
-            # producer has 56 registers: one row per pass). The conversion to `dtype` is exact; each
-            # 16-value chunk is stored as two 16-byte halves, because the shared tiles are swizzled in
-            # 16-byte units.
+            # producer has 56 registers: one row per pass). The conversion to `dtype` is exact.
             for h in T.serial(2 // fp8_rows):
                 for r in T.unroll(fp8_rows):
                     p = T.min(pos0 + (h * fp8_rows + r) * 32 + t // 4, kv_len - 1)
@@ -287,16 +301,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 for r in T.unroll(fp8_rows):
                     j = (h * fp8_rows + r) * 32 + t // 4
                     for k in T.unroll(4):
-                        c = k * 64 + (t % 4) * 16
-                        T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[r * 9 + k, 0], "r", 16),
-                                                 T.access_ptr(kv_l[j, c], "w", 8), T.access_ptr(kv_l[j, c + 8], "w", 8)))
+                        store_converted(raw, r * 9 + k, kv_l, j, k * 64 + (t % 4) * 16)
                     for k in T.unroll(4):
-                        c = k * 64 + (t % 4) * 16
-                        T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[r * 9 + 4 + k, 0], "r", 16),
-                                                 T.access_ptr(kv_r[j, c], "w", 8), T.access_ptr(kv_r[j, c + 8], "w", 8)))
-                    c = (t % 4) * 16
-                    T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[r * 9 + 8, 0], "r", 16),
-                                             T.access_ptr(k_t[j, c], "w", 8), T.access_ptr(k_t[j, c + 8], "w", 8)))
+                        store_converted(raw, r * 9 + 4 + k, kv_r, j, k * 64 + (t % 4) * 16)
+                    store_converted(raw, r * 9 + 8, k_t, j, (t % 4) * 16)
         else:
             for r in T.serial(block_n // 16):
                 j = r * 16 + t // 8
@@ -677,8 +685,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         seg = seg + 1
             elif tx < 256:
                 # ------------------------------------------------ WG1: O[:, 256:]
-                # .inc may not go below the launch count (168): an illegal instruction; fp8's 160 is a .dec
-                T.set_max_nreg(regs_wg1, 1 if regs_wg1 >= REGS_PER_CTA_SLOT // 3 else 0)
+                T.set_max_nreg(regs_wg1, grows(regs_wg1))  # fp8's 160 is a .dec
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
                     req_hi = cu_blocks[req + 1]
