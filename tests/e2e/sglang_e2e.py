@@ -112,8 +112,24 @@ def _patch_dummy_weights(std: float) -> None:
     loader.initialize_dummy_weights = initialize_dummy_weights
 
 
+_STACK_FILE = None
+
+
+def _arm_stack_dump() -> None:
+    """Dump every thread's Python stack shortly before the driver's timeout (diagnoses hangs)."""
+    global _STACK_FILE
+    out_dir, deadline = os.environ.get("E2E_STACK_DUMP_DIR"), os.environ.get("E2E_STACK_DUMP_AT")
+    if not out_dir or not deadline or _STACK_FILE is not None:
+        return
+    import faulthandler
+
+    _STACK_FILE = open(os.path.join(out_dir, f"stacks-{os.getpid()}.txt"), "w")
+    faulthandler.dump_traceback_later(max(1.0, float(deadline) - time.time()), exit=False, file=_STACK_FILE)
+
+
 def _process_setup() -> None:
     """Runs in the engine's main process and in every scheduler subprocess."""
+    _arm_stack_dump()
     if os.environ.get("E2E_FORCE_REGISTER") == "1":
         from mla_backend.sglang_plugin import register
 
@@ -168,6 +184,7 @@ def child_main(spec: dict) -> dict:
     t0 = time.perf_counter()
     engine = E2EEngine(**kw)
     result["startup_s"] = round(time.perf_counter() - t0, 1)
+    print(f"[e2e child] engine started in {result['startup_s']} s; generating", file=sys.stderr, flush=True)
     try:
         sampling = {"max_new_tokens": spec["max_new_tokens"], "temperature": 0.0, "ignore_eos": True}
         if spec.get("warmup_prompts"):
@@ -211,6 +228,8 @@ def run_engine(spec: dict, timeout: float, env: dict) -> dict:
         spec_path = os.path.join(report_dir, "engine.spec")  # not *.json: those are backend reports
         with open(spec_path, "w") as f:
             json.dump(spec, f)
+        # a hung engine leaves the Python stacks of its processes here, 20 s before it is killed
+        env = dict(env, E2E_STACK_DUMP_DIR=report_dir, E2E_STACK_DUMP_AT=str(time.time() + timeout - 20))
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec_path],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
@@ -220,6 +239,7 @@ def run_engine(spec: dict, timeout: float, env: dict) -> dict:
             _kill_group(proc)
             out, err = proc.communicate()
             return {"ok": False, "error": f"timeout after {timeout:.0f}s", "stderr_tail": err[-4000:],
+                    "stdout_tail": out[-1500:], "stacks": _read_stacks(report_dir),
                     "wall_s": round(time.perf_counter() - start, 1)}
         finally:
             _kill_group(proc)
@@ -233,6 +253,18 @@ def run_engine(spec: dict, timeout: float, env: dict) -> dict:
             return res
     return {"ok": False, "error": f"engine process exited {proc.returncode} without a result", "wall_s": wall,
             "stderr_tail": err[-4000:], "stdout_tail": out[-1500:]}
+
+
+def _read_stacks(report_dir) -> dict:
+    """pid -> the innermost frames of each thread (faulthandler text), for the report."""
+    stacks = {}
+    for name in sorted(os.listdir(report_dir)):
+        if name.startswith("stacks-"):
+            with open(os.path.join(report_dir, name)) as f:
+                text = f.read()
+            if text.strip():
+                stacks[name[len("stacks-"):-len(".txt")]] = text[:6000]
+    return stacks
 
 
 def _kill_group(proc):
