@@ -1,7 +1,9 @@
 """Quick timing of our kernel alone (the full side-by-side benchmark is mla_backend/bench.py).
 
 ``--smoke``: one small ragged case against the fp32 reference (exits 1 on a mismatch).
-``--fp8``: h=16 cases with a bf16 and an e4m3 cache (k_scale 0.5) in the same run."""
+``--fp8``: h=16 cases with a bf16 and an e4m3 cache (k_scale 0.5) in the same run.
+``--fp16``: fp16 q / output (and bf16 -> fp16 cache) instead of bf16.
+``--cases 0,2``: only these entries of the case list (indices)."""
 import os
 import sys
 
@@ -35,15 +37,16 @@ def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
     """A fixed-length bf16 problem with pages in random order; returns the captured call (a CUDA graph
     replay, as engines run decode), the eager call, and (bytes, flops) for the rates."""
     pages = b * s // ps
-    kv = torch.randn(pages, ps, 576, dtype=torch.bfloat16, device="cuda")
+    dtype = torch.float16 if "--fp16" in sys.argv else torch.bfloat16
+    kv = torch.randn(pages, ps, 576, dtype=dtype, device="cuda")
     if fp8:
         kv = (kv * 2).to(torch.float8_e4m3fn)
     table = torch.randperm(pages, device="cuda").int().view(b, s // ps)
     lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-    q = torch.randn(b * sq, h, 576, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(b * sq, h, 576, dtype=dtype, device="cuda")
     md = MLADecodeMetadata.from_block_table(table, lens, ps, q_len=sq)
     md.plan = SplitPlanner(b, h, sq, "cuda").plan(lens)
-    out = torch.empty(b * sq, h, 512, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(b * sq, h, 512, dtype=dtype, device="cuda")
     eager = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False,  # noqa: E731
                                k_scale=0.5 if fp8 else None)
     eager()
@@ -59,12 +62,15 @@ def main() -> int:
     if "--smoke" in sys.argv:
         return smoke(kernel)
     fp8_mode = "--fp8" in sys.argv
-    for b, s, h, sq, ps in FP8_CASES if fp8_mode else CASES:
+    cases = FP8_CASES if fp8_mode else CASES
+    if "--cases" in sys.argv:
+        cases = [cases[int(i)] for i in sys.argv[sys.argv.index("--cases") + 1].split(",")]
+    for b, s, h, sq, ps in cases:
         for fp8 in (False, True) if fp8_mode else (False,):
             replay, eager, (nbytes, flops) = decode_step(b, s, h, sq, ps, fp8)
             t_eager = do_bench(eager, warmup=50, rep=300, return_mode="median") * 1e-3  # s
             t = do_bench(replay, warmup=50, rep=300, return_mode="median") * 1e-3
-            print(f"{kernel}{'-fp8' if fp8 else ''} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
+            print(f"{kernel}{'-fp16' if '--fp16' in sys.argv else ''}{'-fp8' if fp8 else ''} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
                   f"{t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s {flops/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us",
                   flush=True)
             torch.cuda.empty_cache()

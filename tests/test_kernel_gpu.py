@@ -129,6 +129,15 @@ def test_fp8_cache(heads, q_len, page_size, dtype):
     check(*make_problem(lens, heads, q_len, page_size, dtype, kv_dtype=FP8, seed=9), dtype, rel_tol=2e-2)
 
 
+@pytest.mark.parametrize("q_scale", [1e-3, 30.0])
+def test_fp8_cache_q_magnitudes(q_scale):
+    """With an fp8 cache the Hopper kernel computes in fp16 and holds a bf16 q as fp16 x 2^-8: small and
+    large q (peaked softmax) stay within tolerance of the fp32 reference."""
+    _kernel_or_skip(kv_dtype=FP8)
+    q, kv, md, k_scale = make_problem(RAGGED, 16, 1, 64, BF16, kv_dtype=FP8, seed=13)
+    check((q.float() * q_scale).to(BF16), kv, md, k_scale, BF16, rel_tol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 def test_fp8_dequant_is_exact(dtype):
     """Every e4m3 value (subnormals, +-0, 448) comes out exactly: with one visible position the output

@@ -17,8 +17,8 @@ Layout of one program (part, 64-row block), 384 threads = 3 warpgroups:
 * WG1 (threads 128..255, 168 regs), consumer 1: ``O[:, 256:] = alpha * O[:, 256:] + P V[:, 256:]``
   from P in shared memory.
 * WG2 (threads 256..383, 80 regs), producer: gathers each 64-token KV block through the page table
-  into one of two shared buffers (cp.async, or for an fp8 cache: load, convert to ``dtype`` in
-  registers, store), and each request segment's Q tile into the Q buffer.
+  into one of two shared buffers (cp.async, or for an fp8 cache: load, convert to fp16 in registers,
+  store), and each request segment's Q tile into the Q buffer.
 
 Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + dynamic):
 
@@ -32,13 +32,17 @@ Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + d
     total                              230912   (1536 B to spare)
 
 There is no room for a separate fp8 staging tile (64 x 576 x 1 = 36864 B), so for an fp8 cache the
-producer loads with plain loads and converts in registers: e4m3 -> fp16/bf16 is exact, and the
-per-tensor ``k_scale`` is applied to S (through the softmax scale) and to O, as in ``mla_decode``.
-Plain loads stall the producer for a full memory latency, so it issues a whole block's loads before
-converting any (2 rows per thread) and first asks L2 for the rows of the block two ahead
-(``prefetch.global.L2``, no registers, no shared memory): its own loads then hit L2 while DRAM
-streams the next blocks. The conversion is bit moves plus one exact
-multiply per pair (``PRELUDE``), not TileLang's per-element casts through fp32.
+producer loads with plain loads and converts in registers; the per-tensor ``k_scale`` is applied to S
+(through the softmax scale) and to O, as in ``mla_decode``. With an fp8 cache the ws kernel computes in
+fp16 whatever q's dtype: e4m3 -> fp16 is one hardware instruction per pair (``cvt.rn.f16x2.e4m3x2``;
+bf16 would take five), exact, and a bf16 q becomes fp16 x 2^-8 in shared memory (exact unless below
+2^-6, where the absolute error stays under 2^-17; overflow only above 2^24), the 2^8 undone in the
+softmax scale; P in fp16 is finer than in bf16. The output keeps q's dtype. The producer streams rows:
+it holds two rows per thread and keeps one row's 9 loads in flight while converting the other (the
+next block's first row during this block's second), issues a block's loads before waiting for its
+buffer, and first asks L2 for the rows of the block two ahead (``prefetch.global.L2``). The seesaw
+variant keeps the older path (bf16/fp16 tiles like q, bit moves + one exact multiply per pair, one row
+at a time: its producer has 56 registers).
 
 Synchronisation (mbarriers; arrive counts in threads). ``g`` is the block's index inside the part
 (``flat block - part * blocks_per_part``: a running counter that carries across requests, so the
@@ -74,8 +78,8 @@ HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 LAUNCH_REGS = 168
 REGS_PER_CTA_SLOT = 3 * LAUNCH_REGS
 REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
-# fp8 cache: the producer holds a whole block's raw bytes (2 rows x 144 B per thread = 72 registers) to
-# keep 36 KB of loads in flight; WG1 needs fewer there (it peaks at R153): 240 + 160 + 104 = 504.
+# fp8 cache: the producer holds 2 rows x 144 B of raw bytes per thread (72 registers: one row's loads in
+# flight while the other converts); WG1 needs fewer there (it peaks at R153): 240 + 160 + 104 = 504.
 REGS_WG1_FP8, REGS_PRODUCER_FP8 = 160, 104
 # seesaw: both consumers hold an S tile, P and half of O (224 + 224 + 56 = 504; no spills with bf16)
 REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
@@ -124,19 +128,45 @@ __device__ __forceinline__ unsigned mla_e4m3x2(unsigned word, unsigned selector)
   else asm volatile("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x5C005C00u));
   return r;
 }
+// fp16: the hardware conversion (sm_89+), one instruction per pair; the low byte goes to the low half.
+__device__ __forceinline__ void mla_e4m3x4_f16(unsigned word, unsigned& lo, unsigned& hi) {
+  asm volatile("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\n"
+               "cvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
+               : "=r"(lo), "=r"(hi) : "r"(word));
+}
+// 8 bf16 values in shared memory -> fp16 x 2^-8 (Q_F16_SHIFT), in place (Q of a kernel that computes in fp16; the
+// factor keeps bf16's range: it overflows fp16 only above 2^24, and is undone exactly in the softmax scale).
+__device__ __forceinline__ void mla_bf16x8_to_f16(void* p) {
+  uint4 v = *reinterpret_cast<uint4*>(p);
+  unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float lo = __uint_as_float(w[k] << 16) * 0.00390625f, hi = __uint_as_float(w[k] & 0xFFFF0000u) * 0.00390625f;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(hi), "f"(lo));
+  }
+  *reinterpret_cast<uint4*>(p) = v;
+}
 // 16 e4m3 values at src (16-byte aligned) -> 8 converted values at lo and 8 at hi (16 bytes each).
 template <bool kBF16>
 __device__ __forceinline__ void mla_e4m3x16_store(const void* src, void* lo, void* hi) {
   uint4 in = *reinterpret_cast<const uint4*>(src);
   uint4 a, b;
-  a.x = mla_e4m3x2<kBF16>(in.x, 0x1404u); a.y = mla_e4m3x2<kBF16>(in.x, 0x3424u);
-  a.z = mla_e4m3x2<kBF16>(in.y, 0x1404u); a.w = mla_e4m3x2<kBF16>(in.y, 0x3424u);
-  b.x = mla_e4m3x2<kBF16>(in.z, 0x1404u); b.y = mla_e4m3x2<kBF16>(in.z, 0x3424u);
-  b.z = mla_e4m3x2<kBF16>(in.w, 0x1404u); b.w = mla_e4m3x2<kBF16>(in.w, 0x3424u);
+  if (kBF16) {
+    a.x = mla_e4m3x2<kBF16>(in.x, 0x1404u); a.y = mla_e4m3x2<kBF16>(in.x, 0x3424u);
+    a.z = mla_e4m3x2<kBF16>(in.y, 0x1404u); a.w = mla_e4m3x2<kBF16>(in.y, 0x3424u);
+    b.x = mla_e4m3x2<kBF16>(in.z, 0x1404u); b.y = mla_e4m3x2<kBF16>(in.z, 0x3424u);
+    b.z = mla_e4m3x2<kBF16>(in.w, 0x1404u); b.w = mla_e4m3x2<kBF16>(in.w, 0x3424u);
+  } else {
+    mla_e4m3x4_f16(in.x, a.x, a.y); mla_e4m3x4_f16(in.y, a.z, a.w);
+    mla_e4m3x4_f16(in.z, b.x, b.y); mla_e4m3x4_f16(in.w, b.z, b.w);
+  }
   *reinterpret_cast<uint4*>(lo) = a;
   *reinterpret_cast<uint4*>(hi) = b;
 }
 '''
+
+# A bf16 q read by the fp16 (fp8-cache) kernel is stored as fp16 x 2^-Q_F16_SHIFT.
+Q_F16_SHIFT = 8
 
 # Blocks ahead of the one being loaded whose rows the fp8 producer asks L2 for.
 FP8_PREFETCH_AHEAD = 2
@@ -235,8 +265,16 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     store_right = make_store_rows(num_heads, q_len, block_rows, HALF, col0=HALF, with_lse=False)
     # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
     vec = 8  # dtype elements per 16-byte cp.async
-    convert = "mla_e4m3x16_store<true>" if dtype == "bfloat16" else "mla_e4m3x16_store<false>"
-    fp8_rows = 1 if seesaw else 2  # KV rows per producer thread per load pass (fp8 cache)
+    fp8_rows = 1 if seesaw else 2  # KV rows of raw bytes a producer thread holds (fp8 cache)
+    # ws, fp8 cache: the producer keeps one row's loads in flight while it converts the other (next block's
+    # row 0 during this block's row 1); seesaw's 56-register producer loads and converts one row at a time
+    stream_fp8 = is_fp8 and not seesaw
+    # ws with an fp8 cache computes in fp16 (shared tiles, P): e4m3 -> fp16 is one instruction per pair
+    # (bf16 takes five), exact, and fp16 holds P and the e4m3 values with more precision than bf16. A bf16
+    # q is converted in shared memory, times 2^-Q_F16_SHIFT (undone in the softmax scale).
+    cdtype = "float16" if stream_fp8 else dtype
+    q_to_f16 = cdtype != dtype
+    convert = "mla_e4m3x16_store<true>" if cdtype == "bfloat16" else "mla_e4m3x16_store<false>"
     _, regs_wg1, regs_producer = register_budget(is_fp8, seesaw)
 
     num_tokens = T.dynamic("num_tokens")
@@ -273,10 +311,45 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     @T.macro
     def store_converted(raw, chunk, dst, j, c):
-        """16 e4m3 values of ``raw[chunk]`` -> ``dst[j, c .. c + 15]`` in ``dtype``, as two 16-byte stores
+        """16 e4m3 values of ``raw[chunk]`` -> ``dst[j, c .. c + 15]`` in ``cdtype``, as two 16-byte stores
         (the shared tiles are swizzled in 16-byte units)."""
         T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16),
                                  T.access_ptr(dst[j, c], "w", 8), T.access_ptr(dst[j, c + 8], "w", 8)))
+
+    @T.macro
+    def fp8_pages(page_table, pt0, pos0, kv_len, pages, t):
+        """pages[r]: the page holding row t // 4 + 32 r of the block at pos0 (tail rows clamped)."""
+        for r in T.unroll(2):
+            pages[r] = page_table[pt0 + T.min(pos0 + r * 32 + t // 4, kv_len - 1) // page_size]
+
+    @T.macro
+    def fp8_issue_row(kv_cache, page, pos0, kv_len, raw, slot, r, t):
+        """Loads (no wait) this thread's 9 chunks of row t // 4 + 32 r of the block at pos0 into raw slot
+        ``slot``: chunks t % 4 + 4 k, k = 0..8 (512 latent dims, then 64 rope dims); 4 threads per row."""
+        p = T.min(pos0 + r * 32 + t // 4, kv_len - 1)
+        for k in T.unroll(9):
+            T.evaluate(T.call_extern("handle", "mla_ldg16", T.access_ptr(raw[slot * 9 + k, 0], "w", 16),
+                                     T.access_ptr(kv_cache[page, p % page_size, k * 64 + (t % 4) * 16], "r", 16)))
+
+    @T.macro
+    def fp8_convert_row(raw, slot, r, kv_l, kv_r, k_t, t):
+        """raw slot ``slot`` (row t // 4 + 32 r) -> ``dtype`` in the shared tiles (exact)."""
+        j = r * 32 + t // 4
+        for k in T.unroll(4):
+            store_converted(raw, slot * 9 + k, kv_l, j, k * 64 + (t % 4) * 16)
+        for k in T.unroll(4):
+            store_converted(raw, slot * 9 + 4 + k, kv_r, j, k * 64 + (t % 4) * 16)
+        store_converted(raw, slot * 9 + 8, k_t, j, (t % 4) * 16)
+
+    @T.macro
+    def fp8_block(kv_cache, pages, pos0, kv_len, has_next, raw, kv_l, kv_r, k_t, t):
+        """Second half of the ws producer's fp8 pipeline for one block (its buffer is free): row 0 is in
+        flight since the previous block, row 1 since just before the k_free wait. Converting row 0 frees
+        its registers for the next block's row 0, whose loads then overlap the conversion of row 1."""
+        fp8_convert_row(raw, 0, 0, kv_l, kv_r, k_t, t)
+        if has_next:
+            fp8_issue_row(kv_cache, pages[0], pos0 + block_n, kv_len, raw, 0, 0, t)
+        fp8_convert_row(raw, 1, 1, kv_l, kv_r, k_t, t)
 
     @T.macro
     def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, raw, t):
@@ -285,26 +358,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         Rows past kv_len re-read row kv_len - 1 (their probabilities are 0): no page outside the
         request is touched and no stale (possibly NaN) cache slot can reach P @ V.
         """
-        if is_fp8:
+        if is_fp8:  # seesaw only (the ws producer streams rows: fp8_block below)
             # 4 threads per row: thread t loads 16-byte chunks t % 4 + 4 k (k = 0..8: 512 latent dims, then
-            # 64 rope dims) of rows t // 4 + 32 r. All loads of a pass are issued before the first
-            # conversion (ws: both rows, the whole block, 288 B per thread in flight; seesaw, whose
-            # producer has 56 registers: one row per pass). The conversion to `dtype` is exact.
-            for h in T.serial(2 // fp8_rows):
-                for r in T.unroll(fp8_rows):
-                    p = T.min(pos0 + (h * fp8_rows + r) * 32 + t // 4, kv_len - 1)
-                    page = page_table[pt0 + p // page_size]
-                    for k in T.unroll(9):
-                        T.evaluate(T.call_extern("handle", "mla_ldg16", T.access_ptr(raw[r * 9 + k, 0], "w", 16),
-                                                 T.access_ptr(kv_cache[page, p % page_size, k * 64 + (t % 4) * 16],
-                                                              "r", 16)))
-                for r in T.unroll(fp8_rows):
-                    j = (h * fp8_rows + r) * 32 + t // 4
-                    for k in T.unroll(4):
-                        store_converted(raw, r * 9 + k, kv_l, j, k * 64 + (t % 4) * 16)
-                    for k in T.unroll(4):
-                        store_converted(raw, r * 9 + 4 + k, kv_r, j, k * 64 + (t % 4) * 16)
-                    store_converted(raw, r * 9 + 8, k_t, j, (t % 4) * 16)
+            # 64 rope dims) of row t // 4 + 32 r, all 9 loads of a row before converting it.
+            for r in T.serial(2):
+                fp8_issue_row(kv_cache, page_table[pt0 + T.min(pos0 + r * 32 + t // 4, kv_len - 1) // page_size],
+                              pos0, kv_len, raw, 0, r, t)
+                fp8_convert_row(raw, 0, r, kv_l, kv_r, k_t, t)
         else:
             for r in T.serial(block_n // 16):
                 j = r * 16 + t // 8
@@ -376,13 +436,25 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         then every warp of this warpgroup has its zeros in place before its first WGMMA."""
         for i, d in T.Parallel(block_rows, HALF):
             if row0 + i >= rows:
-                q_l[i, d] = T.cast(0, dtype)
-                q_r[i, d] = T.cast(0, dtype)
+                q_l[i, d] = T.cast(0, cdtype)
+                q_r[i, d] = T.cast(0, cdtype)
         for i, d in T.Parallel(block_rows, ROPE_DIM):
             if row0 + i >= rows:
-                q_t[i, d] = T.cast(0, dtype)
+                q_t[i, d] = T.cast(0, cdtype)
         T.fence_proxy_async()
         T.sync_threads(barrier_id, 128)
+
+    @T.macro
+    def q_bf16_to_f16(q_l, q_r, q_t, t):
+        """WG0, after q_ready: the segment's bf16 Q (copied bit for bit into the fp16 tiles) -> fp16 x 2^-8,
+        in place, 16 bytes per call; padding rows are zeros in both formats. Then as in zero_pad_rows."""
+        for m in T.serial(block_rows // 4):
+            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_l[m * 4 + t // 32, (t % 32) * 8], "rw", 8)))
+            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_r[m * 4 + t // 32, (t % 32) * 8], "rw", 8)))
+        for m in T.serial(block_rows // 16):
+            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_t[m * 16 + t // 8, (t % 8) * 8], "rw", 8)))
+        T.fence_proxy_async()
+        T.sync_threads(WG0_NAMED_BARRIER, 128)
 
     @T.macro
     def exchange_l(l_part, l_mine, l_other, l_ready, l_free, seg):
@@ -417,16 +489,16 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         lse_partial: T.Tensor([num_slots, rows], accum),
     ):
         with T.Kernel(num_parts, n_row_blocks, threads=384, prelude=PRELUDE if is_fp8 else None) as (part, row_block):
-            q_l = T.alloc_shared([block_rows, HALF], dtype)
-            q_r = T.alloc_shared([block_rows, HALF], dtype)
-            q_t = T.alloc_shared([block_rows, ROPE_DIM], dtype)
-            kv0_l = T.alloc_shared([block_n, HALF], dtype)
-            kv0_r = T.alloc_shared([block_n, HALF], dtype)
-            k0_t = T.alloc_shared([block_n, ROPE_DIM], dtype)
-            kv1_l = T.alloc_shared([block_n, HALF], dtype)
-            kv1_r = T.alloc_shared([block_n, HALF], dtype)
-            k1_t = T.alloc_shared([block_n, ROPE_DIM], dtype)
-            p_shared = T.alloc_shared([block_rows, block_n], dtype)
+            q_l = T.alloc_shared([block_rows, HALF], cdtype)
+            q_r = T.alloc_shared([block_rows, HALF], cdtype)
+            q_t = T.alloc_shared([block_rows, ROPE_DIM], cdtype)
+            kv0_l = T.alloc_shared([block_n, HALF], cdtype)
+            kv0_r = T.alloc_shared([block_n, HALF], cdtype)
+            k0_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
+            kv1_l = T.alloc_shared([block_n, HALF], cdtype)
+            kv1_r = T.alloc_shared([block_n, HALF], cdtype)
+            k1_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
+            p_shared = T.alloc_shared([block_rows, block_n], cdtype)
             alpha_shared = T.alloc_shared([block_rows], accum)
             l_shared = T.alloc_shared([block_rows], accum)
 
@@ -441,10 +513,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             l_r = T.alloc_fragment([block_rows], accum)
             alpha_r = T.alloc_fragment([block_rows], accum)
             raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
+            pages = T.alloc_local([2], "int32")  # ws fp8 producer: pages of its 2 rows of the next block
             if seesaw:  # WG1's own S / P / softmax state, and the row maxima / sums the consumers swap
                 acc_s_r = T.alloc_fragment([block_rows, block_n], accum)
-                p_frag_l = T.alloc_fragment([block_rows, block_n], dtype)
-                p_frag_r = T.alloc_fragment([block_rows, block_n], dtype)
+                p_frag_l = T.alloc_fragment([block_rows, block_n], cdtype)
+                p_frag_r = T.alloc_fragment([block_rows, block_n], cdtype)
                 m_run_r = T.alloc_fragment([block_rows], accum)
                 m_new_r = T.alloc_fragment([block_rows], accum)
                 m0_r = T.alloc_fragment([block_rows], accum)
@@ -472,7 +545,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             part_lo = part * width
             part_hi = T.min(part_lo + width, cu_blocks[batch])
             kv_scale = k_scale[0]
-            scale_log2 = sm_scale[0] * kv_scale * LOG2E
+            scale_log2 = sm_scale[0] * kv_scale * LOG2E * (2.0 ** Q_F16_SHIFT if q_to_f16 else 1.0)
 
             seg = 0
             if seesaw:
@@ -642,6 +715,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         T.fill(l_sum, 0)
                         T.fill(m_cur, -T.infinity(accum))
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                        if q_to_f16:
+                            q_bf16_to_f16(q_l, q_r, q_t, tx)
                         for blk in T.serial(n_blk):
                             g = g0 + blk
                             pos0 = (blk_lo + blk) * block_n
@@ -733,6 +808,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             for a in T.serial(FP8_PREFETCH_AHEAD):
                                 if blk_lo + a < blk_hi:
                                     prefetch_block(kv_cache, page_table, pt0, (blk_lo + a) * block_n, kv_len, t)
+                        if stream_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
+                            fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
+                            fp8_issue_row(kv_cache, pages[0], blk_lo * block_n, kv_len, raw, 0, 0, t)
                         T.barrier_wait(q_free[0], seg_free_parity(seg))
                         load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
                         T.cp_async_barrier_noinc(q_ready[0])
@@ -741,9 +819,20 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             pos0 = (blk_lo + blk) * block_n
                             if is_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
                                 prefetch_block(kv_cache, page_table, pt0, pos0 + FP8_PREFETCH_AHEAD * block_n, kv_len, t)
+                            if stream_fp8:  # loads go to registers: issue them before the buffer is free
+                                fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
+                                if blk + 1 < blk_hi - blk_lo:
+                                    fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
                             # both consumers are done with the block that used this buffer before (g - 2)
                             T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
-                            if kv_buffer(g) == 0:
+                            if stream_fp8:
+                                if kv_buffer(g) == 0:
+                                    fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
+                                              kv0_l, kv0_r, k0_t, t)
+                                else:
+                                    fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
+                                              kv1_l, kv1_r, k1_t, t)
+                            elif kv_buffer(g) == 0:
                                 load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, raw, t)
                             else:
                                 load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, raw, t)
