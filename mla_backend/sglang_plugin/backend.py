@@ -51,6 +51,11 @@ ENV_PAGE_TABLE = "MLA_BACKEND_SGLANG_PAGE_TABLE"  # auto (default) | triton | to
 ENV_REPORT = "MLA_BACKEND_SGLANG_REPORT"  # directory: per-process JSON with config + step counters
 
 
+def _verifying() -> bool:
+    """MLA_BACKEND_VERIFY=1 (see mla_backend.op): eager calls are recomputed by the reference."""
+    return os.environ.get("MLA_BACKEND_VERIFY") == "1"
+
+
 def _refuse(msg: str):
     raise ValueError(f"{BACKEND_NAME}: {msg}")
 
@@ -316,6 +321,10 @@ class TileLangMLABackend(AttentionBackend):
                     "kv_dtype": str(self.config.kv_dtype), "q_lens": list(self.config.q_lens),
                     "spec_algorithm": self.config.spec_algorithm, "num_draft_tokens": self.num_draft_tokens,
                     "page_table_fill": getattr(self._fill, "__name__", "?"), **self._stats}
+            if _verifying():
+                from ..op import VERIFY
+
+                info["mla_backend_verify"] = dict(VERIFY, calls_by_q_len=dict(VERIFY["calls_by_q_len"]))
             tmp = os.path.join(self._report_dir, self._report_name + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(info, f)
@@ -326,7 +335,7 @@ class TileLangMLABackend(AttentionBackend):
     def _count(self, key: str):
         if self._report_dir:
             self._stats[key] += 1
-            if self._stats[key] % 64 == 1:
+            if self._stats[key] % 64 == 1 or _verifying():  # verifying: every call (already syncs per call)
                 self._write_report()
 
     # ------------------------------------------------------------------ metadata

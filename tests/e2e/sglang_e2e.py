@@ -7,6 +7,7 @@ outputs across backends and writes one JSON report.
 
     python tests/e2e/sglang_e2e.py --out /tmp/e2e.json                # correctness (default)
     python tests/e2e/sglang_e2e.py --fp8 --out /tmp/e2e_fp8.json      # fp8_e4m3 KV vs triton / flashmla
+    python tests/e2e/sglang_e2e.py --forced --out /tmp/e2e_forced.json  # teacher-forced decode
     python tests/e2e/sglang_e2e.py --mtp --out /tmp/e2e_mtp.json      # EAGLE/MTP topk 1 (draft: triton)
     python tests/e2e/sglang_e2e.py --serve --out /tmp/e2e_serve.json  # python -m sglang.launch_server + /generate
     python tests/e2e/sglang_e2e.py --throughput --out /tmp/e2e_tp.json
@@ -22,6 +23,12 @@ scheduler-process wrapper: SGLang's own +-1e-3 init makes every logit a tie
 The plugin must be installed with its ``sglang.srt.plugins`` entry point (SGLang then registers
 ``tilelang_mla`` in every process). Without it the script falls back to registering in each process
 itself and says so in the report (``plugin_mechanism``).
+
+Teacher-forced (``--forced``): a custom logit processor makes every engine emit the same scripted
+tokens and records each step's own argmax first, so every step of every engine sees the same context;
+the argmaxes are compared (free-running tokens diverge for good at the first near tie). Pass: >= 90%
+equal, and every engine emitted the scripted tokens. MTP (``--mtp``) adds an eager engine in which every
+decode / verify call of ours is recomputed by the fp32 reference (``MLA_BACKEND_VERIFY=1``).
 
 Each invocation keeps to ``--budget`` seconds (default 510): engines that would not fit are skipped
 and listed. Env knobs forwarded to engines: TILELANG_CACHE_DIR etc. as usual.
@@ -159,6 +166,44 @@ def _read_reports(report_dir):
     return reports
 
 
+def _forced_processor():
+    """A CustomLogitProcessor (serialised by value with dill into the scheduler process): appends
+    "step argmax" to record_dir/<prompt>.txt, then leaves only the scripted token."""
+    from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+    class ForcedTokens(CustomLogitProcessor):
+        steps: dict = {}  # request id -> tokens sampled so far (per scheduler process)
+
+        def __call__(self, logits, custom_param_list=None):
+            import os as _os
+
+            best = logits.argmax(dim=-1).tolist()
+            for i, params in enumerate(custom_param_list or []):
+                rid = params["__req__"].rid
+                step = ForcedTokens.steps.get(rid, 0)
+                ForcedTokens.steps[rid] = step + 1
+                with open(_os.path.join(params["record_dir"], f"{params['prompt']}.txt"), "a") as f:
+                    f.write(f"{step} {best[i]}\n")
+                forced = params["forced"]
+                logits[i].fill_(float("-inf"))
+                logits[i, forced[min(step, len(forced) - 1)]] = 0.0
+            return logits
+
+    return ForcedTokens
+
+
+def _read_forced(record_dir: str, n_prompts: int) -> list[list[int]]:
+    argmax = []
+    for i in range(n_prompts):
+        steps = {}
+        with open(os.path.join(record_dir, f"{i}.txt")) as f:
+            for line in f:
+                k, tok = line.split()
+                steps[int(k)] = int(tok)
+        argmax.append([steps[k] for k in sorted(steps)])
+    return argmax
+
+
 def child_main(spec: dict) -> dict:
     report_dir = spec["report_dir"]
     os.environ["MLA_BACKEND_SGLANG_REPORT"] = report_dir
@@ -180,6 +225,9 @@ def child_main(spec: dict) -> dict:
             kw[key] = spec[key]
     kw.update(spec.get("speculative") or {})
     kw.update(spec.get("engine_args") or {})
+    forced = spec.get("forced")
+    if forced:
+        kw["enable_custom_logit_processor"] = True
     result = {"engine_args": {k: v for k, v in kw.items() if k != "model_path"}}
     t0 = time.perf_counter()
     engine = E2EEngine(**kw)
@@ -194,11 +242,23 @@ def child_main(spec: dict) -> dict:
             engine.generate(input_ids=spec["prompts"], sampling_params=dict(sampling, max_new_tokens=1))
             result["prefill_1tok_s"] = round(time.perf_counter() - t, 3)
         t = time.perf_counter()
-        outs = engine.generate(input_ids=spec["prompts"], sampling_params=sampling)
+        if forced:
+            record_dir = os.path.join(report_dir, "forced")
+            os.makedirs(record_dir, exist_ok=True)
+            proc = _forced_processor().to_str()
+            params = [dict(sampling, custom_params={"forced": f, "record_dir": record_dir, "prompt": i})
+                      for i, f in enumerate(forced)]
+            outs = engine.generate(input_ids=spec["prompts"], sampling_params=params,
+                                   custom_logit_processor=[proc] * len(forced))
+        else:
+            outs = engine.generate(input_ids=spec["prompts"], sampling_params=sampling)
         result["generate_s"] = round(time.perf_counter() - t, 3)
     finally:
         engine.shutdown()
     result["output_ids"] = [o["output_ids"] for o in outs]
+    if forced:
+        result["argmax"] = _read_forced(os.path.join(report_dir, "forced"), len(forced))
+        result["emitted_forced"] = result["output_ids"] == [f[: len(o)] for f, o in zip(forced, result["output_ids"])]
     metas = [o.get("meta_info", {}) for o in outs]
     keep = ("completion_tokens", "spec_accept_length", "spec_verify_ct", "e2e_latency")
     result["meta"] = [{k: m[k] for k in keep if k in m} for m in metas]
@@ -229,7 +289,8 @@ def run_engine(spec: dict, timeout: float, env: dict) -> dict:
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         # a hung engine leaves the Python stacks of its processes here, 20 s before it is killed
-        env = dict(env, E2E_STACK_DUMP_DIR=report_dir, E2E_STACK_DUMP_AT=str(time.time() + timeout - 20))
+        env = dict(env, **spec.get("env", {}), E2E_STACK_DUMP_DIR=report_dir,
+                   E2E_STACK_DUMP_AT=str(time.time() + timeout - 20))
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec_path],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
@@ -328,10 +389,54 @@ def fp8_relative_pass(comparisons: dict) -> None:
         ours["pass"] = ours["pass"] or ours["token_match"] >= base["token_match"]
 
 
+def forced_specs(args):
+    prompts = make_prompts([1, 5, 17, 64, 65, 130, 256, 333], seed=4)
+    forced = make_prompts([32] * len(prompts), seed=5)  # the continuation every engine is made to emit
+    base = dict(model=args.model, prompts=prompts, max_new_tokens=32, cuda_graph_max_bs=16, forced=forced)
+    runs = {"tilelang_p64_forced": dict(base, attention_backend="tilelang_mla", page_size=64),
+            "flashmla_p64_forced": dict(base, attention_backend="flashmla", page_size=64),
+            "tilelang_p1_forced": dict(base, attention_backend="tilelang_mla", page_size=1),
+            "triton_p1_forced": dict(base, attention_backend="triton", page_size=1)}
+    return runs, [("tilelang_p64_forced", "flashmla_p64_forced", True),
+                  ("tilelang_p1_forced", "triton_p1_forced", True),
+                  ("triton_p1_forced", "flashmla_p64_forced", False)]
+
+
+def compare_forced(a: dict, b: dict) -> dict:
+    """Teacher-forced: each step's own argmax, position-wise (step 0 comes from the prefill)."""
+    equal = total = dec_equal = dec_total = 0
+    for x, y in zip(a["argmax"], b["argmax"]):
+        for k, (u, v) in enumerate(zip(x, y)):
+            equal += u == v
+            total += 1
+            if k:
+                dec_equal += u == v
+                dec_total += 1
+        total += abs(len(x) - len(y))
+    frac = equal / total if total else 0.0
+    emitted = bool(a.get("emitted_forced")) and bool(b.get("emitted_forced"))
+    return {"argmax_match": round(frac, 4), "decode_steps_argmax_match": round(dec_equal / max(dec_total, 1), 4),
+            "steps": total, "both_emitted_forced_tokens": emitted, "pass": frac >= 0.9 and emitted}
+
+
+def verify_result(res: dict) -> dict:
+    """The in-engine reference check of an MLA_BACKEND_VERIFY=1 engine (from its backend reports)."""
+    found = [r["mla_backend_verify"] for r in res.get("backend_reports", []) if "mla_backend_verify" in r]
+    if not found:
+        return {"pass": False, "error": "no verify report"}
+    v = max(found, key=lambda r: r["calls"])
+    drafts = str(MTP["speculative_num_draft_tokens"])
+    ok = v["calls"] > 0 and v["calls_by_q_len"].get(drafts, 0) > 0 and v["max_rel_err"] < 2e-2 and v["max_lse_err"] < 1e-2
+    return dict(v, required_q_len=drafts, **{"pass": ok})
+
+
 def mtp_specs(args):
     prompts = make_prompts([1, 5, 17, 64, 65, 130, 256, 333], seed=3)
     base = dict(model=args.model, prompts=prompts, max_new_tokens=32, cuda_graph_max_bs=8, page_size=64)
     runs = {"tilelang_p64_mtp": dict(base, attention_backend="tilelang_mla", speculative=MTP),
+            # eager (no CUDA graphs), every decode / verify call of ours recomputed by the fp32 reference
+            "tilelang_p64_mtp_verify": dict(base, attention_backend="tilelang_mla", speculative=MTP,
+                                            disable_cuda_graph=True, env={"MLA_BACKEND_VERIFY": "1"}, verify=True),
             "flashmla_p64_mtp": dict(base, attention_backend="flashmla", speculative=MTP),
             "tilelang_p64": dict(base, attention_backend="tilelang_mla"),
             "tilelang_p1_mtp": dict(base, attention_backend="tilelang_mla", page_size=1, speculative=MTP)}
@@ -435,6 +540,7 @@ def main(argv=None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--serve", action="store_true", help="launch_server + /generate")
     mode.add_argument("--mtp", action="store_true", help="EAGLE/MTP topk 1, draft backend triton")
+    mode.add_argument("--forced", action="store_true", help="teacher-forced decode: per-step argmax compared")
     mode.add_argument("--fp8", action="store_true", help="--kv-cache-dtype fp8_e4m3")
     mode.add_argument("--throughput", action="store_true", help="decode-heavy timing vs flashmla and triton")
     parser.add_argument("--out", default=None)
@@ -466,6 +572,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     env = engine_env(args)
     report = {"mode": "serve" if args.serve else "mtp" if args.mtp else "fp8" if args.fp8 else
+              "forced" if args.forced else
               "throughput" if args.throughput else "correctness",
               "plugin_mechanism": "entry_point" if entry_point_installed() else "per-process register() fallback",
               "weights": f"normal(0, {args.weight_std})" if args.weights == "normal" else "sglang dummy (+-1e-3)",
@@ -474,7 +581,7 @@ def main(argv=None) -> int:
         report["serve"] = serve_run(args, env, timeout=min(args.budget, 480.0))
         report["ok"] = report["serve"].get("ok", False)
     else:
-        runs, pairs = (mtp_specs if args.mtp else fp8_specs if args.fp8 else
+        runs, pairs = (mtp_specs if args.mtp else fp8_specs if args.fp8 else forced_specs if args.forced else
                        throughput_specs if args.throughput else correctness_specs)(args)
         for label, spec in runs.items():
             if args.only and label not in args.only:
@@ -498,10 +605,14 @@ def main(argv=None) -> int:
                 if required:
                     missing_required.append(f"{a} vs {b}")
                 continue
-            cmp = compare_outputs(ea["output_ids"], eb["output_ids"])
+            cmp = compare_forced(ea, eb) if args.forced else compare_outputs(ea["output_ids"], eb["output_ids"])
             cmp["required"] = required
             report["comparisons"][f"{a} vs {b}"] = cmp
         report["missing_required_comparisons"] = missing_required
+        for label, spec in runs.items():
+            if spec.get("verify") and report["engines"].get(label, {}).get("ok"):
+                report["comparisons"][f"{label}: in-engine reference check"] = dict(
+                    verify_result(report["engines"][label]), required=True)
         if args.fp8:
             fp8_relative_pass(report["comparisons"])
         if args.throughput:
