@@ -513,7 +513,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             l_r = T.alloc_fragment([block_rows], accum)
             alpha_r = T.alloc_fragment([block_rows], accum)
             raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
-            pages = T.alloc_local([2], "int32")  # ws fp8 producer: pages of its 2 rows of the next block
+            if stream_fp8:  # (only then: TileLang 0.1.11's CUDA codegen was seen to crash with it unused)
+                pages = T.alloc_local([2], "int32")  # ws fp8 producer: pages of its 2 rows of the next block
             if seesaw:  # WG1's own S / P / softmax state, and the row maxima / sums the consumers swap
                 acc_s_r = T.alloc_fragment([block_rows, block_n], accum)
                 p_frag_l = T.alloc_fragment([block_rows, block_n], cdtype)
