@@ -164,6 +164,17 @@ def test_seesaw_kernel_lowers():
     assert set(re.findall(r"__sync_thread_partial<\d+, (\d+)>", src)) == {"128"}
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16bit_cache_kernel_has_no_fp8_only_buffers(dtype):
+    """A 16-bit cache's kernel allocates none of the fp8 producer's page registers: on the H100, TileLang
+    0.1.11's CUDA codegen (SGLang's pin) segfaulted on the bf16 kernel whose only difference from the
+    working one was that unused local buffer."""
+    script = ws.build_decode_kernel_ws(16, 1, 64, dtype, dtype).script()
+    page_registers = re.compile(r"\bpages = T\.")
+    assert not page_registers.search(script)
+    assert page_registers.search(ws.build_decode_kernel_ws(16, 1, 64, dtype, "float8_e4m3fn").script())
+
+
 @pytest.mark.parametrize("variant", LOWER_VARIANTS, ids=_vid)
 def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
     """A __syncthreads() after the role split, a named barrier shared by two roles, or one inside a
