@@ -20,6 +20,11 @@ _SCALARS: dict[tuple, torch.Tensor] = {}
 VERIFY = {"calls": 0, "max_rel_err": 0.0, "max_lse_err": 0.0, "calls_by_q_len": {}}
 
 
+def verifying() -> bool:
+    """MLA_BACKEND_VERIFY=1: eager kernel calls are recomputed by the reference (results in ``VERIFY``)."""
+    return os.environ.get("MLA_BACKEND_VERIFY") == "1"
+
+
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
     """A cached fp32 ``[1]`` device tensor (kernel argument) so steady-state calls copy nothing."""
     key = (float(value), device)
@@ -83,7 +88,7 @@ def mla_decode(
         out, lse = mla_decode_reference(q_nope, q_pe, kv_cache, metadata, softmax_scale, scale, out)
     else:
         out, lse = _run_kernel(choice.impl, q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out)
-        if os.environ.get("MLA_BACKEND_VERIFY") == "1" and not torch.cuda.is_current_stream_capturing():
+        if verifying() and not torch.cuda.is_current_stream_capturing():
             _verify(q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out, lse)
     return (out, lse) if return_lse else out
 

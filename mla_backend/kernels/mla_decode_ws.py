@@ -103,6 +103,9 @@ WG0_NAMED_BARRIER = 15
 
 SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one block may opt into on H100 / H200
 
+# A bf16 q read by the fp16 (fp8-cache) kernel is stored as fp16 x 2^-Q_F16_SHIFT.
+Q_F16_SHIFT = 8
+
 # Device helpers pasted into the generated CUDA (T.Kernel prelude).
 # e4m3 -> bf16 / fp16: put each byte in the high byte of a 16-bit lane, move exponent + mantissa down
 # into the target's fields (sign stays); the value is then x * 2^-(target bias - 7) for normal and
@@ -134,14 +137,14 @@ __device__ __forceinline__ void mla_e4m3x4_f16(unsigned word, unsigned& lo, unsi
                "cvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
                : "=r"(lo), "=r"(hi) : "r"(word));
 }
-// 8 bf16 values in shared memory -> fp16 x 2^-8 (Q_F16_SHIFT), in place (Q of a kernel that computes in fp16; the
-// factor keeps bf16's range: it overflows fp16 only above 2^24, and is undone exactly in the softmax scale).
+// 8 bf16 values in shared memory -> fp16 x 2^-Q_F16_SHIFT, in place (Q of a kernel that computes in fp16;
+// the factor keeps bf16's range: it overflows fp16 only above 2^24, and is undone exactly in the softmax scale).
 __device__ __forceinline__ void mla_bf16x8_to_f16(void* p) {
   uint4 v = *reinterpret_cast<uint4*>(p);
   unsigned* w = reinterpret_cast<unsigned*>(&v);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    float lo = __uint_as_float(w[k] << 16) * 0.00390625f, hi = __uint_as_float(w[k] & 0xFFFF0000u) * 0.00390625f;
+    float lo = __uint_as_float(w[k] << 16) * MLA_Q_F16_SCALE, hi = __uint_as_float(w[k] & 0xFFFF0000u) * MLA_Q_F16_SCALE;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(hi), "f"(lo));
   }
   *reinterpret_cast<uint4*>(p) = v;
@@ -163,10 +166,7 @@ __device__ __forceinline__ void mla_e4m3x16_store(const void* src, void* lo, voi
   *reinterpret_cast<uint4*>(lo) = a;
   *reinterpret_cast<uint4*>(hi) = b;
 }
-'''
-
-# A bf16 q read by the fp16 (fp8-cache) kernel is stored as fp16 x 2^-Q_F16_SHIFT.
-Q_F16_SHIFT = 8
+'''.replace("MLA_Q_F16_SCALE", f"{2.0 ** -Q_F16_SHIFT!r}f")
 
 # Blocks ahead of the one being loaded whose rows the fp8 producer asks L2 for.
 FP8_PREFETCH_AHEAD = 2
@@ -316,24 +316,28 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16),
                                  T.access_ptr(dst[j, c], "w", 8), T.access_ptr(dst[j, c + 8], "w", 8)))
 
+    def fp8_row(pos0, r, t, kv_len):
+        """Position of the fp8 producer thread t's row r (t // 4 + 32 r) of the block at pos0, tail clamped."""
+        return T.min(pos0 + r * 32 + t // 4, kv_len - 1)
+
     @T.macro
     def fp8_pages(page_table, pt0, pos0, kv_len, pages, t):
         """pages[r]: the page holding row t // 4 + 32 r of the block at pos0 (tail rows clamped)."""
         for r in T.unroll(2):
-            pages[r] = page_table[pt0 + T.min(pos0 + r * 32 + t // 4, kv_len - 1) // page_size]
+            pages[r] = page_table[pt0 + fp8_row(pos0, r, t, kv_len) // page_size]
 
     @T.macro
     def fp8_issue_row(kv_cache, page, pos0, kv_len, raw, slot, r, t):
         """Loads (no wait) this thread's 9 chunks of row t // 4 + 32 r of the block at pos0 into raw slot
         ``slot``: chunks t % 4 + 4 k, k = 0..8 (512 latent dims, then 64 rope dims); 4 threads per row."""
-        p = T.min(pos0 + r * 32 + t // 4, kv_len - 1)
+        p = fp8_row(pos0, r, t, kv_len)
         for k in T.unroll(9):
             T.evaluate(T.call_extern("handle", "mla_ldg16", T.access_ptr(raw[slot * 9 + k, 0], "w", 16),
                                      T.access_ptr(kv_cache[page, p % page_size, k * 64 + (t % 4) * 16], "r", 16)))
 
     @T.macro
     def fp8_convert_row(raw, slot, r, kv_l, kv_r, k_t, t):
-        """raw slot ``slot`` (row t // 4 + 32 r) -> ``dtype`` in the shared tiles (exact)."""
+        """raw slot ``slot`` (row t // 4 + 32 r) -> ``cdtype`` in the shared tiles (exact)."""
         j = r * 32 + t // 4
         for k in T.unroll(4):
             store_converted(raw, slot * 9 + k, kv_l, j, k * 64 + (t % 4) * 16)
@@ -362,8 +366,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             # 4 threads per row: thread t loads 16-byte chunks t % 4 + 4 k (k = 0..8: 512 latent dims, then
             # 64 rope dims) of row t // 4 + 32 r, all 9 loads of a row before converting it.
             for r in T.serial(2):
-                fp8_issue_row(kv_cache, page_table[pt0 + T.min(pos0 + r * 32 + t // 4, kv_len - 1) // page_size],
-                              pos0, kv_len, raw, 0, r, t)
+                fp8_issue_row(kv_cache, page_table[pt0 + fp8_row(pos0, r, t, kv_len) // page_size], pos0, kv_len,
+                              raw, 0, r, t)
                 fp8_convert_row(raw, 0, r, kv_l, kv_r, k_t, t)
         else:
             for r in T.serial(block_n // 16):

@@ -33,7 +33,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from ..dispatch import ENV_IMPL, REFERENCE, engine_impl_request, select_impl
 from ..kernels.configs import MAX_HEADS, MAX_Q_LEN, SUPPORTED_PAGE_SIZES
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
-from ..op import mla_decode
+from ..op import VERIFY, mla_decode, verifying
 from ..planner import SplitPlanner
 from ..validation import HEAD_DIM, KV_LORA_RANK, ROPE_DIM
 from . import BACKEND_NAME
@@ -49,11 +49,6 @@ _EAGER_STATIC_TABLE_BYTES = 64 << 20
 ENV_WARMUP = "MLA_BACKEND_SGLANG_WARMUP"  # "0": do not compile the kernels at startup
 ENV_PAGE_TABLE = "MLA_BACKEND_SGLANG_PAGE_TABLE"  # auto (default) | triton | torch
 ENV_REPORT = "MLA_BACKEND_SGLANG_REPORT"  # directory: per-process JSON with config + step counters
-
-
-def _verifying() -> bool:
-    """MLA_BACKEND_VERIFY=1 (see mla_backend.op): eager calls are recomputed by the reference."""
-    return os.environ.get("MLA_BACKEND_VERIFY") == "1"
 
 
 def _refuse(msg: str):
@@ -321,8 +316,7 @@ class TileLangMLABackend(AttentionBackend):
                     "kv_dtype": str(self.config.kv_dtype), "q_lens": list(self.config.q_lens),
                     "spec_algorithm": self.config.spec_algorithm, "num_draft_tokens": self.num_draft_tokens,
                     "page_table_fill": getattr(self._fill, "__name__", "?"), **self._stats}
-            if _verifying():
-                from ..op import VERIFY
+            if verifying():
 
                 info["mla_backend_verify"] = dict(VERIFY, calls_by_q_len=dict(VERIFY["calls_by_q_len"]))
             tmp = os.path.join(self._report_dir, self._report_name + ".tmp")
@@ -335,7 +329,7 @@ class TileLangMLABackend(AttentionBackend):
     def _count(self, key: str):
         if self._report_dir:
             self._stats[key] += 1
-            if self._stats[key] % 64 == 1 or _verifying():  # verifying: every call (already syncs per call)
+            if self._stats[key] % 64 == 1 or verifying():  # verifying: every call (already syncs per call)
                 self._write_report()
 
     # ------------------------------------------------------------------ metadata
