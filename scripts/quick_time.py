@@ -3,7 +3,8 @@
 ``--smoke``: one small ragged case against the fp32 reference (exits 1 on a mismatch).
 ``--fp8``: h=16 cases with a bf16 and an e4m3 cache (k_scale 0.5) in the same run.
 ``--fp16``: fp16 q / output (and bf16 -> fp16 cache) instead of bf16.
-``--cases 0,2``: only these entries of the case list (indices)."""
+``--cases 0,2``: only these entries of the case list (indices).
+``--ncu``: one eager call per case and variant, no timing (for a profiler)."""
 import os
 import sys
 
@@ -68,6 +69,8 @@ def main() -> int:
     for b, s, h, sq, ps in cases:
         for fp8 in (False, True) if fp8_mode else (False,):
             replay, eager, (nbytes, flops) = decode_step(b, s, h, sq, ps, fp8)
+            if "--ncu" in sys.argv:
+                continue
             t_eager = do_bench(eager, warmup=50, rep=300, return_mode="median") * 1e-3  # s
             t = do_bench(replay, warmup=50, rep=300, return_mode="median") * 1e-3
             print(f"{kernel}{'-fp16' if '--fp16' in sys.argv else ''}{'-fp8' if fp8 else ''} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
