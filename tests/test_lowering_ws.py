@@ -50,6 +50,12 @@ LOWER_VARIANTS = [
     (16, 1, 64, "bfloat16", "float8_e4m3"),  # fp8 cache: register conversion in the producer
 ]
 NVCC_VARIANT = LOWER_VARIANTS[0]
+# tws (opt-in: MLA_BACKEND_SM90_KERNEL=tws): transposed consumers where h x q_len <= 16
+TWS_VARIANTS = [
+    (16, 1, 64, "bfloat16", "float8_e4m3"),  # the fp8 TP8 decode it is meant for; also nvcc-compiled
+    (16, 1, 16, "float16", "float16"),
+    (5, 2, 1, "bfloat16", "bfloat16"),  # MTP, 10 of 16 columns (padding), page size 1
+]
 
 
 def _vid(v) -> str:
@@ -57,13 +63,15 @@ def _vid(v) -> str:
 
 
 # ============================================================================ lowering + nvcc
-def _lower(variant):
+def _lower(variant, kernel: str = "ws"):
     """Runs in a worker process: (kernel source, dynamic shared memory bytes)."""
     import tilelang
     from tilelang import tvm  # noqa: F401  (registers TileLang's TVM)
     from tvm.target import Target
 
-    func = ws.build_decode_kernel_ws(*variant)
+    from mla_backend.kernels.configs import SM90_KERNELS
+
+    func = ws.build_decode_kernel_ws(*variant, cfg=SM90_KERNELS[kernel])
     target = Target(CUDA)
     with target:
         art = tilelang.lower(func, target=target, enable_device_compile=False)
@@ -78,6 +86,14 @@ def lowered():
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as pool:
         results = list(pool.map(_lower, LOWER_VARIANTS))
     return dict(zip(LOWER_VARIANTS, results))
+
+
+@pytest.fixture(scope="module")
+def lowered_tws():
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as pool:
+        results = list(pool.map(_lower, TWS_VARIANTS, ["tws"] * len(TWS_VARIANTS)))
+    return dict(zip(TWS_VARIANTS, results))
 
 
 def _role_marks(variant) -> dict[str, str]:
@@ -175,16 +191,15 @@ def test_16bit_cache_kernel_has_no_fp8_only_buffers(dtype):
     assert page_registers.search(ws.build_decode_kernel_ws(16, 1, 64, dtype, "float8_e4m3fn").script())
 
 
-@pytest.mark.parametrize("variant", LOWER_VARIANTS, ids=_vid)
-def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
+def check_named_barriers_role_local(src: str, variant) -> dict[str, str]:
     """A __syncthreads() after the role split, a named barrier shared by two roles, or one inside a
-    thread-dependent branch of a role would deadlock or mis-synchronise."""
-    src, _ = lowered[variant]
+    thread-dependent branch of a role would deadlock or mis-synchronise. Returns the role sections."""
     first_role = min(src.index(m) for m in _role_marks(variant).values())
     assert "__syncthreads()" not in src[first_role:], "CTA-wide barrier inside a warp role"
     role_conditions = ("((int)threadIdx.x) < 128", "((int)threadIdx.x) < 256")
     ids_by_role = {}
-    for role, text in _role_sections(src, variant).items():
+    sections = _role_sections(src, variant)
+    for role, text in sections.items():
         ids = set()
         for m in re.finditer(r"__sync_thread_partial<(\d+), (\d+)>", text):
             assert m.group(2) == "128", f"{role}: named barrier {m.group(1)} for {m.group(2)} threads"
@@ -198,6 +213,45 @@ def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
     for i, a in enumerate(roles):
         for b in roles[i + 1:]:
             assert not ids_by_role[a] & ids_by_role[b], f"{a} and {b} share named barrier(s) {ids_by_role[a] & ids_by_role[b]}"
+    # TileLang's cross-warp reductions synchronise on named barriers 1 and 2 (bar.sync inside AllReduce)
+    assert not {"1", "2"} & set().union(*ids_by_role.values()), "a role's named barrier collides with AllReduce's"
+    return sections
+
+
+@pytest.mark.parametrize("variant", LOWER_VARIANTS, ids=_vid)
+def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
+    src, _ = lowered[variant]
+    sections = check_named_barriers_role_local(src, variant)
+    assert not any("tl::AllReduce<" in text and "128, 32" in text for text in sections.values())
+
+
+@pytest.mark.parametrize("variant", TWS_VARIANTS, ids=_vid)
+def test_tws_kernel_lowers(lowered_tws, variant):
+    """tws: S^T = K Q^T and O^T = V^T P^T as m64n16 WGMMAs (V read MN-major), column softmax reduced across
+    WG0's warps (TileLang's AllReduce: barriers 1 and 2, WG0 only), a quarter of the ws kernel's Q and P."""
+    src, smem = lowered_tws[variant]
+    assert re.search(r'extern "C" __global__ void __launch_bounds__\(384, 1\) mla_decode_split_kernel', src)
+    shapes = set(re.findall(r"tl::wgmma_ss<[^>]*?kFloat32, (\d+), (\d+), (\d+), (true|false), (true|false)", src))
+    assert shapes == {("64", "16", "16", "false", "false"), ("64", "16", "16", "true", "false")}, shapes
+    for mark in _role_marks(variant).values():
+        assert mark in src
+    sections = check_named_barriers_role_local(src, variant)
+    reducing = [role for role, text in sections.items() if "tl::AllReduce<tl::MaxOp, 128, 32" in text]
+    assert reducing == ["wg0"], f"cross-warp column max in {reducing}"
+    assert "tl::AllReduce<tl::SumOp, 128, 32" in sections["wg0"], "column sums of P, once per segment"
+    assert smem == ws.smem_budget(transposed=True)["dynamic"], f"dynamic shared memory {smem} B"
+    assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 8, "expected 8 mbarrier arrays (10 barriers)"
+
+
+def test_tws_is_the_ws_kernel_beyond_16_rows():
+    """tws only changes the kernel where h x q_len fits one m64n16 tile; other shapes get the ws kernel."""
+    from mla_backend.kernels.configs import SM90_TWS, SM90_WS
+
+    for variant in [(32, 1, 64, "bfloat16", "bfloat16"), (16, 2, 16, "float16", "float8_e4m3fn")]:
+        assert ws.build_decode_kernel_ws(*variant, cfg=SM90_TWS).script() == \
+            ws.build_decode_kernel_ws(*variant, cfg=SM90_WS).script()
+    assert ws.build_decode_kernel_ws(16, 1, 64, "bfloat16", "bfloat16", cfg=SM90_TWS).script() != \
+        ws.build_decode_kernel_ws(16, 1, 64, "bfloat16", "bfloat16", cfg=SM90_WS).script()
 
 
 def _cuobjdump() -> str | None:
@@ -221,13 +275,13 @@ def _cuobjdump() -> str | None:
     return None
 
 
-def role_registers(sass: str) -> dict[str, dict]:
+def role_registers(sass: str, fp8: bool = False) -> dict[str, dict]:
     """Per warpgroup role: highest register index used, local-memory instructions, HGMMA count.
 
     The SASS is cut at each ``USETMAXREG`` (the role's setmaxnreg); ptxas lays the roles out one after
     another, and the out-of-line wait loops at the end fall into the last one (they use few registers).
     """
-    names = {ws.REGS_WG0: "wg0", ws.REGS_WG1: "wg1", ws.REGS_PRODUCER: "producer"}
+    names = dict(zip(ws.register_budget(fp8), ("wg0", "wg1", "producer")))
     sections, name, body = {}, "prologue", []
     for line in sass.splitlines():
         m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
@@ -247,13 +301,16 @@ def role_registers(sass: str) -> dict[str, dict]:
     return out
 
 
-def test_nvcc_compiles_ws_for_sm90a(lowered, tmp_path):
+@pytest.mark.parametrize("kernel", ["ws", "tws"])
+def test_nvcc_compiles_ws_for_sm90a(request, kernel, tmp_path):
     """TileLang's nvcc flags, with -c so ptxas runs: register limits, spills and WGMMA show here."""
     nvcc = find_nvcc()
     import tilelang
 
+    variant = NVCC_VARIANT if kernel == "ws" else TWS_VARIANTS[0]
+    fp8 = variant[4] != variant[3]
     tl_dir = os.path.dirname(tilelang.__file__)
-    src, _ = lowered[NVCC_VARIANT]
+    src, _ = request.getfixturevalue("lowered" if kernel == "ws" else "lowered_tws")[variant]
     cu = tmp_path / "ws.cu"
     cu.write_text(src)
     keep = tmp_path / "keep"
@@ -265,16 +322,18 @@ def test_nvcc_compiles_ws_for_sm90a(lowered, tmp_path):
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-6000:]}"
     report = proc.stderr
     regs = re.search(r"Used (\d+) registers", report)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert regs and spills, report
     # 384 threads x 168 registers = 64512 <= 65536: the launch bound caps the kernel at 168
     assert int(regs.group(1)) <= 168, report
-    assert spills.groups() == ("0", "0"), f"register spills: {spills.group(0)}"
+    # no spills, and no stack (a register array with a thread-dependent index lands in local memory)
+    assert spills.groups() == ("0", "0", "0"), f"local memory: {spills.group(0)}"
     ptx = "".join(p.read_text() for p in keep.glob("*.ptx"))
     assert "wgmma.mma_async" in ptx, "no WGMMA in the PTX"
-    for n in (ws.REGS_WG0, ws.REGS_WG1):
-        assert f"setmaxnreg.inc.sync.aligned.u32 {n}" in ptx
-    assert f"setmaxnreg.dec.sync.aligned.u32 {ws.REGS_PRODUCER}" in ptx
+    budget = dict(zip(("wg0", "wg1", "producer"), ws.register_budget(fp8)))
+    for role in ("wg0", "wg1", "producer"):
+        direction = "inc" if ws.grows(budget[role]) else "dec"
+        assert f"setmaxnreg.{direction}.sync.aligned.u32 {budget[role]}" in ptx
 
     cuobjdump = _cuobjdump()
     if cuobjdump is None:
@@ -282,9 +341,8 @@ def test_nvcc_compiles_ws_for_sm90a(lowered, tmp_path):
     dump = subprocess.run([cuobjdump, "-sass", str(tmp_path / "ws.o")], capture_output=True, text=True)
     if dump.returncode != 0 or "USETMAXREG" not in dump.stdout:
         return  # e.g. cuobjdump without its nvdisasm: nothing to read the roles from
-    per_role = role_registers(dump.stdout)
-    caps = {"wg0": ws.REGS_WG0, "wg1": ws.REGS_WG1, "producer": ws.REGS_PRODUCER}
-    for role, cap in caps.items():
+    per_role = role_registers(dump.stdout, fp8)
+    for role, cap in budget.items():
         assert per_role[role]["max_reg"] < cap, f"{role} uses R{per_role[role]['max_reg']} with setmaxnreg {cap}"
         assert per_role[role]["local_mem"] == 0, f"{role} touches local memory"
     assert per_role["wg0"]["hgmma"] > 0 and per_role["wg1"]["hgmma"] > 0

@@ -67,7 +67,7 @@ that touches several requests); tests/test_lowering_ws.py simulates them for ran
 import tilelang.language as T
 
 from .configs import SM90_WS, KernelConfig
-from .mla_decode import HEAD_DIM, KV_LORA_RANK, LOG2E, ROPE_DIM, make_store_rows, num_row_blocks
+from .mla_decode import HEAD_DIM, KV_LORA_RANK, LN2, LOG2E, ROPE_DIM, make_store_rows, num_row_blocks
 
 HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 
@@ -98,8 +98,15 @@ def grows(count: int) -> int:
     return 1 if count >= LAUNCH_REGS else 0
 
 
-# Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range.
+# Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range
+# (its cross-warp reductions, tws only, use 1 and 2).
 WG0_NAMED_BARRIER = 15
+
+# tws ("transposed"): where the rows (h x q_len) fit in TWS_COLS, the consumers compute S^T = K Q^T with the 64
+# KV tokens as WGMMA's M and the rows as N (m64n16), and O^T = V^T P^T, instead of padding the rows to M = 64:
+# a quarter of the tensor work, of the Q tile and of its shared-memory reads. Softmax runs down the columns.
+TWS_COLS = 16
+TWS_TILE = 64  # output dims per WGMMA (M) tile of O^T
 
 SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one block may opt into on H100 / H200
 
@@ -172,18 +179,23 @@ __device__ __forceinline__ void mla_e4m3x16_store(const void* src, void* lo, voi
 FP8_PREFETCH_AHEAD = 2
 
 
-def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2) -> dict:
+def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, transposed: bool = False) -> dict:
     """Shared-memory bytes of the warp-specialised kernel (the docstring's table).
 
     ``dynamic`` is what TileLang allocates (``dyn_shared_memory_buf``); the mbarriers are static
     ``__shared__`` arrays, which nvcc pads to 1024 B so that the 1024-aligned dynamic buffer follows.
+    ``transposed`` (tws): Q and P have TWS_COLS rows, plus TileLang's scratch for the two cross-warp column
+    reductions (128 floats each).
     """
+    q_rows = TWS_COLS if transposed else block_rows
     parts = {
-        "q": block_rows * HEAD_DIM * elem_bytes,
+        "q": q_rows * HEAD_DIM * elem_bytes,
         "kv": 2 * block_n * HEAD_DIM * elem_bytes,
-        "p": block_rows * block_n * elem_bytes,
-        "alpha_l": 2 * block_rows * 4,
+        "p": q_rows * block_n * elem_bytes,
+        "alpha_l": 2 * q_rows * 4,
     }
+    if transposed:
+        parts["reduce"] = 2 * 128 * 4
     parts["dynamic"] = sum(parts.values())
     parts["static"] = 1024
     parts["total"] = parts["dynamic"] + parts["static"]
@@ -237,6 +249,38 @@ def segment_first_block(part_lo, req_lo, blk_lo):
     return req_lo + blk_lo - part_lo
 
 
+def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_lse: bool = True):
+    """tws segment epilogue: ``make_store_rows`` for a transposed accumulator ``acc [ndims, TWS_COLS]`` (dims
+    ``col0 .. col0 + ndims`` of 512 x rows; one row block). Columns past ``num_heads * q_len`` are padding."""
+    rows = num_heads * q_len
+    accum = "float32"
+
+    @T.macro
+    def store_cols(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, out, lse, out_partial, lse_partial):
+        for d, i in T.Parallel(ndims, TWS_COLS):
+            acc[d, i] = T.if_then_else(l_sum[i] > 0, acc[d, i] * kv_scale / l_sum[i], 0)
+        if direct:
+            for d, i in T.Parallel(ndims, TWS_COLS):
+                if i < rows:
+                    out[tok0 + i // num_heads, i % num_heads, col0 + d] = acc[d, i]
+            if with_lse:
+                for i in T.Parallel(TWS_COLS):
+                    if i < rows:
+                        lse[tok0 + i // num_heads, i % num_heads] = T.if_then_else(
+                            l_sum[i] > 0, (T.log2(l_sum[i]) + m_cur[i]) * LN2, -T.infinity(accum))
+        else:
+            for d, i in T.Parallel(ndims, TWS_COLS):
+                if i < rows:
+                    out_partial[slot, i, col0 + d] = acc[d, i]
+            if with_lse:
+                for i in T.Parallel(TWS_COLS):
+                    if i < rows:
+                        lse_partial[slot, i] = T.if_then_else(l_sum[i] > 0, T.log2(l_sum[i]) + m_cur[i],
+                                                              -T.infinity(accum))
+
+    return store_cols
+
+
 def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
                            cfg: KernelConfig = SM90_WS):
     """Returns the warp-specialised split-KV prim_func (Hopper only, sm_90a).
@@ -256,13 +300,19 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         raise ValueError(f"the warp-specialised kernel is written for 64 rows x 64 tokens x 384 threads, got {cfg}")
     seesaw = cfg.kernel == "seesaw"
     rows = num_heads * q_len
+    # tws: transposed consumers where the rows fit one m64n16 tile (one row block); the ws kernel otherwise
+    transposed = cfg.kernel == "tws" and rows <= TWS_COLS
+    q_rows = TWS_COLS if transposed else block_rows  # rows of the Q and P tiles
     n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
-    pad_rows = n_row_blocks * block_rows != rows  # the last row block has rows that are never stored
+    pad_rows = n_row_blocks * q_rows != rows  # the last row block has rows that are never stored
     accum = "float32"
     is_fp8 = kv_dtype != dtype
     # each consumer warpgroup stores its 256 output columns; WG0 also owns the LSE
     store_left = make_store_rows(num_heads, q_len, block_rows, HALF)
     store_right = make_store_rows(num_heads, q_len, block_rows, HALF, col0=HALF, with_lse=False)
+    store_left_t = make_store_cols(num_heads, q_len, HALF)
+    store_right_t = [make_store_cols(num_heads, q_len, TWS_TILE, col0=HALF + k * TWS_TILE, with_lse=False)
+                     for k in range(HALF // TWS_TILE)]
     # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
     vec = 8  # dtype elements per 16-byte cp.async
     fp8_rows = 1 if seesaw else 2  # KV rows of raw bytes a producer thread holds (fp8 cache)
@@ -291,7 +341,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     @T.macro
     def load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t):
         """cp.async of the segment's valid Q rows (rows past ``rows`` keep the zeros written at start)."""
-        for r in T.serial(block_rows // 16):
+        for r in T.serial(q_rows // 16):
             i = r * 16 + t // 8
             if row0 + i < rows:
                 for u in T.serial(HALF // (8 * vec)):
@@ -399,10 +449,16 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     @T.macro
     def score(q_l, q_r, q_t, kv_l, kv_r, k_t, acc_s):
+        """S = Q K^T (rows x tokens); tws: S^T = K Q^T (tokens x rows)."""
         T.clear(acc_s)
-        T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
-        T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
-        T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
+        if transposed:
+            T.wgmma_gemm(kv_l, q_l, acc_s, transpose_B=True)
+            T.wgmma_gemm(kv_r, q_r, acc_s, transpose_B=True)
+            T.wgmma_gemm(k_t, q_t, acc_s, transpose_B=True)
+        else:
+            T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
+            T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
+            T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
         T.wait_wgmma(0)
 
     @T.macro
@@ -415,8 +471,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     @T.macro
     def pv_block(p, g, v0, v1, acc_o):
-        """acc_o += P V, V being this warpgroup's half of the KV buffer holding block g."""
-        if kv_buffer(g) == 0:
+        """acc_o += P V, V being this warpgroup's half of the KV buffer holding block g (tws: O^T += V^T P^T,
+        V read MN-major from the same tile, P [rows, tokens] as the K-major B operand)."""
+        if transposed:
+            if kv_buffer(g) == 0:
+                T.gemm(v0, p, acc_o, transpose_A=True, transpose_B=True)
+            else:
+                T.gemm(v1, p, acc_o, transpose_A=True, transpose_B=True)
+        elif kv_buffer(g) == 0:
             T.gemm(p, v0, acc_o)
         else:
             T.gemm(p, v1, acc_o)
@@ -434,15 +496,35 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                              acc_s[i, j] * scale_log2, -T.infinity(accum))
 
     @T.macro
+    def pv_quarters(p, v, acc0, acc1, acc2, acc3):
+        """tws WG1: O^T[256:] += V^T P^T as four 64-dim WGMMA tiles (see the allocation), one wait."""
+        T.wgmma_gemm(v[:, 0:TWS_TILE], p, acc0, transpose_A=True, transpose_B=True)
+        T.wgmma_gemm(v[:, TWS_TILE:2 * TWS_TILE], p, acc1, transpose_A=True, transpose_B=True)
+        T.wgmma_gemm(v[:, 2 * TWS_TILE:3 * TWS_TILE], p, acc2, transpose_A=True, transpose_B=True)
+        T.wgmma_gemm(v[:, 3 * TWS_TILE:HALF], p, acc3, transpose_A=True, transpose_B=True)
+        T.wait_wgmma(0)
+
+    @T.macro
+    def mask_scale_t(acc_s, pos0, vis0, scale_log2):
+        """tws: mask_scale on S^T (tokens x rows; one row block, row0 = 0)."""
+        if pos0 + block_n <= vis0:
+            for j, i in T.Parallel(block_n, q_rows):
+                acc_s[j, i] = acc_s[j, i] * scale_log2
+        else:
+            for j, i in T.Parallel(block_n, q_rows):
+                acc_s[j, i] = T.if_then_else(pos0 + j < vis0 + i // num_heads, acc_s[j, i] * scale_log2,
+                                             -T.infinity(accum))
+
+    @T.macro
     def zero_pad_rows(q_l, q_r, q_t, row0, barrier_id):
         """Rows past `rows` (last row block only) stay zero in Q for the whole program: the producer only
         ever writes the valid rows (disjoint bytes). Generic stores read by WGMMA (async proxy): fence,
         then every warp of this warpgroup has its zeros in place before its first WGMMA."""
-        for i, d in T.Parallel(block_rows, HALF):
+        for i, d in T.Parallel(q_rows, HALF):
             if row0 + i >= rows:
                 q_l[i, d] = T.cast(0, cdtype)
                 q_r[i, d] = T.cast(0, cdtype)
-        for i, d in T.Parallel(block_rows, ROPE_DIM):
+        for i, d in T.Parallel(q_rows, ROPE_DIM):
             if row0 + i >= rows:
                 q_t[i, d] = T.cast(0, cdtype)
         T.fence_proxy_async()
@@ -452,10 +534,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     def q_bf16_to_f16(q_l, q_r, q_t, t):
         """WG0, after q_ready: the segment's bf16 Q (copied bit for bit into the fp16 tiles) -> fp16 x 2^-8,
         in place, 16 bytes per call; padding rows are zeros in both formats. Then as in zero_pad_rows."""
-        for m in T.serial(block_rows // 4):
+        for m in T.serial(q_rows // 4):
             T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_l[m * 4 + t // 32, (t % 32) * 8], "rw", 8)))
             T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_r[m * 4 + t // 32, (t % 32) * 8], "rw", 8)))
-        for m in T.serial(block_rows // 16):
+        for m in T.serial(q_rows // 16):
             T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_t[m * 16 + t // 8, (t % 8) * 8], "rw", 8)))
         T.fence_proxy_async()
         T.sync_threads(WG0_NAMED_BARRIER, 128)
@@ -493,29 +575,39 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         lse_partial: T.Tensor([num_slots, rows], accum),
     ):
         with T.Kernel(num_parts, n_row_blocks, threads=384, prelude=PRELUDE if is_fp8 else None) as (part, row_block):
-            q_l = T.alloc_shared([block_rows, HALF], cdtype)
-            q_r = T.alloc_shared([block_rows, HALF], cdtype)
-            q_t = T.alloc_shared([block_rows, ROPE_DIM], cdtype)
+            q_l = T.alloc_shared([q_rows, HALF], cdtype)
+            q_r = T.alloc_shared([q_rows, HALF], cdtype)
+            q_t = T.alloc_shared([q_rows, ROPE_DIM], cdtype)
             kv0_l = T.alloc_shared([block_n, HALF], cdtype)
             kv0_r = T.alloc_shared([block_n, HALF], cdtype)
             k0_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
             kv1_l = T.alloc_shared([block_n, HALF], cdtype)
             kv1_r = T.alloc_shared([block_n, HALF], cdtype)
             k1_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
-            p_shared = T.alloc_shared([block_rows, block_n], cdtype)
-            alpha_shared = T.alloc_shared([block_rows], accum)
-            l_shared = T.alloc_shared([block_rows], accum)
+            p_shared = T.alloc_shared([q_rows, block_n], cdtype)
+            alpha_shared = T.alloc_shared([q_rows], accum)
+            l_shared = T.alloc_shared([q_rows], accum)
 
-            acc_s = T.alloc_fragment([block_rows, block_n], accum)
-            acc_o_l = T.alloc_fragment([block_rows, HALF], accum)
-            acc_o_r = T.alloc_fragment([block_rows, HALF], accum)
-            m_prev = T.alloc_fragment([block_rows], accum)
-            m_cur = T.alloc_fragment([block_rows], accum)
-            alpha = T.alloc_fragment([block_rows], accum)
-            row_sum = T.alloc_fragment([block_rows], accum)
-            l_sum = T.alloc_fragment([block_rows], accum)
-            l_r = T.alloc_fragment([block_rows], accum)
-            alpha_r = T.alloc_fragment([block_rows], accum)
+            # S (rows x tokens) and O (rows x dims); tws: S^T and O^T
+            acc_s = T.alloc_fragment([block_n, q_rows] if transposed else [block_rows, block_n], accum)
+            acc_o_l = T.alloc_fragment([HALF, q_rows] if transposed else [block_rows, HALF], accum)
+            if transposed:
+                # WG1's O^T as four 64-dim tiles: TileLang 0.1.9 gives a [256, 16] accumulator of the second
+                # warpgroup a thread-dependent register index (nvcc puts it in local memory); 64 rows do not
+                l_acc = T.alloc_fragment([block_n, q_rows], accum)  # WG0: per-thread partial column sums of P
+                acc_o_r0 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+                acc_o_r1 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+                acc_o_r2 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+                acc_o_r3 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+            else:
+                acc_o_r = T.alloc_fragment([block_rows, HALF], accum)
+            m_prev = T.alloc_fragment([q_rows], accum)
+            m_cur = T.alloc_fragment([q_rows], accum)
+            alpha = T.alloc_fragment([q_rows], accum)
+            row_sum = T.alloc_fragment([q_rows], accum)
+            l_sum = T.alloc_fragment([q_rows], accum)
+            l_r = T.alloc_fragment([q_rows], accum)
+            alpha_r = T.alloc_fragment([q_rows], accum)
             raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
             if stream_fp8:  # (only then: TileLang 0.1.11's CUDA codegen was seen to crash with it unused)
                 pages = T.alloc_local([2], "int32")  # ws fp8 producer: pages of its 2 rows of the next block
@@ -701,99 +793,207 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     part + req, tok0, row0, out, lse, out_partial, lse_partial)
                         seg = seg + 1
             elif tx < 128:
-                # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
-                T.set_max_nreg(REGS_WG0, 1)
-                if pad_rows:
-                    zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)  # WG0 is Q's only reader
-                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
-                    req_lo = cu_blocks[req]
-                    req_hi = cu_blocks[req + 1]
-                    blk_lo = T.max(part_lo, req_lo) - req_lo
-                    blk_hi = T.min(part_hi, req_hi) - req_lo
-                    if blk_hi > blk_lo:
-                        kv_len = kv_lens[req]
-                        tok0 = qo_indptr[req]
-                        vis0 = kv_len - q_len + 1  # row r sees positions < vis0 + r // H
-                        g0 = segment_first_block(part_lo, req_lo, blk_lo)  # g of the segment's first block
-                        n_blk = blk_hi - blk_lo
-                        T.fill(acc_o_l, 0)
-                        T.fill(l_sum, 0)
-                        T.fill(m_cur, -T.infinity(accum))
-                        T.barrier_wait(q_ready[0], seg_ready_parity(seg))
-                        if q_to_f16:
-                            q_bf16_to_f16(q_l, q_r, q_t, tx)
-                        for blk in T.serial(n_blk):
-                            g = g0 + blk
-                            pos0 = (blk_lo + blk) * block_n
-                            T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
-                            score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
-                            if blk == n_blk - 1:
-                                T.barrier_arrive(q_free[0])  # last read of this segment's Q
-                            mask_scale(acc_s, pos0, vis0, row0, scale_log2)
-                            T.copy(m_cur, m_prev)
-                            T.reduce_max(acc_s, m_cur, dim=1, clear=False)
-                            # A row that has seen nothing yet keeps max -inf: offset by 0 instead, so
-                            # exp2 gives 0, not NaN.
-                            for i in T.Parallel(block_rows):
-                                alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
-                                                          T.exp2(m_prev[i] - m_cur[i]))
-                            for i, j in T.Parallel(block_rows, block_n):
-                                acc_s[i, j] = T.exp2(acc_s[i, j]
-                                                     - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
-                            T.reduce_sum(acc_s, row_sum, dim=1)
-                            for i in T.Parallel(block_rows):
-                                l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                            # WG1 has finished with P / alpha of block g - 1
-                            T.barrier_wait(p_free[0], p_free_parity(g))
-                            for i in T.Parallel(block_rows):
-                                alpha_shared[i] = alpha[i]
-                            T.copy(acc_s, p_shared)
-                            T.fence_proxy_async()  # P: generic stores, read by WGMMA (async proxy)
-                            T.barrier_arrive(p_ready[0])
-                            for i, d in T.Parallel(block_rows, HALF):
-                                acc_o_l[i, d] *= alpha[i]
-                            pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
-                            T.barrier_arrive(k_free[kv_buffer(g)])
+                if transposed:
+                    # ------------------------------------------------ tws WG0: S^T, softmax down columns, P, O^T[:256]
+                    # Same protocol as WG0 below; the running max is a cross-warp reduction per block, the row
+                    # sums stay per thread (l_acc, rescaled like O) until the segment's end.
+                    T.set_max_nreg(REGS_WG0, 1)
+                    if pad_rows:
+                        zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            tok0 = qo_indptr[req]
+                            vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                            n_blk = blk_hi - blk_lo
+                            T.fill(acc_o_l, 0)
+                            T.fill(l_acc, 0)
+                            T.fill(m_cur, -T.infinity(accum))
+                            T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                            if q_to_f16:
+                                q_bf16_to_f16(q_l, q_r, q_t, tx)
+                            for blk in T.serial(n_blk):
+                                g = g0 + blk
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
+                                if blk == n_blk - 1:
+                                    T.barrier_arrive(q_free[0])
+                                mask_scale_t(acc_s, (blk_lo + blk) * block_n, vis0, scale_log2)
+                                T.copy(m_cur, m_prev)
+                                T.reduce_max(acc_s, m_cur, dim=0, clear=False)
+                                for i in T.Parallel(q_rows):
+                                    alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
+                                                              T.exp2(m_prev[i] - m_cur[i]))
+                                for j, i in T.Parallel(block_n, q_rows):
+                                    acc_s[j, i] = T.exp2(acc_s[j, i]
+                                                         - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                                    l_acc[j, i] = l_acc[j, i] * alpha[i] + acc_s[j, i]
+                                T.barrier_wait(p_free[0], p_free_parity(g))
+                                for i in T.Parallel(q_rows):
+                                    alpha_shared[i] = alpha[i]
+                                for j, i in T.Parallel(block_n, q_rows):
+                                    p_shared[i, j] = acc_s[j, i]
+                                T.fence_proxy_async()
+                                T.barrier_arrive(p_ready[0])
+                                for d, i in T.Parallel(HALF, q_rows):
+                                    acc_o_l[d, i] *= alpha[i]
+                                pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
+                                T.barrier_arrive(k_free[kv_buffer(g)])
 
-                        # epilogue: hand l to WG1, write O[:, :256] and the LSE
-                        T.barrier_wait(l_free[0], seg_free_parity(seg))
-                        for i in T.Parallel(block_rows):
-                            l_shared[i] = l_sum[i]
-                        T.barrier_arrive(l_ready[0])
-                        store_left(acc_o_l, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width,
-                                   part + req, tok0, row0, out, lse, out_partial, lse_partial)
-                        seg = seg + 1
+                            T.reduce_sum(l_acc, l_sum, dim=0)
+                            T.barrier_wait(l_free[0], seg_free_parity(seg))
+                            for i in T.Parallel(q_rows):
+                                l_shared[i] = l_sum[i]
+                            T.barrier_arrive(l_ready[0])
+                            store_left_t(acc_o_l, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                         part + req, tok0, out, lse, out_partial, lse_partial)
+                            seg = seg + 1
+                else:
+                    # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
+                    T.set_max_nreg(REGS_WG0, 1)
+                    if pad_rows:
+                        zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)  # WG0 is Q's only reader
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            kv_len = kv_lens[req]
+                            tok0 = qo_indptr[req]
+                            vis0 = kv_len - q_len + 1  # row r sees positions < vis0 + r // H
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)  # g of the segment's first block
+                            n_blk = blk_hi - blk_lo
+                            T.fill(acc_o_l, 0)
+                            T.fill(l_sum, 0)
+                            T.fill(m_cur, -T.infinity(accum))
+                            T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                            if q_to_f16:
+                                q_bf16_to_f16(q_l, q_r, q_t, tx)
+                            for blk in T.serial(n_blk):
+                                g = g0 + blk
+                                pos0 = (blk_lo + blk) * block_n
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
+                                if blk == n_blk - 1:
+                                    T.barrier_arrive(q_free[0])  # last read of this segment's Q
+                                mask_scale(acc_s, pos0, vis0, row0, scale_log2)
+                                T.copy(m_cur, m_prev)
+                                T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+                                # A row that has seen nothing yet keeps max -inf: offset by 0 instead, so
+                                # exp2 gives 0, not NaN.
+                                for i in T.Parallel(block_rows):
+                                    alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
+                                                              T.exp2(m_prev[i] - m_cur[i]))
+                                for i, j in T.Parallel(block_rows, block_n):
+                                    acc_s[i, j] = T.exp2(acc_s[i, j]
+                                                         - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                                T.reduce_sum(acc_s, row_sum, dim=1)
+                                for i in T.Parallel(block_rows):
+                                    l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                                # WG1 has finished with P / alpha of block g - 1
+                                T.barrier_wait(p_free[0], p_free_parity(g))
+                                for i in T.Parallel(block_rows):
+                                    alpha_shared[i] = alpha[i]
+                                T.copy(acc_s, p_shared)
+                                T.fence_proxy_async()  # P: generic stores, read by WGMMA (async proxy)
+                                T.barrier_arrive(p_ready[0])
+                                for i, d in T.Parallel(block_rows, HALF):
+                                    acc_o_l[i, d] *= alpha[i]
+                                pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
+                                T.barrier_arrive(k_free[kv_buffer(g)])
+
+                            # epilogue: hand l to WG1, write O[:, :256] and the LSE
+                            T.barrier_wait(l_free[0], seg_free_parity(seg))
+                            for i in T.Parallel(block_rows):
+                                l_shared[i] = l_sum[i]
+                            T.barrier_arrive(l_ready[0])
+                            store_left(acc_o_l, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                       part + req, tok0, row0, out, lse, out_partial, lse_partial)
+                            seg = seg + 1
             elif tx < 256:
-                # ------------------------------------------------ WG1: O[:, 256:]
-                T.set_max_nreg(regs_wg1, grows(regs_wg1))  # fp8's 160 is a .dec
-                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
-                    req_lo = cu_blocks[req]
-                    req_hi = cu_blocks[req + 1]
-                    blk_lo = T.max(part_lo, req_lo) - req_lo
-                    blk_hi = T.min(part_hi, req_hi) - req_lo
-                    if blk_hi > blk_lo:
-                        tok0 = qo_indptr[req]
-                        g0 = segment_first_block(part_lo, req_lo, blk_lo)
-                        T.fill(acc_o_r, 0)
-                        for blk in T.serial(blk_hi - blk_lo):
-                            g = g0 + blk
-                            T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
-                            T.barrier_wait(p_ready[0], p_ready_parity(g))
-                            for i in T.Parallel(block_rows):
-                                alpha_r[i] = alpha_shared[i]
-                            for i, d in T.Parallel(block_rows, HALF):
-                                acc_o_r[i, d] *= alpha_r[i]
-                            pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
-                            T.barrier_arrive(p_free[0])
-                            T.barrier_arrive(k_free[kv_buffer(g)])
+                if transposed:
+                    # ------------------------------------------------ tws WG1: O^T[256:]
+                    T.set_max_nreg(regs_wg1, grows(regs_wg1))
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            tok0 = qo_indptr[req]
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                            T.fill(acc_o_r0, 0)
+                            T.fill(acc_o_r1, 0)
+                            T.fill(acc_o_r2, 0)
+                            T.fill(acc_o_r3, 0)
+                            for blk in T.serial(blk_hi - blk_lo):
+                                g = g0 + blk
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                T.barrier_wait(p_ready[0], p_ready_parity(g))
+                                for i in T.Parallel(q_rows):
+                                    alpha_r[i] = alpha_shared[i]
+                                for d, i in T.Parallel(TWS_TILE, q_rows):
+                                    acc_o_r0[d, i] *= alpha_r[i]
+                                    acc_o_r1[d, i] *= alpha_r[i]
+                                    acc_o_r2[d, i] *= alpha_r[i]
+                                    acc_o_r3[d, i] *= alpha_r[i]
+                                if kv_buffer(g) == 0:
+                                    pv_quarters(p_shared, kv0_r, acc_o_r0, acc_o_r1, acc_o_r2, acc_o_r3)
+                                else:
+                                    pv_quarters(p_shared, kv1_r, acc_o_r0, acc_o_r1, acc_o_r2, acc_o_r3)
+                                T.barrier_arrive(p_free[0])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
 
-                        T.barrier_wait(l_ready[0], seg_ready_parity(seg))
-                        for i in T.Parallel(block_rows):
-                            l_r[i] = l_shared[i]
-                        T.barrier_arrive(l_free[0])
-                        store_right(acc_o_r, l_r, l_r, kv_scale, req_lo // width == (req_hi - 1) // width,
-                                    part + req, tok0, row0, out, lse, out_partial, lse_partial)
-                        seg = seg + 1
+                            T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+                            for i in T.Parallel(q_rows):
+                                l_r[i] = l_shared[i]
+                            T.barrier_arrive(l_free[0])
+                            direct = req_lo // width == (req_hi - 1) // width
+                            store_right_t[0](acc_o_r0, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
+                                             out_partial, lse_partial)
+                            store_right_t[1](acc_o_r1, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
+                                             out_partial, lse_partial)
+                            store_right_t[2](acc_o_r2, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
+                                             out_partial, lse_partial)
+                            store_right_t[3](acc_o_r3, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
+                                             out_partial, lse_partial)
+                            seg = seg + 1
+                else:
+                    # ------------------------------------------------ WG1: O[:, 256:]
+                    T.set_max_nreg(regs_wg1, grows(regs_wg1))  # fp8's 160 is a .dec
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            tok0 = qo_indptr[req]
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                            T.fill(acc_o_r, 0)
+                            for blk in T.serial(blk_hi - blk_lo):
+                                g = g0 + blk
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                T.barrier_wait(p_ready[0], p_ready_parity(g))
+                                for i in T.Parallel(block_rows):
+                                    alpha_r[i] = alpha_shared[i]
+                                for i, d in T.Parallel(block_rows, HALF):
+                                    acc_o_r[i, d] *= alpha_r[i]
+                                pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
+                                T.barrier_arrive(p_free[0])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
+
+                            T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+                            for i in T.Parallel(block_rows):
+                                l_r[i] = l_shared[i]
+                            T.barrier_arrive(l_free[0])
+                            store_right(acc_o_r, l_r, l_r, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                        part + req, tok0, row0, out, lse, out_partial, lse_partial)
+                            seg = seg + 1
             else:
                 # ------------------------------------------------ WG2: producer
                 T.set_max_nreg(regs_producer, 0)
