@@ -188,15 +188,36 @@ def check_supported(model_runner) -> SupportedConfig:
                            impl_request)
 
 
+#: Where SGLang keeps its FlashMLA block-table kernel: 0.5.17 re-exports it from attention.utils (defined in
+#: kvcache.kv_indices); 0.5.23 defines it in attention.kv_indices and attention.utils no longer has it.
+_FLASHMLA_KV_INDICES_MODULES = (
+    "sglang.kernels.ops.attention.kv_indices",
+    "sglang.kernels.ops.attention.utils",
+    "sglang.kernels.ops.kvcache.kv_indices",
+)
+
+
+def _flashmla_kv_indices_kernel():
+    """``(create_flashmla_kv_indices_triton, get_num_kv_index_blocks_flashmla)`` from the first module
+    of :data:`_FLASHMLA_KV_INDICES_MODULES` that has both; raises ImportError if none has."""
+    import importlib
+
+    errors = []
+    for name in _FLASHMLA_KV_INDICES_MODULES:
+        try:
+            module = importlib.import_module(name)
+            return module.create_flashmla_kv_indices_triton, module.get_num_kv_index_blocks_flashmla
+        except (ImportError, AttributeError) as exc:
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    raise ImportError("SGLang's create_flashmla_kv_indices_triton not found (" + "; ".join(errors) + ")")
+
+
 def _make_triton_fill() -> Optional[FillFn]:
     """SGLang's FlashMLA block-table kernel (any power-of-two page size), or None if unavailable."""
     try:
-        from sglang.kernels.ops.attention.utils import (
-            create_flashmla_kv_indices_triton,
-            get_num_kv_index_blocks_flashmla,
-        )
+        create_flashmla_kv_indices_triton, get_num_kv_index_blocks_flashmla = _flashmla_kv_indices_kernel()
     except Exception as exc:  # pragma: no cover - depends on the SGLang build
-        logger.info("mla_backend: SGLang's page-table kernel is unavailable (%s); using torch", exc)
+        logger.warning("mla_backend: SGLang's page-table kernel is unavailable (%s); using torch", exc)
         return None
 
     def fill_page_table_triton(req_to_token, req_pool_indices, kv_lens, page_size, out):

@@ -434,6 +434,22 @@ def _cpu_debug_setup():
     MLATokenToKVPool.set_mla_kv_buffer = set_mla_kv_buffer
 
 
+def _single_rank_parallel_defaults():
+    """SGLang 0.5.23 raises on reading ``get_parallel().attn_dcp_rank`` (``TritonAttnBackend.__init__``
+    does) until a server publishes its config, which the kit's fixtures do not do; state the
+    single-rank value (DCP off) as SGLang's own ``publish`` does. 0.5.17 reads a default instead and
+    has no ``override_permanently``: nothing to do there."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    if not hasattr(parallel, "override_permanently"):
+        return
+    try:
+        parallel.attn_dcp_rank
+    except RuntimeError:
+        parallel.override_permanently(attn_dcp_rank=0)
+
+
 def _env() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__}
     for mod in ("sglang", "tilelang", "triton", "mla_backend"):
@@ -461,6 +477,7 @@ def main(argv=None) -> int:
     import mla_backend.sglang_plugin as plugin
 
     plugin.register()  # the kit process loads no entry points itself
+    _single_rank_parallel_defaults()
     loader = unittest.TestLoader()
     suite = loader.loadTestsFromModule(sys.modules[__name__])
     if args.k:
