@@ -1,4 +1,4 @@
-"""CPU tests of the vLLM plugin against the real vllm 0.26 package (no GPU, no mocks of vLLM).
+"""CPU tests of the vLLM plugin against the real vllm package, 0.26 .. 0.33 (no GPU, no mocks of vLLM).
 
 What runs here: entry-point discovery through vLLM's own plugin loader, the registry, the capability
 checks vLLM applies to an explicitly selected backend, vLLM's own decode/prefill split, and the
@@ -232,6 +232,41 @@ def test_validate_configuration_refuses(overrides, expected):
 @pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
 def test_validate_configuration_refuses_other_gpus(capability):
     assert "compute capability not supported" in _validate(_backend(), capability)
+
+
+def test_validate_configuration_refuses_adaptive_verification():
+    """vLLM >= 0.33: adaptive verification trims query lengths on the device only; the decode path plans
+    from the host query lengths, so the backend opts out (supports_device_cpu_query_lens_mismatch)."""
+    if "use_adaptive_verification" not in AttentionSelectorConfig._fields:
+        pytest.skip("this vLLM has no adaptive verification (added in 0.28)")
+    assert "use_adaptive_verification" in AttentionSelectorConfig._fields
+    reasons = _validate(_backend(), use_adaptive_verification=True)
+    assert any("device-cpu query lens mismatch not supported" in r for r in reasons), reasons
+    assert _strip_tilelang(_validate(_backend(), use_adaptive_verification=False)) == []
+
+
+def test_kv_cache_layouts_give_dense_layer_pages():
+    """vLLM >= 0.33 resolves one physical KV layout per model; each layout the backend accepts must give
+    every layer dense [num_pages, page_size, 576] pages (what the kernels index), computed with vLLM's
+    own stride code, and vLLM's resolution over this backend must offer exactly those layouts."""
+    layout_mod = pytest.importorskip("vllm.v1.kv_cache_layout", reason="no KV-cache layout API (added in 0.29)")
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, compute_layout_strides
+
+    cls = _backend()
+    declared = cls.supported_kv_cache_layouts()
+    assert declared and get_supported_kv_cache_layouts([cls]) == list(declared)
+    for kv_dtype, cache_dtype_str in ((torch.bfloat16, "auto"), (torch.float8_e4m3fn, "fp8")):
+        spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=kv_dtype,
+                                cache_dtype_str=cache_dtype_str)
+        page_bytes = 64 * 576 * kv_dtype.itemsize
+        for layout in layout_mod.KVCacheLayout:
+            _, block_stride, _, token_stride, _ = compute_layout_strides(spec, 10, 3, layout)
+            dense = block_stride == page_bytes and token_stride == 576 * kv_dtype.itemsize
+            if layout in declared:
+                assert dense, (layout, block_stride, page_bytes)
+            elif layout.name.startswith("BL"):
+                assert not dense, layout  # layers interleaved inside a block: why these are left out
 
 
 def test_rocm_needs_the_gfx942_opt_in(monkeypatch):
@@ -516,6 +551,10 @@ class _PrefillStandIn:
     """Stands in for the layer's MLA prefill backend, which vLLM's builder clones in __init__ and hands
     prefill metadata to; vLLM's flash-attention prefill backend cannot be imported without a GPU."""
 
+    @staticmethod
+    def get_name() -> str:  # vLLM >= 0.33's build() checks for its TRTLLM_RAGGED prefill by name
+        return "PREFILL_STAND_IN"
+
     def clone(self):
         return self
 
@@ -524,8 +563,14 @@ class _PrefillStandIn:
 
 
 class _LayerStandIn:
-    def __init__(self):
+    """The attributes vLLM's MLA builder reads from the layer in static_forward_context: the prefill
+    backend, and (vLLM >= 0.33, which allows per-group latent sizes) the MLA dimensions."""
+
+    def __init__(self, model_dir):
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
         self.prefill_backend = _PrefillStandIn()
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            setattr(self, name, hf[name])
 
 
 LAYER = "model.layers.0.self_attn.attn"
@@ -547,7 +592,7 @@ def _builder(model_dir, num_spec=None, block_size=64, max_num_seqs=8, kv_cache_d
                      cache_config=CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype),
                      scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=4096,
                                                       is_encoder_decoder=False))
-    cfg.compilation_config.static_forward_context[LAYER] = _LayerStandIn()
+    cfg.compilation_config.static_forward_context[LAYER] = _LayerStandIn(model_dir)
     kv_spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
                                cache_dtype_str=kv_cache_dtype)
     with set_current_vllm_config(cfg):
@@ -567,10 +612,14 @@ def test_builder_refuses_too_many_drafts(model_dir):
         _builder(model_dir, num_spec=4)
 
 
-def test_real_build_splits_decodes_and_prefills(model_dir):
+def test_real_build_splits_decodes_and_prefills(model_dir, monkeypatch):
     """vLLM's build(): MTP rows (q_len 2) first go to our _build_decode, the 5-token prefill to vLLM's prefill."""
     from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import mla_attention
 
+    # vLLM >= 0.33's prefill path allocates pinned host tensors (PIN_MEMORY, fixed at import); with no GPU
+    # vLLM's "unspecified" platform still claims pinned memory, which a CPU-only torch cannot allocate.
+    monkeypatch.setattr(mla_attention, "PIN_MEMORY", False, raising=False)
     builder, cfg = _builder(model_dir, num_spec=1)
     qsl = torch.tensor([0, 2, 4, 6, 11], dtype=torch.int32)
     seq = torch.tensor([10, 70, 130, 5], dtype=torch.int32)
@@ -579,7 +628,7 @@ def test_real_build_splits_decodes_and_prefills(model_dir):
     common = CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, num_reqs=4, num_actual_tokens=11,
         max_query_len=5, max_seq_len=130, block_table_tensor=table[:4], slot_mapping=torch.zeros(11, dtype=torch.int64),
-        seq_lens_cpu_upper_bound=seq, _seq_lens_cpu=seq, _num_computed_tokens_cpu=seq - (qsl[1:] - qsl[:-1]))
+        seq_lens_cpu_upper_bound=seq)  # vLLM 0.33 removed the deprecated _seq_lens_cpu fields
     with set_current_vllm_config(cfg):
         md = builder.build(0, common)
     assert type(md).__name__ == "TileLangMLAMetadata"

@@ -19,8 +19,13 @@ logger = logging.getLogger("vllm.mla_backend")  # under vLLM's logger: its handl
 PLUGIN_NAME = "mla_backend"
 #: Class vLLM resolves ``AttentionBackendEnum.CUSTOM`` to.
 BACKEND_CLASS_PATH = "mla_backend.vllm_plugin.backend.TileLangMLABackend"
-#: vLLM releases this plugin was written and tested against (others get a warning, not an error).
+#: vLLM releases this plugin was written and tested against, GPU end to end included (others get a
+#: warning, not an error).
 TESTED_VLLM_VERSIONS = ("0.26.",)
+#: Releases where only the CPU tests (tests/test_vllm_plugin.py: registration, capability checks, vLLM's
+#: metadata builder, forward_mqa on the reference path) were run: 0.27.1, 0.28.0, 0.29.0, 0.30.0, 0.31.0,
+#: 0.32.0, 0.33.0. They get a milder warning.
+CPU_CHECKED_VLLM_VERSIONS = ("0.27.", "0.28.", "0.29.", "0.30.", "0.31.", "0.32.", "0.33.")
 
 _warned_version = False
 
@@ -53,7 +58,11 @@ def register() -> None:
             version = getattr(vllm, "__version__", "unknown")
         except Exception:  # pragma: no cover - vllm is importable if we got here
             version = "unknown"
-        if not str(version).startswith(TESTED_VLLM_VERSIONS):
+        if str(version).startswith(CPU_CHECKED_VLLM_VERSIONS):
+            logger.warning("mla_backend: vLLM %s passes this plugin's CPU tests, but GPU end-to-end runs were "
+                           "only done on %s; registering.", version,
+                           ", ".join(v + "x" for v in TESTED_VLLM_VERSIONS))
+        elif not str(version).startswith(TESTED_VLLM_VERSIONS):
             logger.warning("mla_backend: vLLM %s is untested (this plugin targets %s); registering anyway.",
                            version, ", ".join(v + "x" for v in TESTED_VLLM_VERSIONS))
     logger.debug("mla_backend: registered %s as vLLM attention backend CUSTOM", BACKEND_CLASS_PATH)

@@ -1,4 +1,4 @@
-"""vLLM 0.26 attention backend classes for the TileLang MLA decode op (imported by vLLM on selection).
+"""vLLM (0.26 .. 0.33) attention backend classes for the TileLang MLA decode op (imported by vLLM on selection).
 
 A thin adapter: prefill, chunked prefill, prefix caching, the KV-cache write and the W_UK / W_UV
 projections are all inherited from vLLM's MLA common classes; this module only turns vLLM's decode
@@ -119,6 +119,24 @@ class TileLangMLABackend(MLACommonBackend):
         return (capability.major, capability.minor) in ((9, 0), (9, 4))
 
     @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # vLLM >= 0.33 (adaptive verification of dspark drafts) may trim query lengths on the device only;
+        # the decode path plans from the host query_start_loc (one uniform q_len), so opt out and let
+        # validate_configuration refuse that combination. vLLM 0.26 never calls this.
+        return False
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        # vLLM >= 0.33 resolves one physical KV-cache layout for all layers (VLLM_KV_CACHE_LAYOUT, KV
+        # connectors). The kernels read a layer's cache as dense [num_pages, page_size, 576] pages, which
+        # only the layer-outermost layouts give (MLA has one KV head, so H's place does not matter);
+        # block-outermost ones (BL...) interleave the layers inside a block. vLLM 0.26 has no such hook:
+        # its MLA caches are always layer-outermost.
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+
+    @classmethod
     def supports_combination(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
                              block_size: int | None, use_mla: bool, has_sink: bool, use_sparse: bool,
                              use_mm_prefix: bool, device_capability) -> str | None:
@@ -173,6 +191,7 @@ class TileLangMLAMetadataBuilder(MLACommonMetadataBuilder[TileLangMLAMetadata]):
                       query_start_loc_cpu: torch.Tensor, query_start_loc_device: torch.Tensor,
                       num_decode_tokens: int, dcp_tot_seq_lens_device: torch.Tensor | None,
                       **kwargs) -> TileLangMLADecodeMetadata:
+        # vLLM passes keywords only; **kwargs takes what newer releases add (0.33: max_query_len).
         mla = self._decode.build(block_table_tensor, seq_lens_device, query_start_loc_cpu, num_decode_tokens,
                                  max_seq_len)
         return TileLangMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
