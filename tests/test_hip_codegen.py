@@ -39,7 +39,7 @@ funcs = {f"split-{h}-{q}-{p}": build_decode_kernel(h, q, p, "bfloat16", "bfloat1
          for h, q, p in variants}
 funcs["combine"] = build_combine_kernel(16, 1, "bfloat16", configs.GFX942)
 for name, func in funcs.items():
-    with target:
+    with tvm.transform.PassContext(config=configs.compat_pass_configs()), target:
         src = tilelang.lower(func, target=target, enable_device_compile=False).kernel_source
     with open(f"{out_dir}/{name}.hip", "w") as f:
         f.write(src)

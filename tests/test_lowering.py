@@ -69,7 +69,7 @@ def cuda_lowered():
         key = (kind, variant)
         if key not in cache:
             func = _prim_func(kind, variant, configs.SM90)
-            with tvm.target.Target(CUDA):
+            with tvm.transform.PassContext(config=configs.compat_pass_configs()), tvm.target.Target(CUDA):
                 cache[key] = tilelang.lower(func, target=Target(CUDA), enable_device_compile=False)
         return cache[key]
 
@@ -112,13 +112,20 @@ def test_nvcc_compiles_for_sm90a(cuda_lowered, kind, variant, tmp_path):
 # ----------------------------------------------------------------------------- MI300X
 def _lower_hip_to_device_ir(func):
     """TileLang's lowering up to device codegen (the MFMA choice is made here), for gfx942."""
-    from tilelang.engine.phase import LowerAndLegalize, OptimizeForTarget
-
     with tvm.target.Target(HIP):
         target = Target(HIP)
         mod = tvm.IRModule({func.attrs["global_symbol"]: func})
-        mod = LowerAndLegalize(mod, target)
-        return OptimizeForTarget(mod, target)
+        try:  # TileLang <= 0.1.10: two phase functions
+            from tilelang.engine.phase import LowerAndLegalize, OptimizeForTarget
+        except ImportError:
+            pass
+        else:
+            return OptimizeForTarget(LowerAndLegalize(mod, target), target)
+        import tilelang.backend as backend
+
+        if hasattr(backend, "create_backend_context"):  # >= 0.1.15: the pipeline of a resolved backend
+            return backend.create_backend_context(target).lower(mod)
+        return backend.resolve_pipeline(target).lower(mod, target)  # 0.1.11 - 0.1.12: one per target kind
 
 
 def _hip_codegen_available() -> bool:

@@ -56,6 +56,21 @@ MAX_HEADS = 128
 MAX_Q_LEN = 4
 
 
+def compat_pass_configs() -> dict:
+    """TileLang pass configs every kernel is compiled with (runtime.py) and lowered with (tests), keeping newer
+    TileLangs' lowering of these kernels as 0.1.9's. Only keys the installed TileLang knows (others reject unknown).
+
+    ``tl.if_stmt_binding_inline_replayable_binds`` (TileLang >= 0.1.11, default on): IfStmtBinding splits a guarded
+    body such as a request segment (``if blk_hi > blk_lo:``) into separately guarded statements and substitutes
+    its scalar binds (``tok0 = qo_indptr[req]``, ``kv_len = kv_lens[req]``, ...) at every use. The ws kernel's
+    consumer warpgroups then spill under their setmaxnreg budgets (0.1.12: 300 B, 0.1.15: 280 B; 0.1.9: none).
+    """
+    import tilelang
+
+    key = getattr(tilelang.PassConfigKey, "TL_IF_STMT_BINDING_INLINE_REPLAYABLE_BINDS", None)
+    return {} if key is None else {key.value if hasattr(key, "value") else key: False}
+
+
 def target_for_arch(arch: str) -> dict:
     """TVM target in dict form: TileLang >= 0.1.11 (SGLang's pin) rejects the "cuda -arch=..." string form."""
     return {"sm90": {"kind": "cuda", "arch": "sm_90a"}, "gfx942": {"kind": "hip", "mcpu": "gfx942"}}[arch]

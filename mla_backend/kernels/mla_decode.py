@@ -13,6 +13,7 @@ Every shape that changes per step (tokens, batch, pages, page-table entries, par
 compile per (dtype, num_heads, q_len, page_size, arch, config) serves every batch.
 """
 
+import inspect
 
 import tilelang.language as T
 
@@ -23,6 +24,20 @@ ROPE_DIM = 64
 HEAD_DIM = KV_LORA_RANK + ROPE_DIM
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+
+
+# TileLang 0.1.15 turned UnrollLoop's explicit_unroll default off: a T.unroll loop stays a "#pragma unroll" loop. The
+# epilogue that InjectSoftwarePipeline emits after a loop with a runtime trip count is such a loop, and its
+# cp.async.wait_group counts depend on the epilogue index, which CUDA codegen needs as constants ("Downcast from
+# tirx.Sub to ir.IntImm failed"). A pipelined loop's annotations are copied onto the loops it becomes: ask for
+# explicit unrolling (what TileLang <= 0.1.12 always did; their T.Pipelined takes no annotations).
+PIPELINE_KWARGS = ({"annotations": {"pragma_unroll_explicit": 1}}
+                   if "annotations" in inspect.signature(T.Pipelined).parameters else {})
+
+
+def pipelined(extent, num_stages: int):
+    """``T.Pipelined(extent, num_stages)`` whose epilogue is unrolled explicitly on every TileLang."""
+    return T.Pipelined(extent, num_stages=num_stages, **PIPELINE_KWARGS)
 
 
 def num_row_blocks(num_heads: int, q_len: int, block_rows: int) -> int:
@@ -214,7 +229,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                     T.fill(l_sum, 0)
                     T.fill(m_cur, -T.infinity(accum))
 
-                    for blk in T.Pipelined(blk_hi - blk_lo, num_stages=1 if is_fp8 else cfg.num_stages):
+                    for blk in pipelined(blk_hi - blk_lo, 1 if is_fp8 else cfg.num_stages):
                         pos0 = (blk_lo + blk) * block_n
                         load_block(kv_cache, page_table, pt0, pos0, kv_len, kv_stage, pe_stage)
                         if is_fp8:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .configs import config_for, target_for_arch
+from .configs import compat_pass_configs, config_for, target_for_arch
 
 logger = logging.getLogger("mla_backend")
 
@@ -64,7 +64,7 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         build_decode_kernel = (mla_decode if cfg.kernel == "pipelined" else mla_decode_ws).build_decode_kernel
         build_combine_kernel = mla_decode.build_combine_kernel
         target = tvm.target.Target(target_for_arch(arch))
-        pass_configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+        pass_configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True, **compat_pass_configs()}
         start = time.perf_counter()
         split = tilelang.compile(
             build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
