@@ -159,27 +159,11 @@ def test_ws_kernel_lowers(lowered, variant):
     assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 8, "expected 8 mbarrier arrays (10 barriers)"
 
 
-def _lower_seesaw(variant):
-    import tilelang
-    from tilelang import tvm
-    from tvm.target import Target
-
-    from mla_backend.kernels.configs import SM90_SEESAW
-
-    target = Target(CUDA)
-    with tvm.transform.PassContext(config=compat_pass_configs()), target:
-        art = tilelang.lower(ws.build_decode_kernel_ws(*variant, cfg=SM90_SEESAW), target=target,
-                             enable_device_compile=False)
-    sizes = [int(f.attrs["dyn_shared_memory_buf"]) for _, f in art.device_mod.functions.items()
-             if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs]
-    return art.kernel_source, max(sizes, default=0)
-
-
 def test_seesaw_kernel_lowers():
     """The seesaw schedule (opt-in, MLA_BACKEND_SM90_KERNEL=seesaw): padded MTP row block, fp16."""
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        src, smem = pool.submit(_lower_seesaw, (16, 2, 16, "float16", "float16")).result()
+        src, smem = pool.submit(_lower, (16, 2, 16, "float16", "float16"), "seesaw").result()
     assert "tl::wgmma_ss<" in src and "tl::wgmma_rs<" in src, "S and P_b @ V via shared, P_a @ V from registers"
     assert src.count(f"warpgroup_reg_alloc<{ws.REGS_SEESAW}>") == 2
     assert f"warpgroup_reg_dealloc<{ws.REGS_SEESAW_PRODUCER}>" in src

@@ -592,9 +592,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             acc_s = T.alloc_fragment([block_n, q_rows] if transposed else [block_rows, block_n], accum)
             acc_o_l = T.alloc_fragment([HALF, q_rows] if transposed else [block_rows, HALF], accum)
             if transposed:
+                l_acc = T.alloc_fragment([block_n, q_rows], accum)  # WG0: per-thread partial column sums of P
                 # WG1's O^T as four 64-dim tiles: TileLang 0.1.9 gives a [256, 16] accumulator of the second
                 # warpgroup a thread-dependent register index (nvcc puts it in local memory); 64 rows do not
-                l_acc = T.alloc_fragment([block_n, q_rows], accum)  # WG0: per-thread partial column sums of P
                 acc_o_r0 = T.alloc_fragment([TWS_TILE, q_rows], accum)
                 acc_o_r1 = T.alloc_fragment([TWS_TILE, q_rows], accum)
                 acc_o_r2 = T.alloc_fragment([TWS_TILE, q_rows], accum)
@@ -604,7 +604,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             m_prev = T.alloc_fragment([q_rows], accum)
             m_cur = T.alloc_fragment([q_rows], accum)
             alpha = T.alloc_fragment([q_rows], accum)
-            row_sum = T.alloc_fragment([q_rows], accum)
+            if not transposed:  # tws keeps per-thread sums (l_acc) instead
+                row_sum = T.alloc_fragment([q_rows], accum)
             l_sum = T.alloc_fragment([q_rows], accum)
             l_r = T.alloc_fragment([q_rows], accum)
             alpha_r = T.alloc_fragment([q_rows], accum)
