@@ -40,7 +40,9 @@ bf16 would take five), exact, and a bf16 q becomes fp16 x 2^-8 in shared memory 
 softmax scale; P in fp16 is finer than in bf16. The output keeps q's dtype. The producer streams rows:
 it holds two rows per thread and keeps one row's 9 loads in flight while converting the other (the
 next block's first row during this block's second), issues a block's loads before waiting for its
-buffer, and first asks L2 for the rows of the block two ahead (``prefetch.global.L2``). The seesaw
+buffer, and first asks L2 for the rows of the block two ahead (``prefetch.global.L2``). The tws producer
+(whose consumers leave it 240 registers) holds 4 rows: the next block's two load while this block's two
+convert (docs/kernel-ws.md). The seesaw
 variant keeps the older path (bf16/fp16 tiles like q, bit moves + one exact multiply per pair, one row
 at a time: its producer has 56 registers).
 
@@ -83,18 +85,23 @@ REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
 REGS_WG1_FP8, REGS_PRODUCER_FP8 = 160, 104
 # seesaw: both consumers hold an S tile, P and half of O (224 + 224 + 56 = 504; no spills with bf16)
 REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
+# tws, fp8 cache: the transposed consumers need few registers (ptxas: R97 / R63), so the producer takes them and
+# holds 4 rows of raw bytes (144 registers): the next block's two rows load while this block's two convert.
+REGS_TWS_FP8 = (160, 104, 240)
 
 
-def register_budget(fp8: bool, seesaw: bool = False) -> tuple[int, int, int]:
-    """setmaxnreg of (WG0, WG1, producer) for a kernel variant."""
+def register_budget(fp8: bool, seesaw: bool = False, transposed: bool = False) -> tuple[int, int, int]:
+    """setmaxnreg of (WG0, WG1, producer) for a kernel variant (``transposed``: tws with h x q_len <= 16)."""
     if seesaw:
         return REGS_SEESAW, REGS_SEESAW, REGS_SEESAW_PRODUCER
+    if transposed and fp8:
+        return REGS_TWS_FP8
     return (REGS_WG0, REGS_WG1_FP8, REGS_PRODUCER_FP8) if fp8 else (REGS_WG0, REGS_WG1, REGS_PRODUCER)
 
 
 def grows(count: int) -> int:
     """setmaxnreg direction for a role's budget: 1 (.inc) from the launch count up, 0 (.dec) below it.
-    WG0 and the seesaw consumers always grow, producers always shrink; WG1 depends on the variant."""
+    The seesaw consumers always grow; the other roles' direction depends on the variant."""
     return 1 if count >= LAUNCH_REGS else 0
 
 
@@ -315,17 +322,19 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                      for k in range(HALF // TWS_TILE)]
     # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
     vec = 8  # dtype elements per 16-byte cp.async
-    fp8_rows = 1 if seesaw else 2  # KV rows of raw bytes a producer thread holds (fp8 cache)
     # ws, fp8 cache: the producer keeps one row's loads in flight while it converts the other (next block's
     # row 0 during this block's row 1); seesaw's 56-register producer loads and converts one row at a time
     stream_fp8 = is_fp8 and not seesaw
+    # tws, fp8 cache: a whole block ahead, in two sets of two rows (set g & 1 holds block g's rows)
+    ahead_fp8 = stream_fp8 and transposed
+    fp8_rows = 1 if seesaw else 4 if ahead_fp8 else 2  # KV rows of raw bytes a producer thread holds
     # ws with an fp8 cache computes in fp16 (shared tiles, P): e4m3 -> fp16 is one instruction per pair
     # (bf16 takes five), exact, and fp16 holds P and the e4m3 values with more precision than bf16. A bf16
     # q is converted in shared memory, times 2^-Q_F16_SHIFT (undone in the softmax scale).
     cdtype = "float16" if stream_fp8 else dtype
     q_to_f16 = cdtype != dtype
     convert = "mla_e4m3x16_store<true>" if cdtype == "bfloat16" else "mla_e4m3x16_store<false>"
-    _, regs_wg1, regs_producer = register_budget(is_fp8, seesaw)
+    regs_wg0, regs_wg1, regs_producer = register_budget(is_fp8, seesaw, transposed)
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -363,8 +372,16 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     def store_converted(raw, chunk, dst, j, c):
         """16 e4m3 values of ``raw[chunk]`` -> ``dst[j, c .. c + 15]`` in ``cdtype``, as two 16-byte stores
         (the shared tiles are swizzled in 16-byte units)."""
-        T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16),
-                                 T.access_ptr(dst[j, c], "w", 8), T.access_ptr(dst[j, c + 8], "w", 8)))
+        if ahead_fp8:
+            # Plain addresses: TileLang's thread-sync pass then sees no producer write to shared memory. Each
+            # thread writes only its own bytes and no producer thread reads them (the consumers wait on
+            # k_ready), yet for the access_ptr form TileLang 0.1.9 puts 0..8 named barriers among the producer
+            # warps per block, a different number from one compile of the same kernel to the next.
+            T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16),
+                                     T.address_of(dst[j, c]), T.address_of(dst[j, c + 8])))
+        else:
+            T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16),
+                                     T.access_ptr(dst[j, c], "w", 8), T.access_ptr(dst[j, c + 8], "w", 8)))
 
     def fp8_row(pos0, r, t, kv_len):
         """Position of the fp8 producer thread t's row r (t // 4 + 32 r) of the block at pos0, tail clamped."""
@@ -404,6 +421,19 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         if has_next:
             fp8_issue_row(kv_cache, pages[0], pos0 + block_n, kv_len, raw, 0, 0, t)
         fp8_convert_row(raw, 1, 1, kv_l, kv_r, k_t, t)
+
+    @T.macro
+    def fp8_issue_block(kv_cache, pages, pos0, kv_len, raw, row_set, t):
+        """tws producer: loads (no wait) both of this thread's rows of the block at pos0 into raw set ``row_set``
+        (slots 2 set, 2 set + 1); ``pages`` holds their pages."""
+        for r in T.unroll(2):
+            fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, 2 * row_set + r, r, t)
+
+    @T.macro
+    def fp8_convert_block(raw, row_set, kv_l, kv_r, k_t, t):
+        """tws producer: raw set ``row_set`` (this thread's 2 rows of a block) -> the block's shared tiles."""
+        for r in T.unroll(2):
+            fp8_convert_row(raw, 2 * row_set + r, r, kv_l, kv_r, k_t, t)
 
     @T.macro
     def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, raw, t):
@@ -798,7 +828,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     # ------------------------------------------------ tws WG0: S^T, softmax down columns, P, O^T[:256]
                     # Same protocol as WG0 below; the running max is a cross-warp reduction per block, the row
                     # sums stay per thread (l_acc, rescaled like O) until the segment's end.
-                    T.set_max_nreg(REGS_WG0, 1)
+                    T.set_max_nreg(regs_wg0, grows(regs_wg0))
                     if pad_rows:
                         zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
                     for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
@@ -997,7 +1027,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             seg = seg + 1
             else:
                 # ------------------------------------------------ WG2: producer
-                T.set_max_nreg(regs_producer, 0)
+                T.set_max_nreg(regs_producer, grows(regs_producer))
                 t = tx - 256
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
@@ -1014,7 +1044,15 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             for a in T.serial(FP8_PREFETCH_AHEAD):
                                 if blk_lo + a < blk_hi:
                                     prefetch_block(kv_cache, page_table, pt0, (blk_lo + a) * block_n, kv_len, t)
-                        if stream_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
+                        if ahead_fp8:  # the segment's first block (later ones: during the block before)
+                            fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
+                            if kv_buffer(g0) == 0:
+                                fp8_issue_block(kv_cache, pages, blk_lo * block_n, kv_len, raw, 0, t)
+                            else:
+                                fp8_issue_block(kv_cache, pages, blk_lo * block_n, kv_len, raw, 1, t)
+                            if blk_lo + 1 < blk_hi:
+                                fp8_pages(page_table, pt0, (blk_lo + 1) * block_n, kv_len, pages, t)
+                        elif stream_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
                             fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
                             fp8_issue_row(kv_cache, pages[0], blk_lo * block_n, kv_len, raw, 0, 0, t)
                         T.barrier_wait(q_free[0], seg_free_parity(seg))
@@ -1025,13 +1063,26 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             pos0 = (blk_lo + blk) * block_n
                             if is_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
                                 prefetch_block(kv_cache, page_table, pt0, pos0 + FP8_PREFETCH_AHEAD * block_n, kv_len, t)
-                            if stream_fp8:  # loads go to registers: issue them before the buffer is free
+                            if ahead_fp8:  # the next block's rows load while this one's convert (other set)
+                                if blk + 1 < blk_hi - blk_lo:
+                                    if kv_buffer(g) == 0:
+                                        fp8_issue_block(kv_cache, pages, pos0 + block_n, kv_len, raw, 1, t)
+                                    else:
+                                        fp8_issue_block(kv_cache, pages, pos0 + block_n, kv_len, raw, 0, t)
+                                    if blk + 2 < blk_hi - blk_lo:
+                                        fp8_pages(page_table, pt0, pos0 + 2 * block_n, kv_len, pages, t)
+                            elif stream_fp8:  # loads go to registers: issue them before the buffer is free
                                 fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
                                 if blk + 1 < blk_hi - blk_lo:
                                     fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
                             # both consumers are done with the block that used this buffer before (g - 2)
                             T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
-                            if stream_fp8:
+                            if ahead_fp8:
+                                if kv_buffer(g) == 0:
+                                    fp8_convert_block(raw, 0, kv0_l, kv0_r, k0_t, t)
+                                else:
+                                    fp8_convert_block(raw, 1, kv1_l, kv1_r, k1_t, t)
+                            elif stream_fp8:
                                 if kv_buffer(g) == 0:
                                     fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
                                               kv0_l, kv0_r, k0_t, t)
