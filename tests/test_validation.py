@@ -127,35 +127,26 @@ def test_index_checks_can_be_skipped(prob):
     mla_decode(p.q, p.kv_cache, md, SCALE, check_indices=False)
 
 
-def test_negative_kv_len(prob):
+# A metadata field replaced by a bad value (from the valid metadata), and the error that names it.
+BAD_METADATA = {
+    "negative_kv_len": (lambda md: dict(kv_lens=torch.tensor([5, -1, 40], dtype=torch.int32)),
+                        r"metadata\.kv_lens=min -1"),
+    "qo_indptr_shape": (lambda md: dict(qo_indptr=md.qo_indptr[:3]),
+                        r"metadata\.qo_indptr\.shape=\(3,\).*\[batch \+ 1\] = \[4\]"),
+    "qo_indptr_values": (lambda md: dict(qo_indptr=torch.tensor([0, 2, 1, 3], dtype=torch.int32), q_len=None),
+                         r"metadata\.qo_indptr=.*non-decreasing"),
+    "page_table_start_shape": (lambda md: dict(page_table_start=md.page_table_start[:2]),
+                               r"metadata\.page_table_start\.shape"),
+    "token_count_vs_q_len": (lambda md: dict(q_len=2), r"q\.shape\[0\]=3.*batch \* q_len = 3 \* 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_METADATA))
+def test_bad_metadata(prob, case):
     p, md = prob
-    with pytest.raises(MLAInputError, match=r"metadata\.kv_lens=min -1"):
-        mla_decode(p.q, p.kv_cache, replace(md, kv_lens=torch.tensor([5, -1, 40], dtype=torch.int32)), SCALE)
-
-
-def test_qo_indptr_shape(prob):
-    p, md = prob
-    with pytest.raises(MLAInputError, match=r"metadata\.qo_indptr\.shape=\(3,\).*\[batch \+ 1\] = \[4\]"):
-        mla_decode(p.q, p.kv_cache, replace(md, qo_indptr=md.qo_indptr[:3]), SCALE)
-
-
-def test_qo_indptr_values(prob):
-    p, md = prob
-    bad = replace(md, qo_indptr=torch.tensor([0, 2, 1, 3], dtype=torch.int32), q_len=None)
-    with pytest.raises(MLAInputError, match=r"metadata\.qo_indptr=.*non-decreasing"):
-        mla_decode(p.q, p.kv_cache, bad, SCALE)
-
-
-def test_page_table_start_shape(prob):
-    p, md = prob
-    with pytest.raises(MLAInputError, match=r"metadata\.page_table_start\.shape"):
-        mla_decode(p.q, p.kv_cache, replace(md, page_table_start=md.page_table_start[:2]), SCALE)
-
-
-def test_token_count_vs_q_len(prob):
-    p, md = prob
-    with pytest.raises(MLAInputError, match=r"q\.shape\[0\]=3.*batch \* q_len = 3 \* 2"):
-        mla_decode(p.q, p.kv_cache, replace(md, q_len=2), SCALE)
+    fields, match = BAD_METADATA[case]
+    with pytest.raises(MLAInputError, match=match):
+        mla_decode(p.q, p.kv_cache, replace(md, **fields(md)), SCALE)
 
 
 @pytest.mark.parametrize("name", ["kv_lens", "qo_indptr", "page_table", "page_table_start"])
