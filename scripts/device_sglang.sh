@@ -8,7 +8,7 @@
 # and run `bash scripts/device_sglang.sh STAGE`.
 #   unit    kernel GPU tests under TileLang 0.1.11 (SGLang's pin) + SGLang's attention unit kit
 #   e2e     Engine: tilelang_mla vs triton (page 1) and flashmla (page 64); extra args pass through
-# A fresh machine compiles our kernel at the first tilelang_mla engine start (~170 s more under 0.1.11):
+# The first engine on a fresh machine starts ~170 s slower (cold TileLang and Triton caches; session 6):
 # run `e2e --forced ...` first, then `e2e --throughput` on the same warm machine, so all three engines fit.
 set -o pipefail
 source .devkit/unpack.sh
