@@ -423,11 +423,16 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         fp8_convert_row(raw, 1, 1, kv_l, kv_r, k_t, t)
 
     @T.macro
-    def fp8_issue_block(kv_cache, pages, pos0, kv_len, raw, row_set, t):
-        """tws producer: loads (no wait) both of this thread's rows of the block at pos0 into raw set ``row_set``
-        (slots 2 set, 2 set + 1); ``pages`` holds their pages."""
-        for r in T.unroll(2):
-            fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, 2 * row_set + r, r, t)
+    def fp8_issue_block(kv_cache, pages, pos0, kv_len, raw, g, t):
+        """tws producer: loads (no wait) both of this thread's rows of block g (at pos0) into raw set
+        ``kv_buffer(g)`` (slots 2 set, 2 set + 1; constant in each branch, so raw stays in registers);
+        ``pages`` holds their pages."""
+        if kv_buffer(g) == 0:
+            for r in T.unroll(2):
+                fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, r, r, t)
+        else:
+            for r in T.unroll(2):
+                fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, 2 + r, r, t)
 
     @T.macro
     def fp8_convert_block(raw, row_set, kv_l, kv_r, k_t, t):
@@ -1046,10 +1051,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     prefetch_block(kv_cache, page_table, pt0, (blk_lo + a) * block_n, kv_len, t)
                         if ahead_fp8:  # the segment's first block (later ones: during the block before)
                             fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
-                            if kv_buffer(g0) == 0:
-                                fp8_issue_block(kv_cache, pages, blk_lo * block_n, kv_len, raw, 0, t)
-                            else:
-                                fp8_issue_block(kv_cache, pages, blk_lo * block_n, kv_len, raw, 1, t)
+                            fp8_issue_block(kv_cache, pages, blk_lo * block_n, kv_len, raw, g0, t)
                             if blk_lo + 1 < blk_hi:
                                 fp8_pages(page_table, pt0, (blk_lo + 1) * block_n, kv_len, pages, t)
                         elif stream_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
@@ -1065,10 +1067,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 prefetch_block(kv_cache, page_table, pt0, pos0 + FP8_PREFETCH_AHEAD * block_n, kv_len, t)
                             if ahead_fp8:  # the next block's rows load while this one's convert (other set)
                                 if blk + 1 < blk_hi - blk_lo:
-                                    if kv_buffer(g) == 0:
-                                        fp8_issue_block(kv_cache, pages, pos0 + block_n, kv_len, raw, 1, t)
-                                    else:
-                                        fp8_issue_block(kv_cache, pages, pos0 + block_n, kv_len, raw, 0, t)
+                                    fp8_issue_block(kv_cache, pages, pos0 + block_n, kv_len, raw, g + 1, t)
                                     if blk + 2 < blk_hi - blk_lo:
                                         fp8_pages(page_table, pt0, pos0 + 2 * block_n, kv_len, pages, t)
                             elif stream_fp8:  # loads go to registers: issue them before the buffer is free
