@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.configs import config_for
+from .kernels.configs import MAX_PARTS, config_for
 from .metadata import INDEX_DTYPE, MLADecodeMetadata
 
-MIN_BLOCKS_PER_PART = 4  # below this the combine costs more than the split saves
+# A part may hold a single block: the combine merges a request's partials with all their loads in flight, so
+# spreading a short batch over every SM wins (b=1, s=4096, h=16: 64 one-block parts instead of 16 of four).
+MIN_BLOCKS_PER_PART = 1
 KV_LORA_RANK = 512
 
 
@@ -45,9 +47,9 @@ class SplitPlan:
 
 
 def num_parts_for(num_sms: int, num_heads: int, q_len: int, block_rows: int = 64) -> int:
-    """One part per SM and row block: ``rows`` tiles of 64 share the SMs."""
+    """One part per SM and row block: ``rows`` tiles of 64 share the SMs (at most ``MAX_PARTS``)."""
     row_blocks = -(-num_heads * q_len // block_rows)
-    return max(1, num_sms // row_blocks)
+    return min(MAX_PARTS, max(1, num_sms // row_blocks))
 
 
 def default_block_n(device: torch.device) -> int:

@@ -6,6 +6,11 @@
 #   tests   GPU kernel tests only
 #   e2e     vLLM E2E cases given as $2 (default block64,block16)
 #   serve   vllm serve over HTTP; throughput  decode-heavy tokens/s vs FLASHMLA and FLASH_ATTN_MLA
+# Split so that each call stays under 64 MiB and 10 minutes (session 7):
+#   1. carry vllm-c: `source .devkit/unpack.sh`
+#   2. carry tilelang-0.1.9 + vllm-deps: `bash scripts/device_vllm.sh kernel-tests` (needs only TileLang: GPU
+#      tests, the opt-in tws kernel's smoke + fp8 A/B, small-batch split/combine times)
+#   3. carry vllm-moe + vllm-py + flashinfer: `bash scripts/device_vllm.sh bench` (side by side, bf16 + fp8)
 set -o pipefail
 source .devkit/unpack.sh
 export VLLM_USE_FLASHINFER_SAMPLER=0 TILELANG_CACHE_DIR=/tmp/tlcache PYTHONUNBUFFERED=1
@@ -14,6 +19,17 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i 
 python3 -c "from importlib.metadata import entry_points as e; print('entry points:', list(e(group='vllm.general_plugins')))"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 case "$1" in
+  kernel-tests)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log
+    MLA_BACKEND_SM90_KERNEL=tws timeout 60 python3 scripts/quick_time.py --smoke 2>&1 | tail -3 | tee $OUT/smoke_tws.log
+    for k in tws ws; do
+      MLA_BACKEND_SM90_KERNEL=$k timeout 90 python3 scripts/quick_time.py --fp8 --cases 0,1 2>&1 | grep -v Cache | tee -a $OUT/quick_time_fp8.log
+    done
+    timeout 120 python3 scripts/tune_small.py 2>&1 | grep -v Cache | tee $OUT/tune_small.log ;;
+  bench)
+    timeout 300 python3 -m mla_backend.bench --quick --check --out-dir $OUT/bench 2>&1 | tail -60 | tee $OUT/bench.log
+    timeout 150 python3 -m mla_backend.bench --quick --fp8 --filter h=16,s_q=1 --out-dir $OUT/bench_fp8 2>&1 | tail -30 | tee $OUT/bench_fp8.log
+    tar -C $OUT -czf $OUT/bench_files.tgz bench bench_fp8 && rm -rf $OUT/bench $OUT/bench_fp8 ;;  # <= 8 files come back
   tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log ;;
   kernel)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log

@@ -11,6 +11,7 @@ import torch
 
 from mla_backend import SplitPlanner, mla_decode_reference, plan_split_kv
 from mla_backend.kernels import configs
+from mla_backend.kernels.configs import MAX_PARTS
 from mla_backend.planner import MIN_BLOCKS_PER_PART, num_parts_for
 from mla_problems import SCALE, make_problem
 
@@ -110,6 +111,8 @@ def test_buffer_shapes_depend_only_on_max_batch_sms_and_rows():
                                "lse_partial": (parts + 32, 32)}
     # one part per SM and 64-row tile
     assert num_parts_for(132, 128, 1) == 66 and num_parts_for(132, 16, 1) == 132 and num_parts_for(132, 128, 4) == 16
+    # the combine kernel holds one LSE per part of a request in shared memory: never more than MAX_PARTS parts
+    assert num_parts_for(1000, 16, 1) == MAX_PARTS
 
 
 def test_batch_over_max_batch_is_refused():

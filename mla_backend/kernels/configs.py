@@ -12,25 +12,24 @@ class KernelConfig:
     block_n: int  # KV tokens per pipeline step
     threads: int
     num_stages: int
-    combine_rows: int  # rows merged per combine program
     kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py), "ws" or "seesaw" (mla_decode_ws.py)
 
 
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
 # plus 2 stages of 64-token KV (144 KB), P and TileLang's reduction scratch come to 228 KB: 1 KB too many,
 # so 32-token blocks with 3 stages (108 KB, more bytes in flight).
-SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3, combine_rows=1)
+SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
-SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=1, kernel="ws")
+SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws")
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
-SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=1, kernel="seesaw")
+SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw")
 # Hopper, warp-specialised with transposed consumers where h x q_len <= 16 (S^T = K Q^T: tokens are WGMMA's M,
 # so 16 rows are not padded to 64), the "ws" kernel for other shapes. Opt-in until measured on a GPU.
-SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, combine_rows=1, kernel="tws")
+SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws")
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
-GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1, combine_rows=1)
+GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
 
 CONFIGS = {"sm90": SM90, "gfx942": GFX942}
 SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS, "seesaw": SM90_SEESAW, "tws": SM90_TWS}
@@ -54,6 +53,8 @@ SUPPORTED_KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_HEADS = 128
 MAX_Q_LEN = 4
+# Most split-KV parts a plan may have: the combine kernel keeps one LSE per part of a request in shared memory.
+MAX_PARTS = 256
 
 
 def compat_pass_configs() -> dict:

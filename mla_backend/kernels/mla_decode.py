@@ -17,7 +17,7 @@ import inspect
 
 import tilelang.language as T
 
-from .configs import KernelConfig
+from .configs import MAX_PARTS, KernelConfig
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -244,15 +244,22 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     return mla_decode_split
 
 
+# Partial rows the combine loads back to back (independent loads in flight per thread).
+COMBINE_UNROLL = 8
+
+
 def build_combine_kernel(num_heads: int, q_len: int, dtype: str, cfg: KernelConfig):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
 
-    One program per (request, row group); requests whose single part wrote the output directly return.
+    One program per (request, row); requests whose single part wrote the output directly return. The
+    request's partial LSEs are loaded in parallel into shared memory (one per thread), turned into merge
+    weights there, and the 512-wide rows are summed ``COMBINE_UNROLL`` at a time from clamped indices (no
+    branch between the loads), so a small batch with many splits waits on a few load latencies, not one
+    per split.
     """
     rows = num_heads * q_len
     accum = "float32"
-    rows_per_prog = cfg.combine_rows
-    n_row_groups = -(-rows // rows_per_prog)
+    threads = 128
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -268,44 +275,50 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, cfg: KernelConf
         out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
         lse: T.Tensor([num_tokens, num_heads], accum),
     ):
-        with T.Kernel(batch, n_row_groups, threads=128) as (req, group):
+        with T.Kernel(batch, rows, threads=threads) as (req, row):
+            lse_s = T.alloc_shared([MAX_PARTS], accum)
+            weight_s = T.alloc_shared([MAX_PARTS], accum)
             acc = T.alloc_fragment([KV_LORA_RANK], accum)
             lse_max = T.alloc_var(accum)
             lse_sum = T.alloc_var(accum)
-            weight = T.alloc_var(accum)
+            first = T.alloc_var("int32")  # the request's first part (its partial slots are first + i + req)
+            n_read = T.alloc_var("int32")  # its number of parts (the planner makes at most MAX_PARTS)
             width = blocks_per_part[0]
             req_lo = cu_blocks[req]
             req_hi = cu_blocks[req + 1]
             first = req_lo // width
-            last = (req_hi - 1) // width
-            tok0 = qo_indptr[req]
+            n_read = T.min((req_hi - 1) // width - first + 1, MAX_PARTS)
+            tok = qo_indptr[req] + row // num_heads
+            head = row % num_heads
             if req_hi == req_lo:
-                for r in T.serial(rows_per_prog):
-                    row = group * rows_per_prog + r
-                    if row < rows:
+                for d in T.Parallel(KV_LORA_RANK):
+                    out[tok, head, d] = T.cast(0, dtype)
+                lse[tok, head] = -T.infinity(accum)
+            elif n_read > 1:
+                for i in T.Parallel(MAX_PARTS):
+                    lse_s[i] = T.if_then_else(i < n_read, lse_partial[first + i + req, row],
+                                              -T.infinity(accum))
+                lse_max = -T.infinity(accum)
+                for i in T.serial(n_read):
+                    lse_max = T.max(lse_max, lse_s[i])
+                # all partials -inf (row saw nothing): offset 0 keeps exp2 at 0 instead of NaN
+                lse_off = T.if_then_else(lse_max == -T.infinity(accum), 0, lse_max)
+                lse_sum = 0
+                for i in T.serial(n_read):
+                    lse_sum += T.exp2(lse_s[i] - lse_off)
+                for i in T.Parallel(MAX_PARTS):
+                    weight_s[i] = T.if_then_else(lse_sum > 0, T.exp2(lse_s[i] - lse_off) / lse_sum, 0)
+                T.clear(acc)
+                for i0 in T.serial(T.ceildiv(n_read, COMBINE_UNROLL)):
+                    for u in T.unroll(COMBINE_UNROLL):
+                        # past the last part: re-read the last row with weight 0
+                        i = T.min(i0 * COMBINE_UNROLL + u, n_read - 1)
+                        w = T.if_then_else(i0 * COMBINE_UNROLL + u < n_read, weight_s[i], 0)
                         for d in T.Parallel(KV_LORA_RANK):
-                            out[tok0 + row // num_heads, row % num_heads, d] = T.cast(0, dtype)
-                        lse[tok0 + row // num_heads, row % num_heads] = -T.infinity(accum)
-            elif last > first:
-                for r in T.serial(rows_per_prog):
-                    row = group * rows_per_prog + r
-                    if row < rows:
-                        lse_max = -T.infinity(accum)
-                        for s in T.serial(first, last + 1):
-                            lse_max = T.max(lse_max, lse_partial[s + req, row])
-                        # all partials -inf (row saw nothing): offset 0 keeps exp2 at 0 instead of NaN
-                        lse_off = T.if_then_else(lse_max == -T.infinity(accum), 0, lse_max)
-                        lse_sum = 0
-                        for s in T.serial(first, last + 1):
-                            lse_sum += T.exp2(lse_partial[s + req, row] - lse_off)
-                        T.clear(acc)
-                        for s in T.serial(first, last + 1):
-                            weight = T.if_then_else(lse_sum > 0, T.exp2(lse_partial[s + req, row] - lse_off) / lse_sum, 0)
-                            for d in T.Parallel(KV_LORA_RANK):
-                                acc[d] += weight * out_partial[s + req, row, d]
-                        for d in T.Parallel(KV_LORA_RANK):
-                            out[tok0 + row // num_heads, row % num_heads, d] = T.cast(acc[d], dtype)
-                        lse[tok0 + row // num_heads, row % num_heads] = T.if_then_else(
-                            lse_max == -T.infinity(accum), -T.infinity(accum), (T.log2(lse_sum) + lse_off) * LN2)
+                            acc[d] += w * out_partial[first + i + req, row, d]
+                for d in T.Parallel(KV_LORA_RANK):
+                    out[tok, head, d] = T.cast(acc[d], dtype)
+                lse[tok, head] = T.if_then_else(lse_max == -T.infinity(accum), -T.infinity(accum),
+                                                (T.log2(lse_sum) + lse_off) * LN2)
 
     return mla_decode_combine
