@@ -498,6 +498,9 @@ def environment(argv: list[str]) -> dict:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
         env.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / 2**30, 1))
+    from .kernels.configs import config_for
+
+    env["sm90_kernel"] = config_for("sm90").kernel  # the Hopper schedule ours ran (MLA_BACKEND_SM90_KERNEL)
     for k, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
                    ("git", ["git", "-C", os.path.dirname(__file__), "describe", "--always", "--dirty"])):
         try:
@@ -523,7 +526,8 @@ def markdown(results: list[dict], impls: list[str], env: dict, settings: dict) -
     us = lambda r, n: f"{r['impls'][n]['us']:.1f}" if "us" in r["impls"].get(n, {}) else "–"  # noqa: E731
     lines = [f"### MLA decode on {env.get('gpu')} ({env['date'][:10]})", "",
              f"torch {env['torch']} (CUDA {env['cuda_runtime']}), triton {env['triton']}, vLLM {env['vllm']}, "
-             f"tilelang {env['tilelang']}, driver {env.get('driver')}, commit {env.get('git')}. "
+             f"tilelang {env['tilelang']} (Hopper kernel `{env.get('sm90_kernel')}`), driver {env.get('driver')}, "
+             f"commit {env.get('git')}. "
              f"{settings['timing']}. Command: `{env['command']}`", "",
              "| config | " + " | ".join(f"{n} µs" for n in impls) + " | ours GB/s | ours TFLOP/s | plan µs | ours / best |",
              "|---" * (len(impls) + 5) + "|"]
