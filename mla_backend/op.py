@@ -69,8 +69,9 @@ def mla_decode(
     """
     q_nope, q_pe = split_query(q)
     kv_cache = normalize_kv_cache(kv_cache)
+    capturing = _capturing(q_nope)
     if check_indices is None:
-        check_indices = not (q_nope.is_cuda and torch.cuda.is_current_stream_capturing())
+        check_indices = not capturing
     check_inputs(q_nope, q_pe, kv_cache, metadata, out, check_indices)
     num_tokens, num_heads, _ = q_nope.shape
     is_fp8 = kv_cache.dtype in FP8_DTYPES
@@ -84,13 +85,20 @@ def mla_decode(
     log_choice(choice, (q_nope.device.type, q_nope.dtype, kv_cache.dtype, num_heads, metadata.q_len,
                         metadata.page_size))
     if choice.impl == REFERENCE:
+        if capturing:  # the reference reads the lengths on the host: torch would fail deep inside it
+            raise MLAInputError(f"mla_decode: the PyTorch reference path ({choice.reason}) cannot run inside "
+                                "CUDA-graph capture; run eagerly, or on a GPU the TileLang kernel supports")
         scale = float(k_scale) if k_scale is not None else 1.0
         out, lse = mla_decode_reference(q_nope, q_pe, kv_cache, metadata, softmax_scale, scale, out)
     else:
         out, lse = _run_kernel(choice.impl, q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out)
-        if verifying() and not torch.cuda.is_current_stream_capturing():
+        if verifying() and not capturing:
             _verify(q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _verify(q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out, lse) -> None:

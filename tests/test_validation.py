@@ -182,6 +182,17 @@ def test_reference_impl_forced(prob):
     assert torch.equal(mla_decode(p.q, p.kv_cache, md, SCALE, impl="reference"), mla_decode(p.q, p.kv_cache, md, SCALE))
 
 
+def test_reference_refused_under_graph_capture(prob, monkeypatch):
+    # On a GPU without a kernel (or impl="reference"), capturing a CUDA graph must fail with our message, not
+    # with torch's host-copy error from inside the reference. Simulated: capture needs a GPU.
+    from mla_backend import op
+
+    monkeypatch.setattr(op, "_capturing", lambda x: True)
+    p, md = prob
+    with pytest.raises(MLAInputError, match=r"reference path \(requested\) cannot run inside CUDA-graph capture"):
+        mla_decode(p.q, p.kv_cache, md, SCALE, impl="reference")
+
+
 @pytest.mark.gpu
 def test_mismatched_devices(prob):
     p, md = prob
