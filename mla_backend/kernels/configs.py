@@ -12,7 +12,7 @@ class KernelConfig:
     block_n: int  # KV tokens per pipeline step
     threads: int
     num_stages: int
-    kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py), "ws" or "seesaw" (mla_decode_ws.py)
+    kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py), "ws", "seesaw" or "tws" (mla_decode_ws.py)
 
 
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
