@@ -9,6 +9,7 @@ Engine starts take 75-110 s; pick at most ~4 engines per invocation to stay unde
     python tests/e2e/vllm_e2e.py --cases graphs,mtp --out /tmp/e2e2.json        # 4 engines (CUSTOM/64 shared)
     python tests/e2e/vllm_e2e.py --cases fp8,mtp3 --out /tmp/e2e3.json
     python tests/e2e/vllm_e2e.py --cases forced,forced_baseline --out /tmp/e2e4.json  # teacher-forced, 3 engines
+    python tests/e2e/vllm_e2e.py --cases forced_fp8 --out /tmp/e2e5.json  # teacher-forced, fp8 KV (FP8 issue)
     python tests/e2e/vllm_e2e.py --serve --out /tmp/serve.json                  # vllm serve, 1 engine
     python tests/e2e/vllm_e2e.py --throughput --out /tmp/tput.json              # 3 engines
 
@@ -82,6 +83,10 @@ CASES = {
                engine("CUSTOM", 64, forced=True), engine("FLASHMLA", 64, forced=True)),
     "forced16": ("teacher-forced decode (see forced), block 16",
                  engine("CUSTOM", 16, forced=True), engine("TRITON_MLA", 16, forced=True)),
+    "forced_fp8": ("teacher-forced decode (see forced), fp8 KV cache: CUSTOM vs TRITON_MLA (both keep q in bf16), "
+                   "block 64; read against forced_baseline",
+                   engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True),
+                   engine("TRITON_MLA", 64, kv_cache_dtype="fp8", forced=True)),
     "forced_baseline": ("teacher-forced decode, two built-in backends against each other (FLASHMLA vs TRITON_MLA)",
                         engine("FLASHMLA", 64, forced=True), engine("TRITON_MLA", 64, forced=True)),
     "graphs": ("CUSTOM with full CUDA graphs (default) vs CUSTOM with attention outside graphs (PIECEWISE): "
