@@ -26,6 +26,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import json
 import sys
 
 import pytest
@@ -269,7 +270,8 @@ def test_refuses_too_many_heads(kit_env):
         _build(page_size=64, heads=256)
 
 
-def test_constructs_on_cpu_with_reference_impl(kit_env):
+def test_constructs_on_cpu_with_reference_impl(kit_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("MLA_BACKEND_SGLANG_REPORT", str(tmp_path))  # the backend's JSON report (e2e scripts read it)
     fixture = _build(page_size=64)
     backend = fixture.backend
     from mla_backend.sglang_plugin.backend import TileLangMLABackend
@@ -283,6 +285,12 @@ def test_constructs_on_cpu_with_reference_impl(kit_env):
     assert kv.shape[-1] == 576 and kv.view(-1, 64, 576).shape[0] >= 1
     backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)  # CPU: allowed (the refusal is CUDA-only)
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
+    # decode metadata through the graph buffers; its host time is accounted for the engine report
+    backend.init_forward_metadata_out_graph(fixture.forward_batch)
+    md = backend.forward_metadata.metadata
+    assert md.kv_lens.tolist() == [6, 71] and md.plan is not None  # prefixes 5 and 70 plus the decoded token
+    (report,) = [json.loads(f.read_text()) for f in tmp_path.glob("*.json")]
+    assert report["decode"] == 1 and report["impl"] == "reference" and report["metadata_host_us_per_call"] > 0
 
 
 if __name__ == "__main__":

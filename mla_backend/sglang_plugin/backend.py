@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -294,7 +295,9 @@ class TileLangMLABackend(AttentionBackend):
 
         self.extend_backend = TritonAttnBackend(model_runner)
         self._report_dir = os.environ.get(ENV_REPORT)
-        self._stats = {"decode": 0, "verify": 0, "extend": 0, "graph_state": None}
+        # metadata_host_s: host time spent issuing the decode / verify metadata (page table, lengths, plan) before
+        # each step or graph replay; reported per call, to weigh against the engine's step time
+        self._stats = {"decode": 0, "verify": 0, "extend": 0, "graph_state": None, "metadata_host_s": 0.0}
         self._report_name = f"{BACKEND_NAME}-{os.getpid()}-{id(self):x}.json"
         if cfg.impl != REFERENCE and os.environ.get(ENV_WARMUP, "1") != "0":
             self._warmup()
@@ -336,7 +339,9 @@ class TileLangMLABackend(AttentionBackend):
                     "heads": self.num_heads, "page_size": self.page_size, "dtype": str(self.config.dtype),
                     "kv_dtype": str(self.config.kv_dtype), "q_lens": list(self.config.q_lens),
                     "spec_algorithm": self.config.spec_algorithm, "num_draft_tokens": self.num_draft_tokens,
-                    "page_table_fill": getattr(self._fill, "__name__", "?"), **self._stats}
+                    "page_table_fill": getattr(self._fill, "__name__", "?"), **self._stats,
+                    "metadata_host_us_per_call": round(
+                        1e6 * self._stats["metadata_host_s"] / max(1, self._stats["decode"] + self._stats["verify"]), 1)}
             if verifying():
 
                 info["mla_backend_verify"] = dict(VERIFY, calls_by_q_len=dict(VERIFY["calls_by_q_len"]))
@@ -472,11 +477,17 @@ class TileLangMLABackend(AttentionBackend):
         return buf
 
     def _build_metadata(self, forward_batch) -> Optional[DecodeForwardMetadata]:
+        start = time.perf_counter()
+        meta = self._decode_metadata(forward_batch)
+        self._stats["metadata_host_s"] += time.perf_counter() - start
+        self._count("verify" if forward_batch.forward_mode.is_target_verify() else "decode")
+        return meta
+
+    def _decode_metadata(self, forward_batch) -> Optional[DecodeForwardMetadata]:
         bs = int(forward_batch.batch_size)
         verify = forward_batch.forward_mode.is_target_verify()
         n_draft = self._verify_q_len(forward_batch) if verify else 0
         q_len = max(1, n_draft)
-        self._count("verify" if verify else "decode")
         if bs == 0:
             return None
         req_pool_indices = forward_batch.req_pool_indices[:bs]

@@ -620,6 +620,11 @@ def main(argv=None) -> int:
         if args.throughput:
             tp = {k: {m: v.get(m) for m in ("output_tok_per_s", "decode_tok_per_s", "generate_s", "prefill_1tok_s")}
                   for k, v in report["engines"].items() if v.get("ok")}
+            for k, v in tp.items():  # ours: host time of the per-step metadata (page table, lengths, plan)
+                host = [r["metadata_host_us_per_call"] for r in report["engines"][k].get("backend_reports", [])
+                        if "metadata_host_us_per_call" in r]
+                if host:
+                    v["metadata_host_us_per_call"] = max(host)
             ref = tp.get("tilelang_p64", {}).get("decode_tok_per_s")
             for k, v in tp.items():
                 if ref and v.get("decode_tok_per_s"):
