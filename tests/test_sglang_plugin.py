@@ -293,5 +293,26 @@ def test_constructs_on_cpu_with_reference_impl(kit_env, monkeypatch, tmp_path):
     assert report["decode"] == 1 and report["impl"] == "reference" and report["metadata_host_us_per_call"] > 0
 
 
+@pytest.mark.parametrize("graph_metadata", [False, True])
+def test_graph_metadata_hooks(kit_env, monkeypatch, graph_metadata):
+    # Default: the decode metadata is rebuilt out of graph before every replay, and the in-graph hook records
+    # nothing. MLA_BACKEND_SGLANG_GRAPH_METADATA=1: built eagerly before capture, recorded by the in-graph hook,
+    # and a replay's out-of-graph call leaves the buffers to the graph. (Routing only: CPU has no graphs.)
+    monkeypatch.setenv("MLA_BACKEND_SGLANG_GRAPH_METADATA", "1" if graph_metadata else "0")
+    fixture = _build(page_size=64)
+    backend, fb = fixture.backend, fixture.forward_batch
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    kv_lens = backend.forward_metadata.metadata.kv_lens
+    assert kv_lens.tolist() == [6, 71]
+    fb.seq_lens.add_(1)  # the next step, written into the graph's input buffers before a replay
+    backend.init_forward_metadata_in_graph(fb)  # inside capture
+    assert kv_lens.tolist() == ([7, 72] if graph_metadata else [6, 71])
+    fb.seq_lens.add_(1)
+    backend.init_forward_metadata_out_graph(fb)  # before a replay
+    assert kv_lens.tolist() == ([7, 72] if graph_metadata else [8, 73])
+    assert backend.forward_metadata.metadata.kv_lens.data_ptr() == kv_lens.data_ptr()  # the graph's buffers
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -12,7 +12,9 @@ Metadata: ``req_to_token`` -> row-strided page table (``page_table.py``) + KV le
 plan, all written into persistent buffers sized at ``init_cuda_graph_state``. The work runs in
 ``init_forward_metadata_out_graph`` (outside the captured graph, before every replay, device ops
 only); the captured graph holds just the KV write and the two attention kernels, which read those
-buffers. Eager batches reuse the same buffers when they fit, else grown eager buffers.
+buffers. Eager batches reuse the same buffers when they fit, else grown eager buffers. With
+``MLA_BACKEND_SGLANG_GRAPH_METADATA=1`` (experimental) the same device ops are recorded into the graph by
+``init_forward_metadata_in_graph`` instead, and a replay issues none of them from the host.
 
 Unsupported configurations are refused in ``__init__`` (server startup) with a ``ValueError``
 whose message starts with ``tilelang_mla:``.
@@ -50,6 +52,9 @@ _EAGER_STATIC_TABLE_BYTES = 64 << 20
 ENV_WARMUP = "MLA_BACKEND_SGLANG_WARMUP"  # "0": do not compile the kernels at startup
 ENV_PAGE_TABLE = "MLA_BACKEND_SGLANG_PAGE_TABLE"  # auto (default) | triton | torch
 ENV_REPORT = "MLA_BACKEND_SGLANG_REPORT"  # directory: per-process JSON with config + step counters
+# "1": record the decode / verify metadata (page table, lengths, split plan) inside the captured CUDA graphs, so a
+# replay issues no metadata work from the host. Experimental: not yet run on a GPU (see docs/sglang.md).
+ENV_GRAPH_METADATA = "MLA_BACKEND_SGLANG_GRAPH_METADATA"
 
 
 def _refuse(msg: str):
@@ -295,6 +300,7 @@ class TileLangMLABackend(AttentionBackend):
 
         self.extend_backend = TritonAttnBackend(model_runner)
         self._report_dir = os.environ.get(ENV_REPORT)
+        self._graph_metadata = os.environ.get(ENV_GRAPH_METADATA) == "1"
         # metadata_host_s: host time spent issuing the decode / verify metadata (page table, lengths, plan) before
         # each step or graph replay; reported per call, to weigh against the engine's step time
         self._stats = {"decode": 0, "verify": 0, "extend": 0, "graph_state": None, "metadata_host_s": 0.0}
@@ -375,15 +381,27 @@ class TileLangMLABackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Before capture (``in_capture``) and before every replay: refill the persistent buffers."""
         if self._is_ours(forward_batch.forward_mode):
+            if self._graph_metadata and not in_capture and self._graph_sized(forward_batch):
+                # replay: the graph refills the buffers itself (recorded by init_forward_metadata_in_graph)
+                self._count("verify" if forward_batch.forward_mode.is_target_verify() else "decode")
+                return
+            # before capture this eager build also runs the page-table kernel's JIT outside the capture
             self.forward_metadata = self._build_metadata(forward_batch)
         else:
             self.forward_metadata = None
             self.extend_backend.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch):
-        # Decode / verify metadata is fully built out of graph (device ops into persistent buffers).
+        """Inside capture (and SGLang's eager warm-up runs): only with ``MLA_BACKEND_SGLANG_GRAPH_METADATA=1``,
+        where the decode metadata's device ops are recorded here; by default it is built out of graph."""
         if not self._is_ours(forward_batch.forward_mode):
             self.extend_backend.init_forward_metadata_in_graph(forward_batch)
+        elif self._graph_metadata and self._graph_sized(forward_batch):
+            self.forward_metadata = self._build_metadata(forward_batch)
+
+    def _graph_sized(self, forward_batch) -> bool:
+        """The batch fits the graph buffers (so its metadata lives in them, as in a captured graph)."""
+        return self._graph is not None and int(forward_batch.batch_size) <= self._graph.max_bs
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         if self.config.impl == REFERENCE and self.device.type == "cuda":

@@ -454,6 +454,9 @@ def throughput_specs(args):
     runs = {name: dict(base, attention_backend=backend)
             for name, backend in (("tilelang_p64", "tilelang_mla"), ("flashmla_p64", "flashmla"),
                                   ("triton_p64", "triton"))}
+    # ours with the decode metadata recorded inside the CUDA graphs (experimental; last, or pick it with --only)
+    runs["tilelang_p64_graphmeta"] = dict(base, attention_backend="tilelang_mla",
+                                          env={"MLA_BACKEND_SGLANG_GRAPH_METADATA": "1"})
     return runs, []
 
 
@@ -625,7 +628,7 @@ def main(argv=None) -> int:
                         if "metadata_host_us_per_call" in r]
                 if host:
                     v["metadata_host_us_per_call"] = max(host)
-            ref = tp.get("tilelang_p64", {}).get("decode_tok_per_s")
+            ref = tp.get("tilelang_p64", {}).get("decode_tok_per_s")  # speedups below: of tilelang_p64 over each
             for k, v in tp.items():
                 if ref and v.get("decode_tok_per_s"):
                     v["tilelang_decode_speedup"] = round(ref / v["decode_tok_per_s"], 3)
