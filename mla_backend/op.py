@@ -30,7 +30,7 @@ def _scalar(value: float, device: torch.device) -> torch.Tensor:
     key = (float(value), device)
     t = _SCALARS.get(key)
     if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if _capturing(device):
             raise MLAInputError(f"mla_decode: softmax_scale/k_scale {value} first seen during CUDA-graph capture; "
                                 "run one eager call with the same scales before capturing")
         t = _SCALARS[key] = torch.tensor([float(value)], dtype=torch.float32, device=device)
@@ -69,7 +69,7 @@ def mla_decode(
     """
     q_nope, q_pe = split_query(q)
     kv_cache = normalize_kv_cache(kv_cache)
-    capturing = _capturing(q_nope)
+    capturing = _capturing(q_nope.device)
     if check_indices is None:
         check_indices = not capturing
     check_inputs(q_nope, q_pe, kv_cache, metadata, out, check_indices)
@@ -97,8 +97,8 @@ def mla_decode(
     return (out, lse) if return_lse else out
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _verify(q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out, lse) -> None:

@@ -187,7 +187,7 @@ def test_reference_refused_under_graph_capture(prob, monkeypatch):
     # with torch's host-copy error from inside the reference. Simulated: capture needs a GPU.
     from mla_backend import op
 
-    monkeypatch.setattr(op, "_capturing", lambda x: True)
+    monkeypatch.setattr(op, "_capturing", lambda device: True)
     p, md = prob
     with pytest.raises(MLAInputError, match=r"reference path \(requested\) cannot run inside CUDA-graph capture"):
         mla_decode(p.q, p.kv_cache, md, SCALE, impl="reference")

@@ -57,6 +57,11 @@ ENV_REPORT = "MLA_BACKEND_SGLANG_REPORT"  # directory: per-process JSON with con
 ENV_GRAPH_METADATA = "MLA_BACKEND_SGLANG_GRAPH_METADATA"
 
 
+def _step_kind(forward_batch) -> str:
+    """The report counter of a batch this backend attends: "verify" (TARGET_VERIFY) or "decode"."""
+    return "verify" if forward_batch.forward_mode.is_target_verify() else "decode"
+
+
 def _refuse(msg: str):
     raise ValueError(f"{BACKEND_NAME}: {msg}")
 
@@ -381,9 +386,9 @@ class TileLangMLABackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Before capture (``in_capture``) and before every replay: refill the persistent buffers."""
         if self._is_ours(forward_batch.forward_mode):
-            if self._graph_metadata and not in_capture and self._graph_sized(forward_batch):
+            if self._graph_metadata and not in_capture and self._fits_graph(forward_batch.batch_size):
                 # replay: the graph refills the buffers itself (recorded by init_forward_metadata_in_graph)
-                self._count("verify" if forward_batch.forward_mode.is_target_verify() else "decode")
+                self._count(_step_kind(forward_batch))
                 return
             # before capture this eager build also runs the page-table kernel's JIT outside the capture
             self.forward_metadata = self._build_metadata(forward_batch)
@@ -396,12 +401,12 @@ class TileLangMLABackend(AttentionBackend):
         where the decode metadata's device ops are recorded here; by default it is built out of graph."""
         if not self._is_ours(forward_batch.forward_mode):
             self.extend_backend.init_forward_metadata_in_graph(forward_batch)
-        elif self._graph_metadata and self._graph_sized(forward_batch):
+        elif self._graph_metadata and self._fits_graph(forward_batch.batch_size):
             self.forward_metadata = self._build_metadata(forward_batch)
 
-    def _graph_sized(self, forward_batch) -> bool:
-        """The batch fits the graph buffers (so its metadata lives in them, as in a captured graph)."""
-        return self._graph is not None and int(forward_batch.batch_size) <= self._graph.max_bs
+    def _fits_graph(self, bs) -> bool:
+        """A batch of ``bs`` requests fits the graph buffers, so its metadata lives in them (as in a captured graph)."""
+        return self._graph is not None and int(bs) <= self._graph.max_bs
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         if self.config.impl == REFERENCE and self.device.type == "cuda":
@@ -456,7 +461,7 @@ class TileLangMLABackend(AttentionBackend):
 
     def _planner(self, q_len: int, bs: int) -> SplitPlanner:
         g = self._graph
-        if g is not None and bs <= g.max_bs:
+        if self._fits_graph(bs):
             planner = g.planners.get(q_len)
             if planner is None:
                 planner = g.planners[q_len] = SplitPlanner(g.max_bs, self.num_heads, q_len, self.device)
@@ -498,7 +503,7 @@ class TileLangMLABackend(AttentionBackend):
         start = time.perf_counter()
         meta = self._decode_metadata(forward_batch)
         self._stats["metadata_host_s"] += time.perf_counter() - start
-        self._count("verify" if forward_batch.forward_mode.is_target_verify() else "decode")
+        self._count(_step_kind(forward_batch))
         return meta
 
     def _decode_metadata(self, forward_batch) -> Optional[DecodeForwardMetadata]:
@@ -511,7 +516,7 @@ class TileLangMLABackend(AttentionBackend):
         req_pool_indices = forward_batch.req_pool_indices[:bs]
         seq_lens = forward_batch.seq_lens[:bs]
         g = self._graph
-        if g is not None and bs <= g.max_bs:
+        if self._fits_graph(bs):
             md = sglang_decode_metadata(
                 self.req_to_token, req_pool_indices, seq_lens, self.page_size, num_draft_tokens=n_draft,
                 page_table=g.page_table, kv_indptr=g.kv_indptr, kv_lens=g.kv_lens,
