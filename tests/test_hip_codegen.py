@@ -37,7 +37,7 @@ target = Target(configs.target_for_arch("gfx942"))
 report = {"tilelang": tilelang.__version__}
 funcs = {f"split-{h}-{q}-{p}": build_decode_kernel(h, q, p, "bfloat16", "bfloat16", configs.GFX942)
          for h, q, p in variants}
-funcs["combine"] = build_combine_kernel(16, 1, "bfloat16", configs.GFX942)
+funcs["combine"] = build_combine_kernel(16, 1, "bfloat16")
 for name, func in funcs.items():
     with tvm.transform.PassContext(config=configs.compat_pass_configs()), target:
         src = tilelang.lower(func, target=target, enable_device_compile=False).kernel_source

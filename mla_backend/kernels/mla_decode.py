@@ -248,7 +248,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
 COMBINE_UNROLL = 8
 
 
-def build_combine_kernel(num_heads: int, q_len: int, dtype: str, cfg: KernelConfig):
+def build_combine_kernel(num_heads: int, q_len: int, dtype: str):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
 
     One program per (request, row); requests whose single part wrote the output directly return. The

@@ -372,16 +372,15 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     def store_converted(raw, chunk, dst, j, c):
         """16 e4m3 values of ``raw[chunk]`` -> ``dst[j, c .. c + 15]`` in ``cdtype``, as two 16-byte stores
         (the shared tiles are swizzled in 16-byte units)."""
+        # tws: plain addresses, so TileLang's thread-sync pass sees no producer write to shared memory. Each
+        # thread writes only its own bytes and no producer thread reads them (the consumers wait on k_ready), yet
+        # for the access_ptr form TileLang 0.1.9 puts 0..8 named barriers among the producer warps per block, a
+        # different number from one compile of the same kernel to the next.
         if ahead_fp8:
-            # Plain addresses: TileLang's thread-sync pass then sees no producer write to shared memory. Each
-            # thread writes only its own bytes and no producer thread reads them (the consumers wait on
-            # k_ready), yet for the access_ptr form TileLang 0.1.9 puts 0..8 named barriers among the producer
-            # warps per block, a different number from one compile of the same kernel to the next.
-            T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16),
-                                     T.address_of(dst[j, c]), T.address_of(dst[j, c + 8])))
+            lo, hi = T.address_of(dst[j, c]), T.address_of(dst[j, c + 8])
         else:
-            T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16),
-                                     T.access_ptr(dst[j, c], "w", 8), T.access_ptr(dst[j, c + 8], "w", 8)))
+            lo, hi = T.access_ptr(dst[j, c], "w", 8), T.access_ptr(dst[j, c + 8], "w", 8)
+        T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16), lo, hi))
 
     def fp8_row(pos0, r, t, kv_len):
         """Position of the fp8 producer thread t's row r (t // 4 + 32 r) of the block at pos0, tail clamped."""

@@ -69,7 +69,7 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         split = tilelang.compile(
             build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
             target=target, pass_configs=pass_configs)
-        combine = tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), cfg),
+        combine = tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype)),
                                    target=target, pass_configs=pass_configs)
         seconds = time.perf_counter() - start
         STATS.compiled += 1
