@@ -77,7 +77,8 @@ BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 VARIANTS = ([(16, 1, p, BF16, BF16) for p in (1, 16, 32, 64, 128)] + [(h, 1, 64, BF16, BF16) for h in (1, 32, 64, 128)]
             + [(16, 2, 64, BF16, BF16), (128, 2, 64, BF16, BF16), (16, 3, 16, BF16, BF16), (32, 4, 1, BF16, BF16),
                (128, 4, 16, BF16, BF16), (16, 1, 64, FP16, FP16), (16, 1, 64, BF16, FP8), (16, 1, 64, FP16, FP8),
-               (16, 1, 1, BF16, FP8), (128, 2, 16, BF16, FP8)])
+               (16, 1, 1, BF16, FP8), (128, 2, 16, BF16, FP8), (16, 1, 16, BF16, FP8), (16, 1, 128, FP16, FP8),
+               (8, 2, 32, BF16, FP8)])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -122,11 +123,18 @@ def test_long_and_zero():
 
 
 @pytest.mark.parametrize("heads,q_len,page_size,dtype", [(16, 1, 64, BF16), (16, 1, 64, FP16), (16, 1, 1, BF16),
-                                                         (128, 2, 16, BF16)])
+                                                         (128, 2, 16, BF16), (16, 1, 16, BF16), (16, 1, 128, FP16),
+                                                         (8, 2, 32, BF16)])
 def test_fp8_cache(heads, q_len, page_size, dtype):
     _kernel_or_skip(dtype=dtype, kv_dtype=FP8, heads=heads, q_len=q_len, page_size=page_size)
     lens = RAGGED if q_len == 1 else [q_len, 63, 65, 300, 1500]
     check(*make_problem(lens, heads, q_len, page_size, dtype, kv_dtype=FP8, seed=9), dtype, rel_tol=2e-2)
+
+
+def test_fp8_long_and_zero():
+    """fp8 cache: a 32768-token request (many split parts, staging ring wrapping), an empty one, a single token."""
+    _kernel_or_skip(kv_dtype=FP8)
+    check(*make_problem([32768, 0, 1, 5000, 95], 16, 1, 64, BF16, kv_dtype=FP8, seed=17), BF16, rel_tol=2e-2)
 
 
 @pytest.mark.parametrize("q_scale", [1e-3, 30.0])
