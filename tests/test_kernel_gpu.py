@@ -117,9 +117,12 @@ def test_fp16():
     check(*make_problem(RAGGED, 16, 1, 64, torch.float16, seed=5), torch.float16)
 
 
-def test_long_and_zero():
-    _kernel_or_skip()
-    check(*make_problem([32768, 0, 1, 5000], 16, 1, 64, torch.bfloat16, seed=7), torch.bfloat16)
+@pytest.mark.parametrize("kv_dtype,lens,seed,rel_tol", [(None, [32768, 0, 1, 5000], 7, 1e-2),
+                                                       (FP8, [32768, 0, 1, 5000, 95], 17, 2e-2)])
+def test_long_and_zero(kv_dtype, lens, seed, rel_tol):
+    """A 32768-token request (split over many parts), an empty one, a single token; bf16 and fp8 caches."""
+    _kernel_or_skip(kv_dtype=kv_dtype)
+    check(*make_problem(lens, 16, 1, 64, BF16, kv_dtype=kv_dtype, seed=seed), BF16, rel_tol=rel_tol)
 
 
 @pytest.mark.parametrize("heads,q_len,page_size,dtype", [(16, 1, 64, BF16), (16, 1, 64, FP16), (16, 1, 1, BF16),
@@ -129,12 +132,6 @@ def test_fp8_cache(heads, q_len, page_size, dtype):
     _kernel_or_skip(dtype=dtype, kv_dtype=FP8, heads=heads, q_len=q_len, page_size=page_size)
     lens = RAGGED if q_len == 1 else [q_len, 63, 65, 300, 1500]
     check(*make_problem(lens, heads, q_len, page_size, dtype, kv_dtype=FP8, seed=9), dtype, rel_tol=2e-2)
-
-
-def test_fp8_long_and_zero():
-    """fp8 cache: a 32768-token request (many split parts, staging ring wrapping), an empty one, a single token."""
-    _kernel_or_skip(kv_dtype=FP8)
-    check(*make_problem([32768, 0, 1, 5000, 95], 16, 1, 64, BF16, kv_dtype=FP8, seed=17), BF16, rel_tol=2e-2)
 
 
 @pytest.mark.parametrize("q_scale", [1e-3, 30.0])
