@@ -4,6 +4,8 @@
 ``--fp8``: h=16 cases with a bf16 and an e4m3 cache (k_scale 0.5) in the same run.
 ``--fp16``: fp16 q / output (and bf16 -> fp16 cache) instead of bf16.
 ``--cases 0,2``: only these entries of the case list (indices).
+``--shapes 1,4096,16,1,64;128,16384,128,1,64,fp8``: these (b, s, h, s_q, page[, fp8]) problems instead.
+``--kineto``: also the split and combine kernels' own GPU time (profiler, graph replays).
 ``--ncu``: one eager call per case and variant, no timing (for a profiler)."""
 import os
 import sys
@@ -53,6 +55,18 @@ def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
     return graph.replay, eager, (nbytes, 2 * sq * b * s * h * 1088)
 
 
+def kernel_times(replay) -> str:
+    """Mean GPU time of the split and combine kernels over 20 graph replays (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            replay()
+        torch.cuda.synchronize()
+    per = {e.key: e.device_time_total / max(e.count, 1) for e in prof.key_averages() if "mla_decode" in e.key}
+    return "".join(f" | {'combine' if 'combine' in k else 'split'} {v:7.1f} us" for k, v in sorted(per.items()))
+
+
 def main() -> int:
     kernel = os.environ.get("MLA_BACKEND_SM90_KERNEL", "default")
     if "--smoke" in sys.argv:
@@ -61,17 +75,20 @@ def main() -> int:
     cases = FP8_CASES if fp8_mode else CASES
     if "--cases" in sys.argv:
         cases = [cases[int(i)] for i in sys.argv[sys.argv.index("--cases") + 1].split(",")]
-    for b, s, h, sq, ps in cases:
-        for fp8 in (False, True) if fp8_mode else (False,):
-            replay, eager, (nbytes, flops) = decode_step(b, s, h, sq, ps, fp8)
-            if "--ncu" in sys.argv:
-                continue
-            t_eager = do_bench(eager, warmup=50, rep=300, return_mode="median") * 1e-3  # s
-            t = do_bench(replay, warmup=50, rep=300, return_mode="median") * 1e-3
-            print(f"{kernel}{'-fp16' if '--fp16' in sys.argv else ''}{'-fp8' if fp8 else ''} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
-                  f"{t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s {flops/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us",
-                  flush=True)
-            torch.cuda.empty_cache()
+    runs = [(c, fp8) for c in cases for fp8 in ((False, True) if fp8_mode else (False,))]
+    if "--shapes" in sys.argv:
+        shapes = [x.split(",") for x in sys.argv[sys.argv.index("--shapes") + 1].split(";")]
+        runs = [(tuple(int(v) for v in x[:5]), x[5:] == ["fp8"]) for x in shapes]
+    for (b, s, h, sq, ps), fp8 in runs:
+        replay, eager, (nbytes, flops) = decode_step(b, s, h, sq, ps, fp8)
+        if "--ncu" in sys.argv:
+            continue
+        t_eager = do_bench(eager, warmup=50, rep=300, return_mode="median") * 1e-3  # s
+        t = do_bench(replay, warmup=50, rep=300, return_mode="median") * 1e-3
+        print(f"{kernel}{'-fp16' if '--fp16' in sys.argv else ''}{'-fp8' if fp8 else ''} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
+              f"{t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s {flops/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us"
+              + (kernel_times(replay) if "--kineto" in sys.argv else ""), flush=True)
+        torch.cuda.empty_cache()
     return 0
 
 

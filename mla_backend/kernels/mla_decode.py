@@ -244,18 +244,23 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     return mla_decode_split
 
 
-# Partial rows the combine loads back to back (independent loads in flight per thread).
+# Partial rows the combine loads back to back (independent loads in flight per thread): rounds of
+# COMBINE_UNROLL, then of COMBINE_TAIL for the rest.
 COMBINE_UNROLL = 8
+COMBINE_TAIL = 4
+# Up to this many parts per request the combine reduces the partial LSEs serially in every thread (no block
+# barrier): 2-part requests dominate large batches, where a block-wide reduction measured slower.
+COMBINE_SERIAL_LSE = 8
 
 
 def build_combine_kernel(num_heads: int, q_len: int, dtype: str):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
 
     One program per (request, row); requests whose single part wrote the output directly return. The
-    request's partial LSEs are loaded in parallel into shared memory (one per thread), turned into merge
-    weights there, and the 512-wide rows are summed ``COMBINE_UNROLL`` at a time from clamped indices (no
-    branch between the loads), so a small batch with many splits waits on a few load latencies, not one
-    per split.
+    request's partial LSEs (up to ``MAX_PARTS``, two per thread) are reduced across the block (max, then
+    the sum of exp2) and turned into merge weights in shared memory, and the 512-wide rows are summed
+    ``COMBINE_UNROLL`` at a time, then ``COMBINE_TAIL`` at a time from clamped indices (no branch between
+    the loads), so a small batch with many splits waits on a few load latencies, not one per split.
     """
     rows = num_heads * q_len
     accum = "float32"
@@ -276,11 +281,14 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str):
         lse: T.Tensor([num_tokens, num_heads], accum),
     ):
         with T.Kernel(batch, rows, threads=threads) as (req, row):
-            lse_s = T.alloc_shared([MAX_PARTS], accum)
+            lse_f = T.alloc_fragment([MAX_PARTS], accum)  # partial LSEs, then their exp2 weights
             weight_s = T.alloc_shared([MAX_PARTS], accum)
+            lse_s = T.alloc_shared([COMBINE_SERIAL_LSE], accum)
             acc = T.alloc_fragment([KV_LORA_RANK], accum)
-            lse_max = T.alloc_var(accum)
-            lse_sum = T.alloc_var(accum)
+            lse_max = T.alloc_fragment([1], accum)
+            lse_sum = T.alloc_fragment([1], accum)
+            lse_top = T.alloc_var(accum)  # the same two, reduced serially by every thread (few parts)
+            lse_acc = T.alloc_var(accum)
             first = T.alloc_var("int32")  # the request's first part (its partial slots are first + i + req)
             n_read = T.alloc_var("int32")  # its number of parts (the planner makes at most MAX_PARTS)
             width = blocks_per_part[0]
@@ -295,30 +303,53 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str):
                     out[tok, head, d] = T.cast(0, dtype)
                 lse[tok, head] = -T.infinity(accum)
             elif n_read > 1:
-                for i in T.Parallel(MAX_PARTS):
-                    lse_s[i] = T.if_then_else(i < n_read, lse_partial[first + i + req, row],
-                                              -T.infinity(accum))
-                lse_max = -T.infinity(accum)
-                for i in T.serial(n_read):
-                    lse_max = T.max(lse_max, lse_s[i])
-                # all partials -inf (row saw nothing): offset 0 keeps exp2 at 0 instead of NaN
-                lse_off = T.if_then_else(lse_max == -T.infinity(accum), 0, lse_max)
-                lse_sum = 0
-                for i in T.serial(n_read):
-                    lse_sum += T.exp2(lse_s[i] - lse_off)
-                for i in T.Parallel(MAX_PARTS):
-                    weight_s[i] = T.if_then_else(lse_sum > 0, T.exp2(lse_s[i] - lse_off) / lse_sum, 0)
+                if n_read > COMBINE_SERIAL_LSE:
+                    # many parts (small batches): LSE max and sum reduced across the block, two per thread
+                    for i in T.Parallel(MAX_PARTS):
+                        lse_f[i] = T.if_then_else(i < n_read, lse_partial[first + i + req, row], -T.infinity(accum))
+                    T.reduce_max(lse_f, lse_max, dim=0, clear=True)
+                    # all partials -inf (row saw nothing): offset 0 keeps exp2 at 0 instead of NaN
+                    lse_max[0] = T.if_then_else(lse_max[0] == -T.infinity(accum), 0, lse_max[0])
+                    for i in T.Parallel(MAX_PARTS):
+                        lse_f[i] = T.exp2(lse_f[i] - lse_max[0])
+                    T.reduce_sum(lse_f, lse_sum, dim=0)
+                    for i in T.Parallel(MAX_PARTS):
+                        weight_s[i] = T.if_then_else(lse_sum[0] > 0, lse_f[i] / lse_sum[0], 0)
+                else:
+                    # a few parts (most requests of a large batch): every thread walks them, no block barrier
+                    for i in T.Parallel(COMBINE_SERIAL_LSE):
+                        lse_s[i] = T.if_then_else(i < n_read, lse_partial[first + i + req, row], -T.infinity(accum))
+                    lse_top = -T.infinity(accum)
+                    for i in T.serial(n_read):
+                        lse_top = T.max(lse_top, lse_s[i])
+                    lse_top = T.if_then_else(lse_top == -T.infinity(accum), 0, lse_top)
+                    lse_acc = 0
+                    for i in T.serial(n_read):
+                        lse_acc += T.exp2(lse_s[i] - lse_top)
+                    for i in T.Parallel(COMBINE_SERIAL_LSE):
+                        weight_s[i] = T.if_then_else(lse_acc > 0, T.exp2(lse_s[i] - lse_top) / lse_acc, 0)
+                    lse_max[0] = lse_top
+                    lse_sum[0] = lse_acc
                 T.clear(acc)
-                for i0 in T.serial(T.ceildiv(n_read, COMBINE_UNROLL)):
+                n_full = n_read // COMBINE_UNROLL
+                for i0 in T.serial(n_full):
                     for u in T.unroll(COMBINE_UNROLL):
-                        # past the last part: re-read the last row with weight 0
-                        i = T.min(i0 * COMBINE_UNROLL + u, n_read - 1)
-                        w = T.if_then_else(i0 * COMBINE_UNROLL + u < n_read, weight_s[i], 0)
+                        for d in T.Parallel(KV_LORA_RANK):
+                            acc[d] += weight_s[i0 * COMBINE_UNROLL + u] * out_partial[
+                                first + i0 * COMBINE_UNROLL + u + req, row, d]
+                # the rest (most requests: 2 parts) COMBINE_TAIL at a time; past the last part, the last row
+                # is re-read with weight 0
+                for i0 in T.serial(T.ceildiv(n_read - n_full * COMBINE_UNROLL, COMBINE_TAIL)):
+                    for u in T.unroll(COMBINE_TAIL):
+                        j = n_full * COMBINE_UNROLL + i0 * COMBINE_TAIL + u
+                        i = T.min(j, n_read - 1)
+                        w = T.if_then_else(j < n_read, weight_s[i], 0)
                         for d in T.Parallel(KV_LORA_RANK):
                             acc[d] += w * out_partial[first + i + req, row, d]
                 for d in T.Parallel(KV_LORA_RANK):
                     out[tok, head, d] = T.cast(acc[d], dtype)
-                lse[tok, head] = T.if_then_else(lse_max == -T.infinity(accum), -T.infinity(accum),
-                                                (T.log2(lse_sum) + lse_off) * LN2)
+                # lse_max is the offset (0 where every partial was -inf, and then lse_sum is 0)
+                lse[tok, head] = T.if_then_else(lse_sum[0] > 0, (T.log2(lse_sum[0]) + lse_max[0]) * LN2,
+                                                -T.infinity(accum))
 
     return mla_decode_combine

@@ -310,6 +310,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # tws: transposed consumers where the rows fit one m64n16 tile (one row block); the ws kernel otherwise
     transposed = cfg.kernel == "tws" and rows <= TWS_COLS
     q_rows = TWS_COLS if transposed else block_rows  # rows of the Q and P tiles
+    s_regs = block_n * q_rows // 128  # fp32 registers of S per consumer thread (128 per warpgroup)
     n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
     pad_rows = n_row_blocks * q_rows != rows  # the last row block has rows that are never stored
     accum = "float32"
@@ -494,6 +495,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
             T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
         T.wait_wgmma(0)
+        T.warpgroup_fence_operand(acc_s, num_regs=s_regs)  # S is read after the wait, not before
 
     @T.macro
     def score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s):

@@ -1,0 +1,49 @@
+#!/bin/bash
+# GPU machine: the kernel GPU tests of the working tree, then an A/B of our kernel alone (quick_time.py
+# --shapes, graph + eager + per-kernel time) under each setting in AB_SETTINGS, all variants precompiled in
+# parallel first. A setting is "name:ENV=VAL,ENV=VAL" (empty env: the tree as is); "base" runs the package
+# extracted into ab_base/ (git archive <ref> mla_backend | tar -x -C ab_base) instead of the working tree.
+# Carry .devkit/unpack.sh, .devkit/tilelang-0.1.9.tar.xz and .devkit/vllm-deps.tar.xz (triton for do_bench).
+#   AB_SHAPES="1,4096,16,1,64;128,16384,128,1,64" AB_SETTINGS="base: new:" bash scripts/device_ab.sh
+set -o pipefail
+source .devkit/unpack.sh
+export TILELANG_CACHE_DIR=/tmp/tlcache
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee $OUT/gpu.txt
+SHAPES=${AB_SHAPES:?AB_SHAPES}
+SETTINGS=${AB_SETTINGS:-"new:"}
+
+tree_of() { [ "${1%%:*}" = base ] && echo "$PWD/ab_base" || echo "$PWD"; }
+env_of() { local e=${1#*:}; echo "${e//,/ }"; }
+
+# 1. correctness first: a hang (barrier protocol) costs the smoke's 90 s, not the call
+export PYTHONPATH=$PWD:$PYTHONPATH
+[ -z "${AB_SKIP_TESTS:-}" ] && { timeout 90 python3 scripts/quick_time.py --smoke 2>&1 | tail -3 | tee $OUT/smoke.log || { echo "SMOKE FAILED"; exit 1; }; }
+[ -z "${AB_SKIP_TESTS:-}" ] && timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log
+
+# 2. every (setting, shape) variant compiled in parallel into TileLang's disk cache
+variants=$(python3 - "$SHAPES" <<'EOF'
+import sys
+out = []
+for x in sys.argv[1].split(";"):
+    b, s, h, sq, ps, *fp8 = x.split(",")
+    out.append(f"({h}, {sq}, {ps}, torch.bfloat16, {'torch.float8_e4m3fn' if fp8 else 'torch.bfloat16'}, 'sm90')")
+print("[" + ", ".join(dict.fromkeys(out)) + "]")
+EOF
+)
+start=$SECONDS
+for setting in $SETTINGS; do
+  tree=$(tree_of "$setting")
+  (cd /tmp && env $(env_of "$setting") PYTHONPATH=$tree:/tmp/site python3 -c "
+import torch
+from mla_backend.kernels import runtime
+print('$setting', runtime.warmup($variants, workers=6))" 2>&1 | tail -2 | tee -a $OUT/precompile.log) &
+done
+wait
+echo "precompiled in $((SECONDS - start)) s" | tee $OUT/precompile.log
+
+# 3. the A/B: one process per setting, all shapes
+for setting in $SETTINGS; do
+  env $(env_of "$setting") PYTHONPATH=$(tree_of "$setting"):$PWD/scripts:/tmp/site MLA_BACKEND_SM90_KERNEL=${MLA_BACKEND_SM90_KERNEL:-tws} \
+    timeout 200 python3 scripts/quick_time.py --shapes "$SHAPES" --kineto 2>&1 | grep -v Cache | grep " b=" \
+    | sed "s/^/${setting%%:*} /" | tee -a $OUT/ab.log
+done
