@@ -39,7 +39,7 @@ from mla_backend.kernels import runtime
 print('$setting', runtime.warmup($variants, workers=6))" 2>&1 | tail -2 | tee -a $OUT/precompile.log) &
 done
 wait
-echo "precompiled in $((SECONDS - start)) s" | tee $OUT/precompile.log
+echo "precompiled in $((SECONDS - start)) s" | tee -a $OUT/precompile.log
 
 # 3. the A/B: one process per setting, all shapes
 for setting in $SETTINGS; do

@@ -257,10 +257,11 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
 
     One program per (request, row); requests whose single part wrote the output directly return. The
-    request's partial LSEs (up to ``MAX_PARTS``, two per thread) are reduced across the block (max, then
-    the sum of exp2) and turned into merge weights in shared memory, and the 512-wide rows are summed
-    ``COMBINE_UNROLL`` at a time, then ``COMBINE_TAIL`` at a time from clamped indices (no branch between
-    the loads), so a small batch with many splits waits on a few load latencies, not one per split.
+    request's partial LSEs become merge weights in shared memory: more than ``COMBINE_SERIAL_LSE`` parts
+    (up to ``MAX_PARTS``, two per thread) are reduced across the block (max, then the sum of exp2), fewer
+    are walked serially by every thread (no block barrier). The 512-wide rows are summed ``COMBINE_UNROLL``
+    at a time, then ``COMBINE_TAIL`` at a time from clamped indices (no branch between the loads), so a small
+    batch with many splits waits on a few load latencies, not one per split.
     """
     rows = num_heads * q_len
     accum = "float32"
