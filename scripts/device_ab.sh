@@ -21,22 +21,11 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 [ -z "${AB_SKIP_TESTS:-}" ] && timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log
 
 # 2. every (setting, shape) variant compiled in parallel into TileLang's disk cache
-variants=$(python3 - "$SHAPES" <<'EOF'
-import sys
-out = []
-for x in sys.argv[1].split(";"):
-    b, s, h, sq, ps, *fp8 = x.split(",")
-    out.append(f"({h}, {sq}, {ps}, torch.bfloat16, {'torch.float8_e4m3fn' if fp8 else 'torch.bfloat16'}, 'sm90')")
-print("[" + ", ".join(dict.fromkeys(out)) + "]")
-EOF
-)
 start=$SECONDS
 for setting in $SETTINGS; do
-  tree=$(tree_of "$setting")
-  (cd /tmp && env $(env_of "$setting") PYTHONPATH=$tree:/tmp/site python3 -c "
-import torch
-from mla_backend.kernels import runtime
-print('$setting', runtime.warmup($variants, workers=6))" 2>&1 | tail -2 | tee -a $OUT/precompile.log) &
+  (env $(env_of "$setting") PYTHONPATH=$(tree_of "$setting"):$PWD/scripts:/tmp/site \
+     python3 scripts/quick_time.py --shapes "$SHAPES" --precompile 6 2>&1 | tail -1 | sed "s/^/${setting%%:*} /" \
+     | tee -a $OUT/precompile.log) &
 done
 wait
 echo "precompiled in $((SECONDS - start)) s" | tee -a $OUT/precompile.log

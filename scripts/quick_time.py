@@ -6,6 +6,8 @@
 ``--cases 0,2``: only these entries of the case list (indices).
 ``--shapes 1,4096,16,1,64;128,16384,128,1,64,fp8``: these (b, s, h, s_q, page[, fp8]) problems instead.
 ``--kineto``: also the split and combine kernels' own GPU time (profiler, graph replays).
+``--precompile N``: only compile the Hopper kernel variants of the selected problems into TileLang's disk cache,
+N at a time (no GPU needed), for a later timing run to load.
 ``--ncu``: one eager call per case and variant, no timing (for a profiler)."""
 import os
 import sys
@@ -31,11 +33,15 @@ def smoke(kernel: str) -> int:
     return 0 if err < 1e-2 else 1
 
 
+def q_dtype() -> torch.dtype:
+    return torch.float16 if "--fp16" in sys.argv else torch.bfloat16
+
+
 def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
     """A fixed-length bf16 problem with pages in random order; returns the captured call (a CUDA graph
     replay, as engines run decode), the eager call, and (bytes, flops) for the rates."""
     pages = b * s // ps
-    dtype = torch.float16 if "--fp16" in sys.argv else torch.bfloat16
+    dtype = q_dtype()
     kv = torch.randn(pages, ps, 576, dtype=dtype, device="cuda")
     if fp8:
         kv = (kv * 2).to(torch.float8_e4m3fn)
@@ -79,6 +85,13 @@ def main() -> int:
     if "--shapes" in sys.argv:
         shapes = [x.split(",") for x in sys.argv[sys.argv.index("--shapes") + 1].split(";")]
         runs = [(tuple(int(v) for v in x[:5]), x[5:] == ["fp8"]) for x in shapes]
+    if "--precompile" in sys.argv:
+        from mla_backend.kernels import runtime
+
+        dtype, workers = q_dtype(), int(sys.argv[sys.argv.index("--precompile") + 1])
+        variants = [(h, sq, ps, dtype, torch.float8_e4m3fn if fp8 else dtype, "sm90") for (_, _, h, sq, ps), fp8 in runs]
+        print(f"precompiled {len(set(variants))} variant(s) in {runtime.warmup(variants, workers=workers):.1f} s")
+        return 0
     for (b, s, h, sq, ps), fp8 in runs:
         replay, eager, (nbytes, flops) = decode_step(b, s, h, sq, ps, fp8)
         if "--ncu" in sys.argv:
