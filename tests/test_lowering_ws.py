@@ -239,8 +239,9 @@ def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
 
 @pytest.mark.parametrize("variant", TWS_VARIANTS, ids=_vid)
 def test_tws_kernel_lowers(lowered_tws, variant):
-    """tws: S^T = K Q^T and O^T = V^T P^T as m64n16 WGMMAs (V read MN-major), column softmax reduced across
-    WG0's warps (TileLang's AllReduce: barriers 1 and 2, WG0 only), a quarter of the ws kernel's Q and P."""
+    """tws: S^T = K Q^T and O^T = V^T P^T as m64n16 WGMMAs (V read MN-major), column max reduced across WG0's
+    warps in one exchange (mla_colmax4, named barrier 1), column sums by TileLang's AllReduce once per segment (
+    barriers 1 and 2, WG0 only), a quarter of the ws kernel's Q and P."""
     src, smem = lowered_tws[variant]
     assert re.search(r'extern "C" __global__ void __launch_bounds__\(384, 1\) mla_decode_split_kernel', src)
     shapes = set(re.findall(r"tl::wgmma_ss<[^>]*?kFloat32, (\d+), (\d+), (\d+), (true|false), (true|false)", src))
@@ -248,8 +249,10 @@ def test_tws_kernel_lowers(lowered_tws, variant):
     for mark in _role_marks(variant, "tws").values():
         assert mark in src
     sections = check_named_barriers_role_local(src, variant, "tws")
-    reducing = [role for role, text in sections.items() if "tl::AllReduce<tl::MaxOp, 128, 32" in text]
+    # the column max: one exchange per block (mla_colmax4: shuffles, one named barrier 1), WG0 only
+    reducing = [role for role, text in sections.items() if "mla_colmax4(acc_s" in text]
     assert reducing == ["wg0"], f"cross-warp column max in {reducing}"
+    assert "tl::AllReduce<tl::MaxOp" not in src
     assert "tl::AllReduce<tl::SumOp, 128, 32" in sections["wg0"], "column sums of P, once per segment"
     if variant[4] != variant[3]:
         # fp8: the producer's threads run independently (TileLang 0.1.9 put a varying number of named barriers

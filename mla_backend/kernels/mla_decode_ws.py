@@ -125,6 +125,29 @@ Q_F16_SHIFT = 8
 # into the target's fields (sign stays); the value is then x * 2^-(target bias - 7) for normal and
 # subnormal e4m3 alike, so one multiply by 2^120 (bf16) / 2^8 (fp16) restores it exactly.
 PRELUDE = r'''
+// tws WG0: running column max of S^T [64 tokens, 16 rows] over a block, the four columns of a thread in one
+// exchange. s: the thread's 8 values of S^T in the m64n16 accumulator layout (index (c >> 1) * 4 + (c & 1) + 2 * k
+// holds column c of token row k); m: its 4 column maxima, updated; scratch: 2 x 64 floats (block parity).
+__device__ __forceinline__ void mla_colmax4(const float* s, float* m, float* scratch, int parity) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  float v[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    float x = fmaxf(s[(c >> 1) * 4 + (c & 1)], s[(c >> 1) * 4 + (c & 1) + 2]);
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+    v[c] = x;
+  }
+  float* buf = scratch + parity * 64;
+  if (lane < 4) *reinterpret_cast<float4*>(buf + warp * 16 + lane * 4) = make_float4(v[0], v[1], v[2], v[3]);
+  asm volatile("bar.sync 1, 128;" ::: "memory");
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float4 o = *reinterpret_cast<const float4*>(buf + w * 16 + (lane & 3) * 4);
+    m[0] = fmaxf(m[0], o.x); m[1] = fmaxf(m[1], o.y); m[2] = fmaxf(m[2], o.z); m[3] = fmaxf(m[3], o.w);
+  }
+}
 __device__ __forceinline__ void mla_l2_prefetch(const void* ptr) {  // the 128-byte line holding ptr
   asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
 }
@@ -610,7 +633,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
         lse_partial: T.Tensor([num_slots, rows], accum),
     ):
-        with T.Kernel(num_parts, n_row_blocks, threads=384, prelude=PRELUDE if is_fp8 else None) as (part, row_block):
+        with T.Kernel(num_parts, n_row_blocks, threads=384, prelude=PRELUDE if is_fp8 or transposed else None) as (part, row_block):
             q_l = T.alloc_shared([q_rows, HALF], cdtype)
             q_r = T.alloc_shared([q_rows, HALF], cdtype)
             q_t = T.alloc_shared([q_rows, ROPE_DIM], cdtype)
@@ -621,6 +644,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             kv1_r = T.alloc_shared([block_n, HALF], cdtype)
             k1_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
             p_shared = T.alloc_shared([q_rows, block_n], cdtype)
+            colmax_s = T.alloc_shared([128], accum)  # tws WG0: the column-max exchange, 2 x 64
             alpha_shared = T.alloc_shared([q_rows], accum)
             l_shared = T.alloc_shared([q_rows], accum)
 
@@ -861,7 +885,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.barrier_arrive(q_free[0])
                                 mask_scale_t(acc_s, (blk_lo + blk) * block_n, vis0, scale_log2)
                                 T.copy(m_cur, m_prev)
-                                T.reduce_max(acc_s, m_cur, dim=0, clear=False)
+                                T.evaluate(T.call_extern("handle", "mla_colmax4", acc_s.data,
+                                                         m_cur.data, T.access_ptr(colmax_s[0], "rw", 128), g & 1))
                                 for i in T.Parallel(q_rows):
                                     alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
                                                               T.exp2(m_prev[i] - m_cur[i]))

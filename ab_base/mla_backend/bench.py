@@ -1,0 +1,676 @@
+"""MLA paged-decode benchmark: our TileLang op vs vLLM 0.26's FlashMLA, FA3-MLA and Triton-MLA, on one GPU.
+
+``mla-backend bench [--quick | --grid G] [--filter b=128,h=16] [--impls ours,flashmla,fa3,triton]
+[--fp8] [--graphs] [--check] [--out-dir DIR] [--dry-run]``; also ``python -m mla_backend.bench``.
+
+Timing: median over many runs, with a 256 MB buffer zeroed (L2 flush) before every run and CUDA events
+around the call only. A spin kernel after the flush keeps the host launch cost out of the window
+(it is reported separately as host_us). ``--graphs`` times CUDA-graph replays instead. ``ours`` is the
+whole ``mla_decode`` call (split and combine kernels). Its split plan is computed once per config, as an
+engine plans once per step for all layers, and the planner is timed on its own (``plan_us``). The
+anchors get their per-step metadata in the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+LATENT, ROPE, HEAD = 512, 64, 576
+QO = HEAD + LATENT  # q (576) + out (512) elements per (token, head)
+SOFTMAX_SCALE = 192 ** -0.5
+K_SCALE = 0.5  # non-unit fp8 dequantisation scale
+MAX_SQ = 2  # ragged lengths are shared by both s_q classes, so they are clamped at the largest s_q
+IMPLS = ("ours", "flashmla", "fa3", "triton")
+FP8_IMPLS = {"ours": "ours-fp8", "flashmla": "flashmla-fp8", "triton": "triton-fp8"}
+ORDER = ("ours", "flashmla", "fa3", "triton", "ours-fp8", "flashmla-fp8", "triton-fp8")
+
+
+def tolerance(name: str) -> float:
+    """max|a - b| / max|b| above which a warning is printed (flashmla-fp8 quantises q to fp8 as well)."""
+    return 0.2 if name == "flashmla-fp8" else 5e-2 if name.endswith("-fp8") else 2e-2
+
+
+# ----------------------------------------------------------------------------- configs and metrics
+@dataclasses.dataclass(frozen=True)
+class Config:
+    b: int
+    s_k: int
+    h: int
+    s_q: int
+    ragged: bool
+    page: int = 64
+    kind: str = dataclasses.field(default="grid", compare=False)  # grid | latency | page (not part of ==)
+
+    @property
+    def lens(self) -> str:
+        return "ragged" if self.ragged else "fixed"
+
+    def label(self) -> str:
+        return f"b={self.b} s_k={self.s_k} h={self.h} s_q={self.s_q} {self.lens} p{self.page}"
+
+    def kv_key(self) -> tuple:
+        return (self.b, self.s_k, self.page, self.ragged)
+
+
+def make_configs(grid: str = "full", quick: bool = False) -> list[Config]:
+    """FlashMLA's grid + latency cases + page sizes, deduplicated and grouped by KV cache (for reuse)."""
+    if quick:
+        cfgs = [Config(64, 4096, 16, 1, False), Config(128, 16384, 16, 1, False), Config(128, 16384, 128, 1, False),
+                Config(128, 32768, 16, 1, True), Config(64, 8192, 128, 2, False), Config(128, 16384, 16, 2, True),
+                Config(128, 8192, 128, 1, True), Config(64, 32768, 128, 1, False), Config(64, 16384, 16, 1, True),
+                Config(1, 4096, 16, 1, False, kind="latency"), Config(16, 16384, 128, 1, False, kind="latency"),
+                Config(128, 16384, 16, 1, False, 16, "page")]
+    else:
+        cfgs = []
+        if grid in ("full", "flashmla"):
+            cfgs += [Config(b, s, h, sq, r) for b in (64, 128) for s in (4096, 8192, 16384, 32768)
+                     for h in (16, 32, 64, 128) for sq in (1, 2) for r in (False, True)]
+        if grid in ("full", "latency"):
+            cfgs += [Config(b, s, h, 1, False, kind="latency") for b in (1, 16) for s in (4096, 16384) for h in (16, 128)]
+        if grid in ("full", "pages"):
+            cfgs += [Config(128, 16384, h, 1, False, p, "page") for h in (16, 128) for p in (1, 16, 64)]
+    unique = list(dict.fromkeys(cfgs))  # the page-64 case is the grid's own config: keep the first
+    return sorted(unique, key=lambda c: (c.kv_key(), c.h, c.s_q))
+
+
+_KEYS = {"b": "b", "s_k": "s_k", "sk": "s_k", "s": "s_k", "h": "h", "s_q": "s_q", "sq": "s_q", "page": "page",
+         "lens": "lens", "kind": "kind"}
+_OPS = {"=": lambda a, b: a == b, "<": lambda a, b: a < b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
+        ">=": lambda a, b: a >= b}
+
+
+def parse_filter(expr: str) -> list[tuple[str, str, list]]:
+    """``"b=128,h=16|32,s_k>=8192,lens=ragged"``: a comma means and, ``|`` means any of."""
+    terms = []
+    for term in filter(None, (t.strip() for t in expr.split(","))):
+        m = re.fullmatch(r"(\w+)\s*(<=|>=|!=|=|<|>)\s*([\w|]+)", term)
+        if not m or m.group(1) not in _KEYS:
+            raise ValueError(f"bad filter term {term!r}: expected KEY(=|!=|<|>|<=|>=)VALUE, KEY one of "
+                             f"{', '.join(sorted(set(_KEYS)))}")
+        terms.append((_KEYS[m.group(1)], m.group(2), [int(v) if v.isdigit() else v for v in m.group(3).split("|")]))
+    return terms
+
+
+def matches(cfg: Config, terms) -> bool:
+    for key, op, vals in terms:
+        v = getattr(cfg, key)
+        if not (all(v != x for x in vals) if op == "!=" else any(_OPS[op](v, x) for x in vals)):
+            return False
+    return True
+
+
+def select(cfgs: list[Config], filters: list[str] | None) -> list[Config]:
+    """Keep configs matching any of the filters (each one an and of terms)."""
+    parsed = [parse_filter(f) for f in filters or []]
+    return [c for c in cfgs if not parsed or any(matches(c, t) for t in parsed)]
+
+
+def seq_lens(cfg: Config, seed: int = 0) -> list[int]:
+    """KV lengths: ``s_k`` each, or ~N(s, s/2) clamped to [2, 2s], seeded by (seed, b, s_k)."""
+    if not cfg.ragged:
+        return [cfg.s_k] * cfg.b
+    g = torch.Generator().manual_seed(seed * 1_000_003 + cfg.b * 7919 + cfg.s_k)
+    x = torch.normal(float(cfg.s_k), cfg.s_k / 2, (cfg.b,), generator=g)
+    return x.round().clamp(MAX_SQ, 2 * cfg.s_k).long().tolist()
+
+
+def bytes_moved(sum_len: int, b: int, s_q: int, h: int, kv_bytes: int = 2, qo_bytes: int = 2) -> int:
+    """The KV read once (576 per token) + q (576) and out (512) per (query token, head)."""
+    return sum_len * HEAD * kv_bytes + b * s_q * h * QO * qo_bytes
+
+
+def flops(sum_len: int, s_q: int, h: int) -> int:
+    """2 * s_q * sum(len) * h * (576 + 512), FlashMLA's convention (causal masking ignored)."""
+    return 2 * s_q * sum_len * h * QO
+
+
+def gbps(nbytes: float, us: float) -> float:
+    return nbytes / us / 1e3
+
+
+def tflops(flop: float, us: float) -> float:
+    return flop / us / 1e6
+
+
+def metrics(cfg: Config, sum_len: int) -> dict:
+    return {"sum_len": sum_len, "bytes": bytes_moved(sum_len, cfg.b, cfg.s_q, cfg.h),
+            "bytes_fp8": bytes_moved(sum_len, cfg.b, cfg.s_q, cfg.h, kv_bytes=1), "flop": flops(sum_len, cfg.s_q, cfg.h)}
+
+
+# ----------------------------------------------------------------------------- timing
+class Timer:
+    """Median of CUDA-event timings; the L2 is flushed (a buffer zeroed) before every run."""
+
+    def __init__(self, device, flush_mb: int = 256, budget_s: float = 0.25, reps: tuple = (10, 100)):
+        self.flush = torch.empty(flush_mb << 20, dtype=torch.int8, device=device)
+        self.budget_s, self.reps = budget_s, reps
+
+    @staticmethod
+    def host_us(fn, n: int = 5) -> float:
+        """Host-side cost of one call (launch overhead), no sync inside the window."""
+        ts = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        return statistics.median(ts)
+
+    def __call__(self, fn, reps: int = 0, host_us: float = 50.0) -> dict:
+        spin = int((2 * host_us + 20) * 2000)  # cycles (~2 GHz): the call is enqueued before the start event fires
+        once = self._run(fn, 1, spin)[0]
+        if reps <= 0:  # as many as fit the time budget (+ ~100 us flush + spin per run)
+            reps = max(self.reps[0], min(self.reps[1], int(self.budget_s / ((once + 120 + 2 * host_us) * 1e-6))))
+        ts = self._run(fn, reps, spin)
+        return {"us": statistics.median(ts), "min_us": min(ts), "reps": reps, "host_us": host_us}
+
+    def _run(self, fn, reps: int, spin: int) -> list[float]:
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in ev:
+            self.flush.zero_()
+            if hasattr(torch.cuda, "_sleep"):
+                torch.cuda._sleep(spin)
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e3 for s, e in ev]
+
+
+def as_graph(fn):
+    """Capture one call into a CUDA graph; returns ``(replay, graph)``, ``replay()`` giving the output."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return (lambda: (g.replay(), out)[1]), g
+
+
+# ----------------------------------------------------------------------------- data and implementations
+class Skip(Exception):
+    """An impl that cannot run a config (the message says why)."""
+
+
+def block_table(lens: list[int], page: int, seed: int) -> tuple[torch.Tensor, int]:
+    """int32 ``[b, max_pages]`` over a random permutation of page ids (rows zero-padded), and the page count."""
+    npages = torch.tensor([-(-n // page) for n in lens])
+    total, maxp = int(npages.sum()), max(int(npages.max()), 1)
+    table = torch.zeros(len(lens), maxp, dtype=torch.int32)
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed + 17))
+    table[torch.arange(maxp)[None, :] < npages[:, None]] = perm.int()
+    return table, total
+
+
+class KVGroup:
+    """KV cache, lengths and block table, shared by the configs with one ``kv_key`` (all h and s_q)."""
+
+    def __init__(self, cfg: Config, seed: int, device, fp8: bool, lens: list[int] | None = None):
+        self.lens = lens or seq_lens(cfg, seed)
+        self.sum_len, self.max_len = sum(self.lens), max(self.lens)
+        table, total = block_table(self.lens, cfg.page, seed)
+        self.block_table = table.to(device)
+        self.seqlens = torch.tensor(self.lens, dtype=torch.int32, device=device)
+        torch.manual_seed(seed)
+        self.kv = torch.randn(total, cfg.page, HEAD, dtype=torch.bfloat16, device=device)
+        self.kv_fp8 = self.kv.div(K_SCALE).to(torch.float8_e4m3fn) if fp8 else None
+
+
+class Case:
+    """One config's inputs: q in every layout, our metadata with its plan attached, the planner."""
+
+    def __init__(self, cfg: Config, kvg: KVGroup, seed: int, device):
+        from .metadata import MLADecodeMetadata
+        from .planner import SplitPlanner
+
+        self.cfg, self.kvg, self.T = cfg, kvg, cfg.b * cfg.s_q
+        torch.manual_seed(seed + 1000 * cfg.h + cfg.s_q)
+        self.q = torch.randn(self.T, cfg.h, HEAD, dtype=torch.bfloat16, device=device)
+        self.q_nope, self.q_pe = self.q[..., :LATENT].contiguous(), self.q[..., LATENT:].contiguous()
+        self.cu_q = torch.arange(cfg.b + 1, dtype=torch.int32, device=device) * cfg.s_q
+        self.md = MLADecodeMetadata.from_block_table(kvg.block_table, kvg.seqlens, cfg.page, q_len=cfg.s_q,
+                                                     max_kv_len=kvg.max_len)
+        self.planner = SplitPlanner(cfg.b, cfg.h, cfg.s_q, device)
+        self.md.plan = self.planner.plan(kvg.seqlens)
+
+
+def load_anchors(wanted) -> dict:
+    """vLLM 0.26 kernels by name: the module / functions, or a string saying why they are skipped."""
+    out = {}
+    for name in wanted:
+        try:
+            if name == "flashmla":
+                from vllm.v1.attention.ops import flashmla as fm
+                ok, why = fm.is_flashmla_dense_supported()
+                out[name] = fm if ok else f"vLLM FlashMLA unsupported here: {why}"
+            elif name == "fa3":
+                from vllm.vllm_flash_attn import (fa_version_unsupported_reason, flash_attn_varlen_func,
+                                                  get_scheduler_metadata, is_fa_version_supported)
+                out[name] = ((flash_attn_varlen_func, get_scheduler_metadata) if is_fa_version_supported(3)
+                             else f"FA3 unsupported here: {fa_version_unsupported_reason(3)}")
+            elif name == "triton":
+                from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+                out[name] = decode_attention_fwd
+        except Exception as e:  # noqa: BLE001 - whatever stops the import means "skip, with the reason"
+            out[name] = f"cannot import vLLM's {name} kernel: {type(e).__name__}: {e}"
+    return out
+
+
+def make_runner(name: str, c: Case, anchors: dict, graphs: bool):
+    """A zero-argument call returning the output as ``[b * s_q, h, 512]``; raises Skip with the reason."""
+    cfg, kvg, fp8, base = c.cfg, c.kvg, name.endswith("-fp8"), name.removesuffix("-fp8")
+    kv = kvg.kv_fp8 if fp8 else kvg.kv
+    dev = kv.device
+    if base == "ours":
+        from .dispatch import REFERENCE, select_impl
+        from .op import mla_decode
+
+        choice = select_impl(dev, torch.bfloat16, kv.dtype, cfg.h, cfg.s_q, cfg.page)
+        if choice.impl == REFERENCE:
+            raise Skip(f"no kernel: {choice.reason}")
+        out = torch.empty(c.T, cfg.h, LATENT, dtype=torch.bfloat16, device=dev)
+        ks = K_SCALE if fp8 else None
+        return lambda: mla_decode((c.q_nope, c.q_pe), kv, c.md, SOFTMAX_SCALE, k_scale=ks, out=out,
+                                  impl=choice.impl, check_indices=False)
+    mod = anchors.get(base)
+    if not mod or isinstance(mod, str):
+        raise Skip(mod or "not requested")
+    if base == "flashmla":  # as vllm/v1/attention/backends/mla/flashmla.py FlashMLAImpl.forward_mqa calls it
+        if cfg.page != 64:
+            raise Skip("vLLM FLASHMLA takes kernel block size 64 only")
+        q4, k4 = c.q.view(cfg.b, cfg.s_q, cfg.h, HEAD), kv.unsqueeze(-2)
+        if not fp8:  # the sched meta is filled by the first (warm-up) call, then reused: same shapes and lengths
+            meta, _ = mod.get_mla_metadata(kvg.seqlens, cfg.s_q * cfg.h, 1, is_fp8_kvcache=False)
+            fn = lambda: mod.flash_mla_with_kvcache(  # noqa: E731
+                q=q4, k_cache=k4, block_table=kvg.block_table, cache_seqlens=kvg.seqlens, head_dim_v=LATENT,
+                tile_scheduler_metadata=meta, softmax_scale=SOFTMAX_SCALE, causal=True, is_fp8_kvcache=False)[0]
+        else:  # vLLM quantises q to fp8 for this path too; per-tensor descales
+            tsm, nsp = mod.get_mla_metadata_dense_fp8(kvg.seqlens, cfg.s_q * cfg.h, 1)
+            q_scale = float(c.q.abs().max()) / 448.0
+            q8 = (q4.float() / q_scale).to(torch.float8_e4m3fn)
+            dq, dk = (torch.tensor([v], dtype=torch.float32, device=dev) for v in (q_scale, K_SCALE))
+            fn = lambda: mod.flash_mla_with_kvcache_fp8(  # noqa: E731
+                q=q8, k_cache=k4, block_table=kvg.block_table, cache_seqlens=kvg.seqlens, head_dim_v=LATENT,
+                tile_scheduler_metadata=tsm, num_splits=nsp, softmax_scale=SOFTMAX_SCALE, causal=True,
+                descale_q=dq, descale_k=dk)[0]
+        return lambda: fn().view(c.T, cfg.h, LATENT)
+    if base == "fa3":  # as vllm/v1/attention/backends/mla/flashattn_mla.py calls it
+        if cfg.page % 16:
+            raise Skip("vLLM FLASH_ATTN_MLA needs a page size that is a multiple of 16")
+        varlen, sched_fn = mod
+        nsplit = 32 if graphs else 0  # vLLM: flash_attn_max_num_splits_for_cuda_graph (32) under full graphs
+        sched = sched_fn(batch_size=cfg.b, max_seqlen_q=cfg.s_q, max_seqlen_k=kvg.max_len, num_heads_q=cfg.h,
+                         num_heads_kv=1, headdim=ROPE, cache_seqlens=kvg.seqlens, qkv_dtype=kv.dtype,
+                         headdim_v=LATENT, page_size=cfg.page, cu_seqlens_q=c.cu_q, causal=True, num_splits=nsplit)
+        k_pe, kv_c = kv[..., LATENT:].unsqueeze(-2), kv[..., :LATENT].unsqueeze(-2)
+        return lambda: varlen(q=c.q_pe, k=k_pe, v=kv_c, q_v=c.q_nope, max_seqlen_q=cfg.s_q, cu_seqlens_q=c.cu_q,
+                              max_seqlen_k=kvg.max_len, seqused_k=kvg.seqlens, block_table=kvg.block_table,
+                              softmax_scale=SOFTMAX_SCALE, causal=True, fa_version=3, scheduler_metadata=sched,
+                              num_splits=nsplit)
+    if base == "triton":  # as vllm/v1/attention/backends/mla/triton_mla.py TritonMLAImpl.forward_mqa calls it
+        if cfg.s_q != 1 or cfg.page % 16:
+            raise Skip("vLLM TRITON_MLA decodes s_q=1 only, with a page size that is a multiple of 16")
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        # triton_mla._compute_num_kv_splits: next_power_of_2(max(1, max_seq_len // 512)) capped at 2 * SMs
+        nsplit = min(1 << math.ceil(math.log2(max(1, kvg.max_len // 512))), 2 * sms)
+        o = torch.zeros(cfg.b, cfg.h, LATENT, dtype=torch.bfloat16, device=dev)
+        lse = torch.zeros(cfg.b, cfg.h, dtype=torch.bfloat16, device=dev)
+        logits = torch.empty(cfg.b, cfg.h, nsplit, LATENT + 1, dtype=torch.float32, device=dev)
+        ks, kv4 = torch.tensor(K_SCALE if fp8 else 1.0, device=dev), kv.unsqueeze(2)
+        return lambda: (mod(c.q, kv4, kv4[..., :LATENT], o, lse, kvg.block_table, kvg.seqlens, logits, nsplit,
+                            SOFTMAX_SCALE, cfg.page, k_scale=ks, v_scale=ks, is_mla=True), o)[1]
+    raise Skip(f"unknown impl {name}")
+
+
+# ----------------------------------------------------------------------------- correctness checks
+def compare(name: str, out, ref, what: str) -> str:
+    d = (out.float() - ref.float()).abs().max().item()
+    rel = d / max(ref.float().abs().max().item(), 1e-30)
+    tol = tolerance(name)
+    return (f"  {name:<13} vs {what}: max abs {d:.2e} rel {rel:.2e}"
+            + ("" if rel <= tol else f"  WARNING: mismatch (tolerance {tol:g})"))
+
+
+def check_small(h: int, s_q: int, page: int, fp8: bool, device) -> str:
+    """Ours (default path, index checks on) vs the fp32 reference on a tiny ragged config of one variant."""
+    from .op import mla_decode
+    from .reference import mla_decode_reference
+
+    cfg = Config(3, 400, h, s_q, True, page)
+    c = Case(cfg, KVGroup(cfg, 7, device, fp8, lens=[s_q, 130, 777]), 7, device)
+    kv, ks = (c.kvg.kv_fp8, K_SCALE) if fp8 else (c.kvg.kv, None)
+    ref, _ = mla_decode_reference(c.q_nope, c.q_pe, kv, c.md, SOFTMAX_SCALE, ks or 1.0)
+    return compare("ours-fp8" if fp8 else "ours", mla_decode(c.q, kv, c.md, SOFTMAX_SCALE, k_scale=ks), ref,
+                   f"fp32 reference (small check: h={h} s_q={s_q} page={page})")
+
+
+def check_sampled(c: Case, outs: dict, n: int = 4) -> list[str]:
+    """Every impl's output vs the fp32 reference on a few requests of this config (--check)."""
+    from .metadata import MLADecodeMetadata
+    from .reference import mla_decode_reference
+
+    cfg, kvg, dev = c.cfg, c.kvg, c.q.device
+    idx = sorted({0, cfg.b // 2, cfg.b - 1, max(range(cfg.b), key=kvg.lens.__getitem__)})[:n]
+    ix = torch.tensor(idx, device=dev)
+    rows = (ix[:, None] * cfg.s_q + torch.arange(cfg.s_q, device=dev)).reshape(-1)
+    md = MLADecodeMetadata(kvg.seqlens[ix], torch.arange(len(idx) + 1, dtype=torch.int32, device=dev) * cfg.s_q,
+                           kvg.block_table.reshape(-1), (ix * kvg.block_table.shape[1]).int(), cfg.page, cfg.s_q)
+    refs = {fp8: mla_decode_reference(c.q_nope[rows], c.q_pe[rows], kvg.kv_fp8 if fp8 else kvg.kv, md,
+                                      SOFTMAX_SCALE, K_SCALE if fp8 else 1.0)[0]
+            for fp8 in {n.endswith("-fp8") for n in outs}}
+    return [compare(n, o[rows], refs[n.endswith("-fp8")], f"fp32 reference ({len(idx)} requests)")
+            for n, o in outs.items()]
+
+
+def check_cross(outs: dict) -> list[str]:
+    """Each impl vs ours (bf16 KV) or ours-fp8 (fp8 KV) on the whole output."""
+    ref = {n: "ours-fp8" if n.endswith("-fp8") else "ours" for n in outs}
+    return [compare(n, o, outs[ref[n]], ref[n]) for n, o in outs.items() if n != ref[n] and ref[n] in outs]
+
+
+# ----------------------------------------------------------------------------- the run
+def impl_list(impls: str, fp8: bool) -> list[str]:
+    names = [n.strip() for n in impls.split(",") if n.strip()]
+    if bad := [n for n in names if n not in IMPLS]:
+        raise ValueError(f"unknown impl(s) {bad}; choose from {','.join(IMPLS)}")
+    names += [FP8_IMPLS[n] for n in names if fp8 and n in FP8_IMPLS]
+    return [n for n in ORDER if n in names]
+
+
+def time_impl(name: str, c: Case, anchors: dict, args, timer: Timer, rec: dict, outs: dict, keep: bool) -> None:
+    fn = make_runner(name, c, anchors, args.graphs)
+    fn()  # warm-up: compiles / JITs, and fills FlashMLA's lazily built scheduler metadata
+    torch.cuda.synchronize()
+    graph = None
+    if args.graphs:
+        fn, graph = as_graph(fn)
+    t = timer(fn, args.reps, timer.host_us(fn))
+    nbytes = rec["bytes_fp8"] if name.endswith("-fp8") else rec["bytes"]
+    rec["impls"][name] = {**t, "gbps": gbps(nbytes, t["us"]), "tflops": tflops(rec["flop"], t["us"])}
+    if keep:
+        outs[name] = fn().clone()
+    del fn, graph
+
+
+def precompile(cfgs: list[Config], impls: list[str], device) -> None:
+    """Build every kernel variant of ours up front, in parallel processes (TileLang's disk cache)."""
+    from .dispatch import REFERENCE, select_impl
+    from .kernels import runtime
+
+    kv_dtypes = [d for n, d in (("ours", torch.bfloat16), ("ours-fp8", torch.float8_e4m3fn)) if n in impls]
+    variants = []
+    for c in cfgs:
+        for kvd in kv_dtypes:
+            choice = select_impl(device, torch.bfloat16, kvd, c.h, c.s_q, c.page)
+            if choice.impl != REFERENCE:
+                variants.append((c.h, c.s_q, c.page, torch.bfloat16, kvd, choice.impl.split("-", 1)[1]))
+    if variants:
+        try:
+            variants = list(dict.fromkeys(variants))
+            seconds = runtime.warmup(variants, workers=min(len(variants), os.cpu_count() or 1, 16))
+            print(f"ours: {len(variants)} kernel variant(s) compiled or loaded in {seconds:.0f}s")
+        except Exception as e:  # noqa: BLE001 - each variant then compiles on first use
+            print(f"WARNING: parallel kernel warm-up failed ({type(e).__name__}: {e}); compiling on first use")
+
+
+def run(args, cfgs: list[Config], impls: list[str]) -> list[dict]:
+    from .kernels import runtime
+
+    device = torch.device(args.device)
+    precompile(cfgs, impls, device)
+    anchors = load_anchors({n.removesuffix("-fp8") for n in impls} - {"ours"})
+    for name, mod in anchors.items():
+        if isinstance(mod, str):
+            print(f"skip {name}: {mod}")
+    timer = Timer(device, args.flush_mb, *((0.08, (5, 30)) if args.quick else (0.25, (10, 100))))
+    results, variants, classes, key, kvg = [], set(), set(), None, None
+    for i, cfg in enumerate(cfgs, 1):
+        if cfg.kv_key() != key:
+            kvg = None  # free the previous group's cache before allocating the next one
+            torch.cuda.empty_cache()
+            key, kvg = cfg.kv_key(), KVGroup(cfg, args.seed, device, args.fp8)
+        c = Case(cfg, kvg, args.seed, device)
+        rec = {**dataclasses.asdict(cfg), "lens": cfg.lens, "label": cfg.label(), "max_len": kvg.max_len,
+               **metrics(cfg, kvg.sum_len), "impls": {}, "checks": []}
+        plan = lambda: c.planner.plan(kvg.seqlens)  # noqa: E731
+        plan()
+        host = timer.host_us(plan)
+        rec["plan_us"], rec["plan_host_us"] = timer(plan, 20, host)["us"], host
+        first_of_class = (cfg.h, cfg.s_q) not in classes
+        classes.add((cfg.h, cfg.s_q))
+        outs = {}
+        for name in impls:
+            fp8 = name.endswith("-fp8")
+            try:
+                if name.startswith("ours") and (cfg.h, cfg.s_q, cfg.page, fp8) not in variants:
+                    variants.add((cfg.h, cfg.s_q, cfg.page, fp8))
+                    t0 = runtime.STATS.seconds
+                    rec["checks"].append(check_small(cfg.h, cfg.s_q, cfg.page, fp8, device))
+                    print(rec["checks"][-1] + f" [compile/load {runtime.STATS.seconds - t0:.1f}s]")
+                time_impl(name, c, anchors, args, timer, rec, outs, first_of_class)
+            except Skip as e:
+                rec["impls"][name] = {"skip": str(e)}
+            except Exception as e:  # noqa: BLE001 - keep timing the other impls and configs
+                rec["impls"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"WARNING: {name} failed on {cfg.label()}: {rec['impls'][name]['error']}")
+        t = {n: v["us"] for n, v in rec["impls"].items() if "us" in v}
+        best = min((t[n] for n in ("flashmla", "fa3") if n in t), default=None)
+        rec["ratio"] = t["ours"] / best if best and "ours" in t else None
+        if first_of_class:  # all impls vs each other, and (--check) vs the fp32 reference on sampled requests
+            lines = check_cross(outs) + (check_sampled(c, outs) if args.check and outs else [])
+            rec["checks"] += lines
+            print("\n".join(lines)) if lines else None
+        del outs, c
+        cells = "  ".join(f"{n} {v['us']:.1f}" for n, v in rec["impls"].items() if "us" in v)
+        print(f"[{i}/{len(cfgs)}] {cfg.label()}: {cells or 'nothing ran'}  (us; plan {rec['plan_us']:.1f})", flush=True)
+        results.append(rec)
+    return results
+
+
+# ----------------------------------------------------------------------------- output
+def environment(argv: list[str]) -> dict:
+    env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "command": "mla-backend bench " + " ".join(argv), "python": sys.version.split()[0],
+           "torch": torch.__version__, "cuda_runtime": torch.version.cuda}
+    for pkg in ("triton", "vllm", "tilelang"):
+        try:
+            env[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            env[pkg] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / 2**30, 1))
+    from .kernels.configs import config_for
+
+    env["sm90_kernel"] = config_for("sm90").kernel  # the Hopper schedule ours ran (MLA_BACKEND_SM90_KERNEL)
+    for k, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+                   ("git", ["git", "-C", os.path.dirname(__file__), "describe", "--always", "--dirty"])):
+        try:
+            env[k] = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.split()[0]
+        except Exception:  # noqa: BLE001
+            env[k] = None
+    return env
+
+
+def table(results: list[dict], impls: list[str]) -> list[str]:
+    """Config, then per impl median us / GB/s / TFLOP/s, then ours / best (FlashMLA, FA3)."""
+    cell = lambda v: f"{v['us']:9.1f}{v['gbps']:6.0f}{v['tflops']:7.1f}" if v and "us" in v else f"{'-':^22}"  # noqa: E731
+    lines = [f"{'':<38}" + "".join(f"{n:>22}" for n in impls) + f"{'ours /':>10}",
+             f"{'config':<38}" + f"{'us':>9}{'GB/s':>6}{'TF/s':>7}" * len(impls) + f"{'best':>10}"]
+    lines.append("-" * len(lines[0]))
+    for r in results:
+        ratio = f"{r['ratio']:10.2f}" if r["ratio"] else f"{'-':>10}"
+        lines.append(f"{r['label']:<38}" + "".join(cell(r["impls"].get(n)) for n in impls) + ratio)
+    return lines
+
+
+def markdown(results: list[dict], impls: list[str], env: dict, settings: dict) -> str:
+    us = lambda r, n: f"{r['impls'][n]['us']:.1f}" if "us" in r["impls"].get(n, {}) else "–"  # noqa: E731
+    lines = [f"### MLA decode on {env.get('gpu')} ({env['date'][:10]})", "",
+             f"torch {env['torch']} (CUDA {env['cuda_runtime']}), triton {env['triton']}, vLLM {env['vllm']}, "
+             f"tilelang {env['tilelang']} (Hopper kernel `{env.get('sm90_kernel')}`), driver {env.get('driver')}, "
+             f"commit {env.get('git')}. "
+             f"{settings['timing']}. Command: `{env['command']}`", "",
+             "| config | " + " | ".join(f"{n} µs" for n in impls) + " | ours GB/s | ours TFLOP/s | plan µs | ours / best |",
+             "|---" * (len(impls) + 5) + "|"]
+    for r in results:
+        o = r["impls"].get("ours", {})
+        lines.append(f"| {r['label']} | " + " | ".join(us(r, n) for n in impls)
+                     + (f" | {o['gbps']:.0f} | {o['tflops']:.1f}" if "us" in o else " | – | –")
+                     + f" | {r['plan_us']:.1f} | " + (f"{r['ratio']:.2f}" if r["ratio"] else "–") + " |")
+    lines += ["", "ours / best = our time / min(FlashMLA, FA3) time (below 1: ours is faster). GB/s = "
+              "(Σlen·576·kv_bytes + b·s_q·h·1088·2) / t; TFLOP/s = 2·s_q·Σlen·h·1088 / t."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(results: list[dict], impls: list[str], path: str, title: str = "") -> bool:
+    """GB/s per impl and ours / best per config; False (and no file) when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    x = list(range(len(results)))
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(max(8, 0.28 * len(x)), 8), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 1]})
+    for n in impls:
+        ys = [r["impls"].get(n, {}).get("gbps", float("nan")) for r in results]
+        if any(y == y for y in ys):  # not all NaN
+            ax.plot(x, ys, marker="o", ms=3, lw=1, label=n)
+    ax.set(ylabel="GB/s (KV + q + out bytes / time)", title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    ax2.bar(x, [r["ratio"] or float("nan") for r in results])
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set_ylabel("ours / best")
+    ax2.set_xticks(x, [r["label"] for r in results], rotation=90, fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
+
+
+def save(out_dir: str, results: list[dict], impls: list[str], env: dict, settings: dict) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, "bench")
+    with open(base + ".json", "w") as f:
+        json.dump({"env": env, "settings": settings, "impls": impls, "results": results}, f, indent=1)
+    fields = ["label", "kind", "b", "s_k", "h", "s_q", "lens", "page", "sum_len", "max_len", "bytes", "flop",
+              "plan_us", "plan_host_us", "ratio"]
+    stats = ["us", "min_us", "reps", "host_us", "gbps", "tflops"]
+    with open(base + ".csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(fields + ["impl"] + stats + ["status"])
+        for r in results:
+            for n, v in r["impls"].items():
+                w.writerow([r[k] for k in fields] + [n] + [v.get(k, "") for k in stats]
+                           + [v.get("skip") or v.get("error") or "ok"])
+    with open(base + ".md", "w") as f:
+        f.write(markdown(results, impls, env, settings))
+    files = [base + ext for ext in (".json", ".csv", ".md")]
+    if plot_results(results, impls, base + ".png", f"MLA decode, {env.get('gpu')}"):
+        files.append(base + ".png")
+    return files
+
+
+def dry_run(cfgs: list[Config], impls: list[str], fp8: bool) -> None:
+    print(f"{len(cfgs)} configs; impls: {', '.join(impls)}")
+    print(f"{'config':<38}{'kind':>8}{'sum_len':>11}{'bytes':>11}" + (f"{'fp8 bytes':>11}" if fp8 else "")
+          + f"{'GFLOP':>9}{'us@3TB/s':>10}")
+    for c in cfgs:
+        m = metrics(c, sum(seq_lens(c)))
+        print(f"{c.label():<38}{c.kind:>8}{m['sum_len']:>11}{m['bytes']:>11.4g}"
+              + (f"{m['bytes_fp8']:>11.4g}" if fp8 else "") + f"{m['flop'] / 1e9:>9.1f}{m['bytes'] / 3e6:>10.1f}")
+    variants = sorted({(c.h, c.s_q, c.page) for c in cfgs})
+    print(f"our kernel variants (h, s_q, page){' x {bf16, fp8} KV' if fp8 else ''}: {variants}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mla-backend bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="12 representative configs (~3 min with the anchors)")
+    p.add_argument("--grid", choices=("full", "flashmla", "latency", "pages"), default="full",
+                   help="full = FlashMLA's grid (b, s_k, h, s_q, fixed/ragged) + latency cases + page sizes")
+    p.add_argument("--filter", action="append", metavar="EXPR",
+                   help="keep configs matching e.g. 'b=128,h=16|32,s_k>=8192,lens=ragged,page=64' (a comma means "
+                        "and; repeat the flag for or); keys: b s_k h s_q page lens kind")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
+    p.add_argument("--fp8", action="store_true",
+                   help=f"add float8_e4m3fn KV (scale {K_SCALE}): ours-fp8, vLLM's triton-fp8 and flashmla-fp8")
+    p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    p.add_argument("--check", action="store_true",
+                   help="also compare every impl with the fp32 reference on sampled requests, once per (h, s_q)")
+    p.add_argument("--out-dir", default="mla_bench_results", help="bench.{csv,json,md,png} go here; '' = none")
+    p.add_argument("--reps", type=int, default=0, help="timed runs per measurement (0 = auto, by a time budget)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--flush-mb", type=int, default=256, help="size of the L2 flush buffer")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dry-run", action="store_true", help="list the configs with bytes and FLOP; run nothing")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfgs, impls = select(make_configs(args.grid, args.quick), args.filter), impl_list(args.impls, args.fp8)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.dry_run:
+        dry_run(cfgs, impls, args.fp8)
+        return 0
+    if not torch.cuda.is_available():
+        print(f"mla-backend bench: no CUDA GPU visible to torch {torch.__version__}; nothing to time "
+              "(--dry-run lists the configs with their bytes and FLOP).")
+        return 0
+    if not cfgs:
+        print("mla-backend bench: no config matches the filter.")
+        return 0
+    import logging
+
+    log = logging.getLogger("mla_backend")
+    log.setLevel(logging.INFO)
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler(sys.stdout))
+    env = environment(argv)
+    timing = (f"{'CUDA-graph replays' if args.graphs else 'Eager calls'}, median over many runs, L2 flushed "
+              f"({args.flush_mb} MB write) before each; ours = the whole mla_decode call, combine kernel included, "
+              "split plan precomputed (the planner is timed separately: plan µs)")
+    settings = {"timing": timing, "graphs": args.graphs, "fp8": args.fp8, "k_scale": K_SCALE,
+                "softmax_scale": SOFTMAX_SCALE, "seed": args.seed, "flush_mb": args.flush_mb}
+    print(f"{env.get('gpu')}: torch {env['torch']}, triton {env['triton']}, vllm {env['vllm']}, "
+          f"tilelang {env['tilelang']}; {len(cfgs)} configs, impls {', '.join(impls)}")
+    t0 = time.perf_counter()
+    results = run(args, cfgs, impls)
+    for pkg in ("vllm", "tilelang"):  # unpacked without .dist-info: ask the imported module
+        env[pkg] = env[pkg] or getattr(sys.modules.get(pkg), "__version__", None)
+    files = save(args.out_dir, results, impls, env, settings) if args.out_dir else []
+    print(f"done in {time.perf_counter() - t0:.0f}s" + (f"; wrote {', '.join(files)}" if files else ""))
+    print(f"\n{timing}.\nCells: median us, GB/s, TFLOP/s. ours / best = ours time / min(flashmla, fa3) "
+          "(below 1: ours is faster).")
+    print("\n".join(table(results, impls)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

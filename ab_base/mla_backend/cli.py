@@ -1,0 +1,161 @@
+"""``mla-backend`` command line: ``selfcheck`` (the default) and ``bench``.
+
+``selfcheck`` prints the versions, the device and the implementation the dispatcher picks for a
+DeepSeek-V3 shape, then runs ``mla_decode`` on fresh random data and checks it; exit status 1 on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import platform
+import sys
+
+SCALE = 192**-0.5  # DeepSeek-V3's softmax scale (qk_nope 128 + rope 64), without the yarn factor
+
+
+def _version(dist: str) -> str:
+    """The installed version from package metadata (no import of the package, which can be heavy)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return f"not installed (no distribution named {dist!r})"
+
+
+def _tilelang_status() -> str:
+    # tilelang is imported to compile the kernels, so a broken install must show here, not later.
+    version = _version("tilelang")
+    if version.startswith("not installed"):
+        return version
+    try:
+        import tilelang  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure is the answer
+        return f"{version}, but import fails: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return version
+
+
+def _device_line(torch) -> tuple[object, str]:
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), f"no GPU (torch {torch.__version__}: torch.cuda.is_available() is False)"
+    props = torch.cuda.get_device_properties(0)
+    return torch.device("cuda"), f"{props.name}, compute capability {props.major}.{props.minor}, " \
+                                 f"{props.multi_processor_count} SMs"
+
+
+def naive_attention(q, kv_flat, pages, kv_len, page_size, scale):
+    """Dense fp64 softmax attention of one request, written apart from the library.
+
+    q ``[s_q, H, 576]``; kv_flat ``[num_pages * page_size, 576]``; pages: the request's page ids.
+    Returns out ``[s_q, H, 512]`` and the natural-log lse ``[s_q, H]``.
+    """
+    import torch
+
+    s_q, heads, _ = q.shape
+    rows = [pages[t // page_size] * page_size + t % page_size for t in range(kv_len)]
+    kv = kv_flat[rows].double()
+    out = torch.zeros(s_q, heads, 512, dtype=torch.float64)
+    lse = torch.full((s_q, heads), -math.inf, dtype=torch.float64)
+    for i in range(s_q):
+        seen = kv_len - s_q + i + 1  # causal: query i sees positions < seen
+        if seen > 0:
+            scores = q[i].double() @ kv[:seen].T * scale  # [H, seen]
+            lse[i] = torch.logsumexp(scores, -1)
+            out[i] = torch.softmax(scores, -1) @ kv[:seen, :512]
+    return out, lse
+
+
+def _check_case(torch, device, page_size: int, s_q: int, heads: int, seed: int) -> tuple[float, float]:
+    """One random ragged problem; returns (op vs reference, reference vs naive) max relative errors."""
+    from . import MLADecodeMetadata, mla_decode, mla_decode_reference
+
+    g = torch.Generator().manual_seed(seed)
+    lens = [0, 1, s_q, 2 * page_size + 3, 300]
+    num_pages = [-(-n // page_size) for n in lens]
+    perm = torch.randperm(sum(num_pages) + 2, generator=g).int()  # random page order, 2 pages unused
+    table = torch.zeros(len(lens), max(num_pages), dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(num_pages):
+        table[r, :n] = perm[used:used + n]
+        used += n
+    kv_cache = torch.randn(len(perm), page_size, 576, generator=g).bfloat16()
+    q = torch.randn(len(lens) * s_q, heads, 576, generator=g).bfloat16()
+    md = MLADecodeMetadata.from_block_table(table, torch.tensor(lens, dtype=torch.int32), page_size, q_len=s_q)
+    out, lse = mla_decode(q.to(device), kv_cache.to(device), md.to(device), SCALE, return_lse=True)
+    ref, ref_lse = mla_decode_reference(q[..., :512], q[..., 512:], kv_cache, md, SCALE)
+
+    def rel(a, b, la, lb):
+        if not torch.equal(torch.isinf(la), torch.isinf(lb)) or torch.isnan(a).any():
+            return math.inf
+        finite = torch.isfinite(lb)
+        lse_err = (la[finite].double() - lb[finite].double()).abs().max().item() if finite.any() else 0.0
+        return max((a.double() - b.double()).abs().max().item() / b.double().abs().max().item(), lse_err)
+
+    err_op = rel(out.cpu(), ref, lse.cpu(), ref_lse)
+    naive = [naive_attention(q[r * s_q:(r + 1) * s_q], kv_cache.view(-1, 576), table[r].tolist(), n, page_size, SCALE)
+             for r, n in enumerate(lens)]
+    err_ref = rel(ref, torch.cat([o for o, _ in naive]), ref_lse, torch.cat([x for _, x in naive]))
+    return err_op, err_ref
+
+
+def selfcheck(_args=None) -> int:
+    import torch
+
+    from . import __version__
+    from .dispatch import REFERENCE, select_impl
+
+    print(f"mla-backend {__version__} selfcheck")
+    print(f"  python    {platform.python_version()}")
+    print(f"  torch     {torch.__version__}")
+    print(f"  tilelang  {_tilelang_status()}")
+    print(f"  vllm      {_version('vllm')}")
+    print(f"  sglang    {_version('sglang')}")
+    device, desc = _device_line(torch)
+    print(f"device: {desc}")
+    for heads in (128, 16):
+        c = select_impl(device, torch.bfloat16, torch.bfloat16, heads, 1, 64)
+        print(f"dispatch: DeepSeek-V3 bf16, {heads} heads, page 64, s_q 1 -> {c.impl} ({c.reason})")
+    choice = select_impl(device, torch.bfloat16, torch.bfloat16, 16, 1, 64)
+    if choice.impl == REFERENCE:
+        print(f"running the reference path (PyTorch, fp32 accumulation) because there is no GPU kernel for this "
+              f"device: {choice.reason}; checking it against a naive dense softmax attention")
+    else:
+        print(f"running {choice.impl} against the fp32 reference (and the reference against a naive attention)")
+    # bf16 output: ~2^-8 relative rounding, plus accumulation order differences in the kernel
+    tol = 2e-2
+    ok = True
+    for page_size in (16, 64):
+        for s_q in (1, 2):
+            err_op, err_ref = _check_case(torch, device, page_size, s_q, 16, seed=page_size * 10 + s_q)
+            good = err_op <= tol and err_ref <= tol
+            ok &= good
+            print(f"  page {page_size:2d}, s_q {s_q}, 16 heads, lengths 0/1/s_q/2p+3/300: "
+                  f"op vs reference {err_op:.1e}, reference vs naive {err_ref:.1e} {'ok' if good else 'FAIL'}")
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def bench(argv: list[str]) -> int:
+    try:
+        from . import bench as bench_module
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.bench":
+            raise
+        print("mla-backend bench: mla_backend/bench.py is not in this install yet", file=sys.stderr)
+        return 2
+    return int(bench_module.main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mla-backend", description="MLA paged decode backend: self-check, benchmark")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("selfcheck", help="versions, device, dispatch choice and a correctness check (default)")
+    sub.add_parser("bench", help="the decode benchmark: every later argument goes to mla_backend.bench.main")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # forwarded untouched: argparse would try to parse the benchmark's own options
+        return bench(argv[1:])
+    return selfcheck(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

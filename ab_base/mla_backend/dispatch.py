@@ -1,0 +1,114 @@
+"""Picks the fastest implementation available for a device and problem, and says why."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.configs import MAX_HEADS, MAX_Q_LEN, SUPPORTED_PAGE_SIZES
+
+logger = logging.getLogger("mla_backend")
+
+REFERENCE = "reference"
+TILELANG_SM90 = "tilelang-sm90"
+TILELANG_GFX942 = "tilelang-gfx942"
+IMPLS = ("auto", REFERENCE, TILELANG_SM90, TILELANG_GFX942)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# What the engine plugins ask the op for (both engines read it at startup).
+ENV_IMPL = "MLA_BACKEND_IMPL"
+_LEGACY_ENV_IMPL = "MLA_BACKEND_SGLANG_IMPL"  # the SGLang plugin's earlier name, still honoured
+
+
+def engine_impl_request() -> str:
+    """``$MLA_BACKEND_IMPL`` (default "auto"): e.g. "tilelang-gfx942" opts an engine into the MI300X kernel."""
+    value = os.environ.get(ENV_IMPL) or os.environ.get(_LEGACY_ENV_IMPL) or "auto"
+    if value not in IMPLS:
+        raise ValueError(f"{ENV_IMPL}={value!r} is not supported; expected one of {IMPLS}")
+    return value
+
+
+@dataclass(frozen=True)
+class Choice:
+    impl: str
+    reason: str
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(device: torch.device) -> tuple[str | None, str]:
+    """``("sm90" | "gfx942" | None, why)`` for a device."""
+    if device.type != "cuda":
+        return None, f"no GPU kernel for device type '{device.type}'"
+    if not torch.cuda.is_available():
+        return None, "torch reports no usable GPU"
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip is not None:
+        arch = getattr(props, "gcnArchName", "").split(":")[0]
+        return ("gfx942", arch) if arch == "gfx942" else (None, f"AMD {arch} has no kernel config (gfx942 only)")
+    if props.major == 9:
+        return "sm90", f"{props.name} (sm_{props.major}{props.minor})"
+    return None, f"{props.name} is sm_{props.major}{props.minor}; the TileLang kernels target sm_90 (Hopper)"
+
+
+@functools.lru_cache(maxsize=None)
+def tilelang_available() -> bool:
+    return importlib.util.find_spec("tilelang") is not None
+
+
+def kernel_unsupported(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, q_len: int | None,
+                       page_size: int) -> str | None:
+    """Why the kernels cannot run this problem, or None when they can."""
+    if dtype not in KERNEL_DTYPES:
+        return f"q dtype {dtype} (kernels take float16/bfloat16)"
+    if kv_dtype != dtype and kv_dtype != torch.float8_e4m3fn:
+        return f"kv_cache dtype {kv_dtype} with q {dtype} (kernels take the q dtype or float8_e4m3fn)"
+    if not 1 <= num_heads <= MAX_HEADS:
+        return f"num_heads={num_heads} (kernels take 1..{MAX_HEADS})"
+    if q_len is None or not 1 <= q_len <= MAX_Q_LEN:
+        return f"q_len={q_len} (kernels take a uniform 1..{MAX_Q_LEN} queries per request)"
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        return f"page_size={page_size} (kernels take {', '.join(map(str, SUPPORTED_PAGE_SIZES))})"
+    return None
+
+
+def select_impl(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
+                q_len: int | None, page_size: int, requested: str = "auto") -> Choice:
+    """Resolve ``requested`` ("auto" or an impl name) to an implementation; raise if an explicit one can't run."""
+    if requested not in IMPLS:
+        raise ValueError(f"mla_decode: impl={requested!r} is not supported; expected one of {IMPLS}")
+    if requested == REFERENCE:
+        return Choice(REFERENCE, "requested")
+    arch, why = device_arch(device)
+    problem = kernel_unsupported(dtype, kv_dtype, num_heads, q_len, page_size)
+    if arch is not None and not tilelang_available():
+        arch, why = None, "tilelang is not installed"
+    if problem is None and arch == "gfx942" and kv_dtype == torch.float8_e4m3fn:
+        # The fp8 staging tile takes the gfx942 config to 76800 B of LDS; MI300X has 64 KB per workgroup.
+        problem = "kv_cache: a float8_e4m3fn cache is not supported by the gfx942 kernel (LDS), use bf16/fp16"
+    if arch is None or problem is not None:
+        reason = why if arch is None else f"unsupported {problem}"
+        if requested != "auto":
+            raise ValueError(f"mla_decode: impl={requested!r} cannot run here: {reason}")
+        return Choice(REFERENCE, reason)
+    impl = TILELANG_SM90 if arch == "sm90" else TILELANG_GFX942
+    if impl == TILELANG_GFX942 and requested == "auto":
+        # Lowered for gfx942 in CI but never run on an MI300X: opt in explicitly (docs/amd.md).
+        return Choice(REFERENCE, f"{why}: the gfx942 kernel is unverified on hardware; pass impl={impl!r} to use it")
+    if requested not in ("auto", impl):
+        raise ValueError(f"mla_decode: impl={requested!r} cannot run on {why}; use {impl!r}")
+    return Choice(impl, why)
+
+
+_LOGGED: set = set()
+
+
+def log_choice(choice: Choice, key: tuple) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info("mla_backend: using %s for %s (%s)", choice.impl, key, choice.reason)

@@ -1,0 +1,79 @@
+"""Per-architecture tile configurations for the TileLang MLA decode kernels."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_rows: int  # query rows (q_len x heads) per tile; WGMMA needs 64 on sm90
+    block_n: int  # KV tokens per pipeline step
+    threads: int
+    num_stages: int
+    kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py), "ws", "seesaw" or "tws" (mla_decode_ws.py)
+
+
+# Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
+# plus 2 stages of 64-token KV (144 KB), P and TileLang's reduction scratch come to 228 KB: 1 KB too many,
+# so 32-token blocks with 3 stages (108 KB, more bytes in flight).
+SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
+# Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
+SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws")
+# Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
+# and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
+SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw")
+# Hopper, warp-specialised with transposed consumers where h x q_len <= 16 (S^T = K Q^T: tokens are WGMMA's M,
+# so 16 rows are not padded to 64), the "ws" kernel for other shapes. The default since session 7: on the H100
+# its fp8 producer (a whole block of loads in flight) makes the e4m3 cache 1.68x faster than bf16 (ws: 1.37x),
+# bf16 level with ws; 33/33 GPU tests under TileLang 0.1.9 and 0.1.11 (benchmarks/RESULTS.md).
+SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws")
+# MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
+# keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
+GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
+
+CONFIGS = {"sm90": SM90, "gfx942": GFX942}
+SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS, "seesaw": SM90_SEESAW, "tws": SM90_TWS}
+# MLA_BACKEND_SM90_KERNEL picks the Hopper kernel (benchmarks/RESULTS.md has them measured).
+SM90_KERNEL_ENV = "MLA_BACKEND_SM90_KERNEL"
+DEFAULT_SM90_KERNEL = "tws"
+
+
+def config_for(arch: str) -> KernelConfig:
+    """The tile configuration the kernels of ``arch`` ("sm90" or "gfx942") are built and planned with."""
+    if arch != "sm90":
+        return CONFIGS[arch]
+    name = os.environ.get(SM90_KERNEL_ENV, DEFAULT_SM90_KERNEL)
+    if name not in SM90_KERNELS:
+        raise ValueError(f"{SM90_KERNEL_ENV}={name!r} is not supported; expected one of {tuple(SM90_KERNELS)}")
+    return SM90_KERNELS[name]
+
+# What the kernels accept (the op validates against these before launching).
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+SUPPORTED_KV_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
+SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_HEADS = 128
+MAX_Q_LEN = 4
+# Most split-KV parts a plan may have: the combine kernel keeps one LSE per part of a request in shared memory.
+MAX_PARTS = 256
+
+
+def compat_pass_configs() -> dict:
+    """TileLang pass configs every kernel is compiled with (runtime.py) and lowered with (tests), keeping newer
+    TileLangs' lowering of these kernels as 0.1.9's. Only keys the installed TileLang knows (others reject unknown).
+
+    ``tl.if_stmt_binding_inline_replayable_binds`` (TileLang >= 0.1.11, default on): IfStmtBinding splits a guarded
+    body such as a request segment (``if blk_hi > blk_lo:``) into separately guarded statements and substitutes
+    its scalar binds (``tok0 = qo_indptr[req]``, ``kv_len = kv_lens[req]``, ...) at every use. The ws kernel's
+    consumer warpgroups then spill under their setmaxnreg budgets (0.1.12: 300 B, 0.1.15: 280 B; 0.1.9: none).
+    """
+    import tilelang
+
+    key = getattr(tilelang.PassConfigKey, "TL_IF_STMT_BINDING_INLINE_REPLAYABLE_BINDS", None)
+    return {} if key is None else {key.value if hasattr(key, "value") else key: False}
+
+
+def target_for_arch(arch: str) -> dict:
+    """TVM target in dict form: TileLang >= 0.1.11 (SGLang's pin) rejects the "cuda -arch=..." string form."""
+    return {"sm90": {"kind": "cuda", "arch": "sm_90a"}, "gfx942": {"kind": "hip", "mcpu": "gfx942"}}[arch]

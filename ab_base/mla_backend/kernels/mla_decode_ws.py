@@ -1,0 +1,1115 @@
+"""Warp-specialised TileLang MLA decode for Hopper (FlashMLA-style), same contract as ``mla_decode``.
+
+Drop-in alternative to :func:`mla_backend.kernels.mla_decode.build_decode_kernel`: same prim_func
+name, same argument list and order, same plan semantics (parts over the flattened (request, block)
+list, ``blocks_per_part``, direct write when a request lies in one part, partial slot ``part + req``,
+log2 partial LSE, natural-log final LSE, zeros / -inf for rows that see nothing, causal rule
+``pos < kv_len - q_len + row // num_heads + 1``, fp8 scale folded into S and O, clamped tail reads).
+The only difference visible to the host is the KV block size: 64 tokens, so the split planner must
+be built with ``block_n=SM90_WS.block_n`` (64) when this kernel is used. The combine kernel of
+``mla_decode`` is reused unchanged (it does not depend on the block size).
+
+Layout of one program (part, 64-row block), 384 threads = 3 warpgroups:
+
+* WG0 (threads 0..127, 240 regs), consumer 0: ``S = Q K^T`` over 576 dims (WGMMA, async + wait),
+  length / causal mask, online softmax (log2 domain, -inf safe), P (bf16/fp16) and the per-row
+  rescale ``alpha`` to shared memory, then ``O[:, :256] += P V[:, :256]``.
+* WG1 (threads 128..255, 168 regs), consumer 1: ``O[:, 256:] = alpha * O[:, 256:] + P V[:, 256:]``
+  from P in shared memory.
+* WG2 (threads 256..383, 80 regs), producer: gathers each 64-token KV block through the page table
+  into one of two shared buffers (cp.async, or for an fp8 cache: load, convert to fp16 in registers,
+  store), and each request segment's Q tile into the Q buffer.
+
+Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + dynamic):
+
+    Q          64 x 576 x 2             73728
+    KV x 2     2 x 64 x 576 x 2        147456
+    P          64 x 64 x 2               8192
+    alpha, l   2 x 64 x 4                 512
+    dynamic                            229888   (TileLang's dyn_shared_memory_buf)
+    mbarriers  10 x 8, static            1024   (nvcc pads static shared to the 1 KiB alignment
+                                                 of the dynamic buffer)
+    total                              230912   (1536 B to spare)
+
+There is no room for a separate fp8 staging tile (64 x 576 x 1 = 36864 B), so for an fp8 cache the
+producer loads with plain loads and converts in registers; the per-tensor ``k_scale`` is applied to S
+(through the softmax scale) and to O, as in ``mla_decode``. With an fp8 cache the ws kernel computes in
+fp16 whatever q's dtype: e4m3 -> fp16 is one hardware instruction per pair (``cvt.rn.f16x2.e4m3x2``;
+bf16 would take five), exact, and a bf16 q becomes fp16 x 2^-8 in shared memory (exact unless below
+2^-6, where the absolute error stays under 2^-17; overflow only above 2^24), the 2^8 undone in the
+softmax scale; P in fp16 is finer than in bf16. The output keeps q's dtype. The producer streams rows:
+it holds two rows per thread and keeps one row's 9 loads in flight while converting the other (the
+next block's first row during this block's second), issues a block's loads before waiting for its
+buffer, and first asks L2 for the rows of the block two ahead (``prefetch.global.L2``). The tws producer
+(whose consumers leave it 240 registers) holds 4 rows: the next block's two load while this block's two
+convert (docs/kernel-ws.md). The seesaw
+variant keeps the older path (bf16/fp16 tiles like q, bit moves + one exact multiply per pair, one row
+at a time: its producer has 56 registers).
+
+Synchronisation (mbarriers; arrive counts in threads). ``g`` is the block's index inside the part
+(``flat block - part * blocks_per_part``: a running counter that carries across requests, so the
+pipeline does not drain at a request boundary and a segment may have any number of blocks, odd
+included); ``s`` counts the non-empty request segments the program has started. A wait on parity
+``(n & 1) ^ 1`` waits for completion ``n - 1`` and passes at once on a fresh barrier (``n = 0``).
+
+    barrier        count  arrived by                      waited by (parity)
+    k_ready[b]      128   WG2, cp.async noinc / arrive    WG0, WG1 for block g (b = g & 1): (g >> 1) & 1
+    k_free[b]       256   WG0 + WG1 after block g         WG2 before filling block g: ((g >> 1) & 1) ^ 1
+    q_ready         128   WG2, cp.async noinc             WG0 before segment s's first S: s & 1
+    q_free          128   WG0 after segment s's last S    WG2 before loading Q of segment s: (s & 1) ^ 1
+    p_ready         128   WG0 after writing P, alpha(g)   WG1 for block g: g & 1
+    p_free          128   WG1 after reading P, alpha(g)   WG0 before writing P(g): (g & 1) ^ 1
+    l_ready         128   WG0 after writing l (segment s) WG1 at the end of segment s: s & 1
+    l_free          128   WG1 after reading l (segment s) WG0 before writing l(s): (s & 1) ^ 1
+
+docs/kernel-ws.md walks through the phases (request boundary, odd block count, empty segment, a part
+that touches several requests); tests/test_lowering_ws.py simulates them for random plans.
+"""
+
+import tilelang.language as T
+
+from .configs import SM90_WS, KernelConfig
+from .mla_decode import HEAD_DIM, KV_LORA_RANK, LN2, LOG2E, ROPE_DIM, make_store_rows, num_row_blocks
+
+HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
+
+
+# setmaxnreg budgets, multiples of 8. setmaxnreg moves registers between the warpgroups of a CTA, whose
+# pool is what it was launched with: 384 threads x 168 (launch bound). A sum above 3 x 168 = 504 per
+# thread slot, or a setmaxnreg.inc below the launch count, is an illegal instruction at run time.
+LAUNCH_REGS = 168
+REGS_PER_CTA_SLOT = 3 * LAUNCH_REGS
+REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
+# fp8 cache: the producer holds 2 rows x 144 B of raw bytes per thread (72 registers: one row's loads in
+# flight while the other converts); WG1 needs fewer there (it peaks at R153): 240 + 160 + 104 = 504.
+REGS_WG1_FP8, REGS_PRODUCER_FP8 = 160, 104
+# seesaw: both consumers hold an S tile, P and half of O (224 + 224 + 56 = 504; no spills with bf16)
+REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
+# tws, fp8 cache: the transposed consumers need few registers (ptxas: R97 / R63), so the producer takes them and
+# holds 4 rows of raw bytes (144 registers): the next block's two rows load while this block's two convert.
+REGS_TWS_FP8 = (160, 104, 240)
+
+
+def register_budget(fp8: bool, seesaw: bool = False, transposed: bool = False) -> tuple[int, int, int]:
+    """setmaxnreg of (WG0, WG1, producer) for a kernel variant (``transposed``: tws with h x q_len <= 16)."""
+    if seesaw:
+        return REGS_SEESAW, REGS_SEESAW, REGS_SEESAW_PRODUCER
+    if transposed and fp8:
+        return REGS_TWS_FP8
+    return (REGS_WG0, REGS_WG1_FP8, REGS_PRODUCER_FP8) if fp8 else (REGS_WG0, REGS_WG1, REGS_PRODUCER)
+
+
+def grows(count: int) -> int:
+    """setmaxnreg direction for a role's budget: 1 (.inc) from the launch count up, 0 (.dec) below it.
+    The seesaw consumers always grow; the other roles' direction depends on the variant."""
+    return 1 if count >= LAUNCH_REGS else 0
+
+
+# Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range
+# (its cross-warp reductions, tws only, use 1 and 2).
+WG0_NAMED_BARRIER = 15
+
+# tws ("transposed"): where the rows (h x q_len) fit in TWS_COLS, the consumers compute S^T = K Q^T with the 64
+# KV tokens as WGMMA's M and the rows as N (m64n16), and O^T = V^T P^T, instead of padding the rows to M = 64:
+# a quarter of the tensor work, of the Q tile and of its shared-memory reads. Softmax runs down the columns.
+TWS_COLS = 16
+TWS_TILE = 64  # output dims per WGMMA (M) tile of O^T
+
+SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one block may opt into on H100 / H200
+
+# A bf16 q read by the fp16 (fp8-cache) kernel is stored as fp16 x 2^-Q_F16_SHIFT.
+Q_F16_SHIFT = 8
+
+# Device helpers pasted into the generated CUDA (T.Kernel prelude).
+# e4m3 -> bf16 / fp16: put each byte in the high byte of a 16-bit lane, move exponent + mantissa down
+# into the target's fields (sign stays); the value is then x * 2^-(target bias - 7) for normal and
+# subnormal e4m3 alike, so one multiply by 2^120 (bf16) / 2^8 (fp16) restores it exactly.
+PRELUDE = r'''
+__device__ __forceinline__ void mla_l2_prefetch(const void* ptr) {  // the 128-byte line holding ptr
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(ptr));
+}
+// 16 bytes global -> registers. volatile, like the multiplies below: ptxas keeps volatile asm in program
+// order, so every load of a pass is issued before the first conversion (it interleaves them otherwise).
+__device__ __forceinline__ void mla_ldg16(void* dst, const void* src) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+template <bool kBF16>
+__device__ __forceinline__ unsigned mla_e4m3x2(unsigned word, unsigned selector) {
+  unsigned t = __byte_perm(word, 0u, selector);  // [0, b_lo, 0, b_hi]
+  unsigned v = (t & 0x80008000u) | ((t & 0x7F007F00u) >> (kBF16 ? 4 : 1));
+  unsigned r;
+  if (kBF16) asm volatile("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x7B807B80u));
+  else asm volatile("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(v), "r"(0x5C005C00u));
+  return r;
+}
+// fp16: the hardware conversion (sm_89+), one instruction per pair; the low byte goes to the low half.
+__device__ __forceinline__ void mla_e4m3x4_f16(unsigned word, unsigned& lo, unsigned& hi) {
+  asm volatile("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\n"
+               "cvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
+               : "=r"(lo), "=r"(hi) : "r"(word));
+}
+// 8 bf16 values in shared memory -> fp16 x 2^-Q_F16_SHIFT, in place (Q of a kernel that computes in fp16;
+// the factor keeps bf16's range: it overflows fp16 only above 2^24, and is undone exactly in the softmax scale).
+__device__ __forceinline__ void mla_bf16x8_to_f16(void* p) {
+  uint4 v = *reinterpret_cast<uint4*>(p);
+  unsigned* w = reinterpret_cast<unsigned*>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float lo = __uint_as_float(w[k] << 16) * MLA_Q_F16_SCALE, hi = __uint_as_float(w[k] & 0xFFFF0000u) * MLA_Q_F16_SCALE;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(hi), "f"(lo));
+  }
+  *reinterpret_cast<uint4*>(p) = v;
+}
+// 16 e4m3 values at src (16-byte aligned) -> 8 converted values at lo and 8 at hi (16 bytes each).
+template <bool kBF16>
+__device__ __forceinline__ void mla_e4m3x16_store(const void* src, void* lo, void* hi) {
+  uint4 in = *reinterpret_cast<const uint4*>(src);
+  uint4 a, b;
+  if (kBF16) {
+    a.x = mla_e4m3x2<kBF16>(in.x, 0x1404u); a.y = mla_e4m3x2<kBF16>(in.x, 0x3424u);
+    a.z = mla_e4m3x2<kBF16>(in.y, 0x1404u); a.w = mla_e4m3x2<kBF16>(in.y, 0x3424u);
+    b.x = mla_e4m3x2<kBF16>(in.z, 0x1404u); b.y = mla_e4m3x2<kBF16>(in.z, 0x3424u);
+    b.z = mla_e4m3x2<kBF16>(in.w, 0x1404u); b.w = mla_e4m3x2<kBF16>(in.w, 0x3424u);
+  } else {
+    mla_e4m3x4_f16(in.x, a.x, a.y); mla_e4m3x4_f16(in.y, a.z, a.w);
+    mla_e4m3x4_f16(in.z, b.x, b.y); mla_e4m3x4_f16(in.w, b.z, b.w);
+  }
+  *reinterpret_cast<uint4*>(lo) = a;
+  *reinterpret_cast<uint4*>(hi) = b;
+}
+'''.replace("MLA_Q_F16_SCALE", f"{2.0 ** -Q_F16_SHIFT!r}f")
+
+# Blocks ahead of the one being loaded whose rows the fp8 producer asks L2 for.
+FP8_PREFETCH_AHEAD = 2
+
+
+def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, transposed: bool = False) -> dict:
+    """Shared-memory bytes of the warp-specialised kernel (the docstring's table).
+
+    ``dynamic`` is what TileLang allocates (``dyn_shared_memory_buf``); the mbarriers are static
+    ``__shared__`` arrays, which nvcc pads to 1024 B so that the 1024-aligned dynamic buffer follows.
+    ``transposed`` (tws): Q and P have TWS_COLS rows, plus TileLang's scratch for the two cross-warp column
+    reductions (128 floats each).
+    """
+    q_rows = TWS_COLS if transposed else block_rows
+    parts = {
+        "q": q_rows * HEAD_DIM * elem_bytes,
+        "kv": 2 * block_n * HEAD_DIM * elem_bytes,
+        "p": q_rows * block_n * elem_bytes,
+        "alpha_l": 2 * q_rows * 4,
+    }
+    if transposed:
+        parts["reduce"] = 2 * 128 * 4
+    parts["dynamic"] = sum(parts.values())
+    parts["static"] = 1024
+    parts["total"] = parts["dynamic"] + parts["static"]
+    return parts
+
+
+# ---------------------------------------------------------------- pipeline protocol
+# The kernel computes every barrier index and parity with these functions (on TIR expressions), and
+# tests/test_lowering_ws.py runs the same functions (on ints) in a simulation of the three roles.
+# g: a block's index inside the part (0, 1, 2, ... across request boundaries); s: the index of a
+# non-empty request segment inside the part. A wait for completion n of a barrier uses parity n & 1;
+# waiting for completion n - 1 = -1 (parity 1) passes at once on a fresh barrier.
+
+def kv_buffer(g):
+    """Which of the two KV buffers block g uses."""
+    return g & 1
+
+
+def kv_ready_parity(g):
+    """Consumers of block g wait for completion g >> 1 of k_ready[g & 1] (its (g >> 1)-th fill)."""
+    return (g >> 1) & 1
+
+
+def kv_free_parity(g):
+    """The producer, before filling block g, waits for completion (g >> 1) - 1 of k_free[g & 1]."""
+    return ((g >> 1) & 1) ^ 1
+
+
+def p_ready_parity(g):
+    """WG1 waits for completion g of p_ready (P and alpha of block g written)."""
+    return g & 1
+
+
+def p_free_parity(g):
+    """WG0, before writing P(g), waits for completion g - 1 of p_free (WG1 done with P(g - 1))."""
+    return (g & 1) ^ 1
+
+
+def seg_ready_parity(s):
+    """q_ready / l_ready: wait for completion s (this segment's Q loaded / l written)."""
+    return s & 1
+
+
+def seg_free_parity(s):
+    """q_free / l_free: wait for completion s - 1 (the previous segment's Q / l no longer read)."""
+    return (s & 1) ^ 1
+
+
+def segment_first_block(part_lo, req_lo, blk_lo):
+    """g of a request segment's first block: its flat block index minus the part's first one."""
+    return req_lo + blk_lo - part_lo
+
+
+def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_lse: bool = True):
+    """tws segment epilogue: ``make_store_rows`` for a transposed accumulator ``acc [ndims, TWS_COLS]`` (dims
+    ``col0 .. col0 + ndims`` of 512 x rows; one row block). Columns past ``num_heads * q_len`` are padding."""
+    rows = num_heads * q_len
+    accum = "float32"
+
+    @T.macro
+    def store_cols(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, out, lse, out_partial, lse_partial):
+        for d, i in T.Parallel(ndims, TWS_COLS):
+            acc[d, i] = T.if_then_else(l_sum[i] > 0, acc[d, i] * kv_scale / l_sum[i], 0)
+        if direct:
+            for d, i in T.Parallel(ndims, TWS_COLS):
+                if i < rows:
+                    out[tok0 + i // num_heads, i % num_heads, col0 + d] = acc[d, i]
+            if with_lse:
+                for i in T.Parallel(TWS_COLS):
+                    if i < rows:
+                        lse[tok0 + i // num_heads, i % num_heads] = T.if_then_else(
+                            l_sum[i] > 0, (T.log2(l_sum[i]) + m_cur[i]) * LN2, -T.infinity(accum))
+        else:
+            for d, i in T.Parallel(ndims, TWS_COLS):
+                if i < rows:
+                    out_partial[slot, i, col0 + d] = acc[d, i]
+            if with_lse:
+                for i in T.Parallel(TWS_COLS):
+                    if i < rows:
+                        lse_partial[slot, i] = T.if_then_else(l_sum[i] > 0, T.log2(l_sum[i]) + m_cur[i],
+                                                              -T.infinity(accum))
+
+    return store_cols
+
+
+def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
+                           cfg: KernelConfig = SM90_WS):
+    """Returns the warp-specialised split-KV prim_func (Hopper only, sm_90a).
+
+    Arguments of the returned function: exactly those of ``build_decode_kernel`` (same order):
+        q_nope ``[num_tokens, H, 512]``, q_pe ``[num_tokens, H, 64]`` (``dtype``);
+        kv_cache ``[num_pages, page_size, 576]`` (``kv_dtype``); k_scale fp32 ``[1]``;
+        page_table int32 ``[num_entries]``; page_table_start, kv_lens int32 ``[batch]``;
+        qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]`` (64-token blocks);
+        part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``;
+        sm_scale fp32 ``[1]``;
+        out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
+        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2).
+    """
+    block_rows, block_n = cfg.block_rows, cfg.block_n
+    if (block_rows, block_n, cfg.threads) != (64, 64, 384):
+        raise ValueError(f"the warp-specialised kernel is written for 64 rows x 64 tokens x 384 threads, got {cfg}")
+    seesaw = cfg.kernel == "seesaw"
+    rows = num_heads * q_len
+    # tws: transposed consumers where the rows fit one m64n16 tile (one row block); the ws kernel otherwise
+    transposed = cfg.kernel == "tws" and rows <= TWS_COLS
+    q_rows = TWS_COLS if transposed else block_rows  # rows of the Q and P tiles
+    s_regs = block_n * q_rows // 128  # fp32 registers of S per consumer thread (128 per warpgroup)
+    n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
+    pad_rows = n_row_blocks * q_rows != rows  # the last row block has rows that are never stored
+    accum = "float32"
+    is_fp8 = kv_dtype != dtype
+    # each consumer warpgroup stores its 256 output columns; WG0 also owns the LSE
+    store_left = make_store_rows(num_heads, q_len, block_rows, HALF)
+    store_right = make_store_rows(num_heads, q_len, block_rows, HALF, col0=HALF, with_lse=False)
+    store_left_t = make_store_cols(num_heads, q_len, HALF)
+    store_right_t = [make_store_cols(num_heads, q_len, TWS_TILE, col0=HALF + k * TWS_TILE, with_lse=False)
+                     for k in range(HALF // TWS_TILE)]
+    # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
+    vec = 8  # dtype elements per 16-byte cp.async
+    # ws, fp8 cache: the producer keeps one row's loads in flight while it converts the other (next block's
+    # row 0 during this block's row 1); seesaw's 56-register producer loads and converts one row at a time
+    stream_fp8 = is_fp8 and not seesaw
+    # tws, fp8 cache: a whole block ahead, in two sets of two rows (set g & 1 holds block g's rows)
+    ahead_fp8 = stream_fp8 and transposed
+    fp8_rows = 1 if seesaw else 4 if ahead_fp8 else 2  # KV rows of raw bytes a producer thread holds
+    # ws with an fp8 cache computes in fp16 (shared tiles, P): e4m3 -> fp16 is one instruction per pair
+    # (bf16 takes five), exact, and fp16 holds P and the e4m3 values with more precision than bf16. A bf16
+    # q is converted in shared memory, times 2^-Q_F16_SHIFT (undone in the softmax scale).
+    cdtype = "float16" if stream_fp8 else dtype
+    q_to_f16 = cdtype != dtype
+    convert = "mla_e4m3x16_store<true>" if cdtype == "bfloat16" else "mla_e4m3x16_store<false>"
+    regs_wg0, regs_wg1, regs_producer = register_budget(is_fp8, seesaw, transposed)
+
+    num_tokens = T.dynamic("num_tokens")
+    batch = T.dynamic("batch")
+    num_pages = T.dynamic("num_pages")
+    num_entries = T.dynamic("num_entries")
+    num_parts = T.dynamic("num_parts")
+    num_slots = T.dynamic("num_slots")
+    # q is read through runtime (token, head) strides, as in mla_decode (the op guarantees 16-byte
+    # aligned rows for cp.async).
+    q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
+    q_pe_stride = (T.dynamic("q_pe_stride_t"), T.dynamic("q_pe_stride_h"), 1)
+
+    @T.macro
+    def load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t):
+        """cp.async of the segment's valid Q rows (rows past ``rows`` keep the zeros written at start)."""
+        for r in T.serial(q_rows // 16):
+            i = r * 16 + t // 8
+            if row0 + i < rows:
+                for u in T.serial(HALF // (8 * vec)):
+                    c = u * 8 * vec + (t % 8) * vec
+                    T.ptx_cp_async(
+                        T.access_ptr(q_l[i, c], "w", vec),
+                        T.access_ptr(q_nope[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, c], "r", vec),
+                        vec)
+                    T.ptx_cp_async(
+                        T.access_ptr(q_r[i, c], "w", vec),
+                        T.access_ptr(q_nope[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, HALF + c], "r", vec),
+                        vec)
+                T.ptx_cp_async(
+                    T.access_ptr(q_t[i, (t % 8) * vec], "w", vec),
+                    T.access_ptr(q_pe[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, (t % 8) * vec], "r", vec),
+                    vec)
+
+    @T.macro
+    def store_converted(raw, chunk, dst, j, c):
+        """16 e4m3 values of ``raw[chunk]`` -> ``dst[j, c .. c + 15]`` in ``cdtype``, as two 16-byte stores
+        (the shared tiles are swizzled in 16-byte units)."""
+        # tws: plain addresses, so TileLang's thread-sync pass sees no producer write to shared memory. Each
+        # thread writes only its own bytes and no producer thread reads them (the consumers wait on k_ready), yet
+        # for the access_ptr form TileLang 0.1.9 puts 0..8 named barriers among the producer warps per block, a
+        # different number from one compile of the same kernel to the next.
+        if ahead_fp8:
+            lo, hi = T.address_of(dst[j, c]), T.address_of(dst[j, c + 8])
+        else:
+            lo, hi = T.access_ptr(dst[j, c], "w", 8), T.access_ptr(dst[j, c + 8], "w", 8)
+        T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16), lo, hi))
+
+    def fp8_row(pos0, r, t, kv_len):
+        """Position of the fp8 producer thread t's row r (t // 4 + 32 r) of the block at pos0, tail clamped."""
+        return T.min(pos0 + r * 32 + t // 4, kv_len - 1)
+
+    @T.macro
+    def fp8_pages(page_table, pt0, pos0, kv_len, pages, t):
+        """pages[r]: the page holding row t // 4 + 32 r of the block at pos0 (tail rows clamped)."""
+        for r in T.unroll(2):
+            pages[r] = page_table[pt0 + fp8_row(pos0, r, t, kv_len) // page_size]
+
+    @T.macro
+    def fp8_issue_row(kv_cache, page, pos0, kv_len, raw, slot, r, t):
+        """Loads (no wait) this thread's 9 chunks of row t // 4 + 32 r of the block at pos0 into raw slot
+        ``slot``: chunks t % 4 + 4 k, k = 0..8 (512 latent dims, then 64 rope dims); 4 threads per row."""
+        p = fp8_row(pos0, r, t, kv_len)
+        for k in T.unroll(9):
+            T.evaluate(T.call_extern("handle", "mla_ldg16", T.access_ptr(raw[slot * 9 + k, 0], "w", 16),
+                                     T.access_ptr(kv_cache[page, p % page_size, k * 64 + (t % 4) * 16], "r", 16)))
+
+    @T.macro
+    def fp8_convert_row(raw, slot, r, kv_l, kv_r, k_t, t):
+        """raw slot ``slot`` (row t // 4 + 32 r) -> ``cdtype`` in the shared tiles (exact)."""
+        j = r * 32 + t // 4
+        for k in T.unroll(4):
+            store_converted(raw, slot * 9 + k, kv_l, j, k * 64 + (t % 4) * 16)
+        for k in T.unroll(4):
+            store_converted(raw, slot * 9 + 4 + k, kv_r, j, k * 64 + (t % 4) * 16)
+        store_converted(raw, slot * 9 + 8, k_t, j, (t % 4) * 16)
+
+    @T.macro
+    def fp8_block(kv_cache, pages, pos0, kv_len, has_next, raw, kv_l, kv_r, k_t, t):
+        """Second half of the ws producer's fp8 pipeline for one block (its buffer is free): row 0 is in
+        flight since the previous block, row 1 since just before the k_free wait. Converting row 0 frees
+        its registers for the next block's row 0, whose loads then overlap the conversion of row 1."""
+        fp8_convert_row(raw, 0, 0, kv_l, kv_r, k_t, t)
+        if has_next:
+            fp8_issue_row(kv_cache, pages[0], pos0 + block_n, kv_len, raw, 0, 0, t)
+        fp8_convert_row(raw, 1, 1, kv_l, kv_r, k_t, t)
+
+    @T.macro
+    def fp8_issue_block(kv_cache, pages, pos0, kv_len, raw, g, t):
+        """tws producer: loads (no wait) both of this thread's rows of block g (at pos0) into raw set
+        ``kv_buffer(g)`` (slots 2 set, 2 set + 1; constant in each branch, so raw stays in registers);
+        ``pages`` holds their pages."""
+        if kv_buffer(g) == 0:
+            for r in T.unroll(2):
+                fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, r, r, t)
+        else:
+            for r in T.unroll(2):
+                fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, 2 + r, r, t)
+
+    @T.macro
+    def fp8_convert_block(raw, row_set, kv_l, kv_r, k_t, t):
+        """tws producer: raw set ``row_set`` (this thread's 2 rows of a block) -> the block's shared tiles."""
+        for r in T.unroll(2):
+            fp8_convert_row(raw, 2 * row_set + r, r, kv_l, kv_r, k_t, t)
+
+    @T.macro
+    def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, raw, t):
+        """Gathers KV rows pos0 .. pos0 + 63 of one request into one buffer (3 tiles: 256 | 256 | 64 dims).
+
+        Rows past kv_len re-read row kv_len - 1 (their probabilities are 0): no page outside the
+        request is touched and no stale (possibly NaN) cache slot can reach P @ V.
+        """
+        if is_fp8:  # seesaw only (the ws producer streams rows: fp8_block below)
+            # 4 threads per row: thread t loads 16-byte chunks t % 4 + 4 k (k = 0..8: 512 latent dims, then
+            # 64 rope dims) of row t // 4 + 32 r, all 9 loads of a row before converting it.
+            for r in T.serial(2):
+                fp8_issue_row(kv_cache, page_table[pt0 + fp8_row(pos0, r, t, kv_len) // page_size], pos0, kv_len,
+                              raw, 0, r, t)
+                fp8_convert_row(raw, 0, r, kv_l, kv_r, k_t, t)
+        else:
+            for r in T.serial(block_n // 16):
+                j = r * 16 + t // 8
+                p = T.min(pos0 + j, kv_len - 1)
+                page = page_table[pt0 + p // page_size]
+                slot = p % page_size
+                for u in T.serial(HALF // (8 * vec)):
+                    c = u * 8 * vec + (t % 8) * vec
+                    T.ptx_cp_async(T.access_ptr(kv_l[j, c], "w", vec),
+                                   T.access_ptr(kv_cache[page, slot, c], "r", vec), vec)
+                    T.ptx_cp_async(T.access_ptr(kv_r[j, c], "w", vec),
+                                   T.access_ptr(kv_cache[page, slot, HALF + c], "r", vec), vec)
+                T.ptx_cp_async(T.access_ptr(k_t[j, (t % 8) * vec], "w", vec),
+                               T.access_ptr(kv_cache[page, slot, KV_LORA_RANK + (t % 8) * vec], "r", vec), vec)
+
+    @T.macro
+    def prefetch_block(kv_cache, page_table, pt0, pos0, kv_len, t):
+        """Asks L2 for the fp8 cache rows pos0 .. pos0 + 63 of one request: thread t takes half t % 2 of
+        row t // 2 (288 bytes, at most 4 lines: bytes 0, 128, 256 and 287 of the half). Per-thread line
+        prefetches: the bulk form takes a warp-uniform address and would loop over the warp's rows."""
+        p = pos0 + t // 2
+        if p < kv_len:
+            page = page_table[pt0 + p // page_size]
+            for u in T.unroll(4):
+                T.evaluate(T.call_extern("handle", "mla_l2_prefetch", T.access_ptr(
+                    kv_cache[page, p % page_size, (t % 2) * (HEAD_DIM // 2) + T.min(u * 128, HEAD_DIM // 2 - 1)],
+                    "r", 1)))
+
+    @T.macro
+    def score(q_l, q_r, q_t, kv_l, kv_r, k_t, acc_s):
+        """S = Q K^T (rows x tokens); tws: S^T = K Q^T (tokens x rows)."""
+        T.clear(acc_s)
+        if transposed:
+            T.wgmma_gemm(kv_l, q_l, acc_s, transpose_B=True)
+            T.wgmma_gemm(kv_r, q_r, acc_s, transpose_B=True)
+            T.wgmma_gemm(k_t, q_t, acc_s, transpose_B=True)
+        else:
+            T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
+            T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
+            T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(acc_s, num_regs=s_regs)  # S is read after the wait, not before
+
+    @T.macro
+    def score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s):
+        """S = Q K^T over the KV buffer holding block g."""
+        if kv_buffer(g) == 0:
+            score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s)
+        else:
+            score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s)
+
+    @T.macro
+    def pv_block(p, g, v0, v1, acc_o):
+        """acc_o += P V, V being this warpgroup's half of the KV buffer holding block g (tws: O^T += V^T P^T,
+        V read MN-major from the same tile, P [rows, tokens] as the K-major B operand)."""
+        if transposed:
+            if kv_buffer(g) == 0:
+                T.gemm(v0, p, acc_o, transpose_A=True, transpose_B=True)
+            else:
+                T.gemm(v1, p, acc_o, transpose_A=True, transpose_B=True)
+        elif kv_buffer(g) == 0:
+            T.gemm(p, v0, acc_o)
+        else:
+            T.gemm(p, v1, acc_o)
+
+    @T.macro
+    def mask_scale(acc_s, pos0, vis0, row0, scale_log2):
+        """Scale S to the log2 domain; -inf where the causal / length rule hides a position."""
+        if pos0 + block_n <= vis0 + row0 // num_heads:
+            # every position of the block is visible to every row of the tile
+            for i, j in T.Parallel(block_rows, block_n):
+                acc_s[i, j] = acc_s[i, j] * scale_log2
+        else:
+            for i, j in T.Parallel(block_rows, block_n):
+                acc_s[i, j] = T.if_then_else(pos0 + j < vis0 + (row0 + i) // num_heads,
+                                             acc_s[i, j] * scale_log2, -T.infinity(accum))
+
+    @T.macro
+    def pv_quarters(p, v, acc0, acc1, acc2, acc3):
+        """tws WG1: O^T[256:] += V^T P^T as four 64-dim WGMMA tiles (see the allocation), one wait."""
+        T.wgmma_gemm(v[:, 0:TWS_TILE], p, acc0, transpose_A=True, transpose_B=True)
+        T.wgmma_gemm(v[:, TWS_TILE:2 * TWS_TILE], p, acc1, transpose_A=True, transpose_B=True)
+        T.wgmma_gemm(v[:, 2 * TWS_TILE:3 * TWS_TILE], p, acc2, transpose_A=True, transpose_B=True)
+        T.wgmma_gemm(v[:, 3 * TWS_TILE:HALF], p, acc3, transpose_A=True, transpose_B=True)
+        T.wait_wgmma(0)
+
+    @T.macro
+    def mask_scale_t(acc_s, pos0, vis0, scale_log2):
+        """tws: mask_scale on S^T (tokens x rows; one row block, row0 = 0)."""
+        if pos0 + block_n <= vis0:
+            for j, i in T.Parallel(block_n, q_rows):
+                acc_s[j, i] = acc_s[j, i] * scale_log2
+        else:
+            for j, i in T.Parallel(block_n, q_rows):
+                acc_s[j, i] = T.if_then_else(pos0 + j < vis0 + i // num_heads, acc_s[j, i] * scale_log2,
+                                             -T.infinity(accum))
+
+    @T.macro
+    def zero_pad_rows(q_l, q_r, q_t, row0, barrier_id):
+        """Rows past `rows` (last row block only) stay zero in Q for the whole program: the producer only
+        ever writes the valid rows (disjoint bytes). Generic stores read by WGMMA (async proxy): fence,
+        then every warp of this warpgroup has its zeros in place before its first WGMMA."""
+        for i, d in T.Parallel(q_rows, HALF):
+            if row0 + i >= rows:
+                q_l[i, d] = T.cast(0, cdtype)
+                q_r[i, d] = T.cast(0, cdtype)
+        for i, d in T.Parallel(q_rows, ROPE_DIM):
+            if row0 + i >= rows:
+                q_t[i, d] = T.cast(0, cdtype)
+        T.fence_proxy_async()
+        T.sync_threads(barrier_id, 128)
+
+    @T.macro
+    def q_bf16_to_f16(q_l, q_r, q_t, t):
+        """WG0, after q_ready: the segment's bf16 Q (copied bit for bit into the fp16 tiles) -> fp16 x 2^-8,
+        in place, 16 bytes per call; padding rows are zeros in both formats. Then as in zero_pad_rows."""
+        for m in T.serial(q_rows // 4):
+            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_l[m * 4 + t // 32, (t % 32) * 8], "rw", 8)))
+            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_r[m * 4 + t // 32, (t % 32) * 8], "rw", 8)))
+        for m in T.serial(q_rows // 16):
+            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_t[m * 16 + t // 8, (t % 8) * 8], "rw", 8)))
+        T.fence_proxy_async()
+        T.sync_threads(WG0_NAMED_BARRIER, 128)
+
+    @T.macro
+    def exchange_l(l_part, l_mine, l_other, l_ready, l_free, seg):
+        """Seesaw epilogue: each consumer holds the row sums of the P tiles it made; both need the total."""
+        T.barrier_wait(l_free[0], seg_free_parity(seg))
+        for i in T.Parallel(block_rows):
+            l_mine[i] = l_part[i]
+        T.barrier_arrive(l_ready[0])
+        T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+        for i in T.Parallel(block_rows):
+            l_part[i] = l_part[i] + l_other[i]
+        T.barrier_arrive(l_free[0])
+
+    @T.prim_func
+    def mla_decode_split(
+        q_nope: T.StridedTensor([num_tokens, num_heads, KV_LORA_RANK], q_nope_stride, dtype),
+        q_pe: T.StridedTensor([num_tokens, num_heads, ROPE_DIM], q_pe_stride, dtype),
+        kv_cache: T.Tensor([num_pages, page_size, HEAD_DIM], kv_dtype),
+        k_scale: T.Tensor([1], accum),
+        page_table: T.Tensor([num_entries], "int32"),
+        page_table_start: T.Tensor([batch], "int32"),
+        kv_lens: T.Tensor([batch], "int32"),
+        qo_indptr: T.Tensor([batch + 1], "int32"),
+        cu_blocks: T.Tensor([batch + 1], "int32"),
+        part_begin_req: T.Tensor([num_parts], "int32"),
+        part_end_req: T.Tensor([num_parts], "int32"),
+        blocks_per_part: T.Tensor([1], "int32"),
+        sm_scale: T.Tensor([1], accum),
+        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        lse: T.Tensor([num_tokens, num_heads], accum),
+        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
+        lse_partial: T.Tensor([num_slots, rows], accum),
+    ):
+        with T.Kernel(num_parts, n_row_blocks, threads=384, prelude=PRELUDE if is_fp8 else None) as (part, row_block):
+            q_l = T.alloc_shared([q_rows, HALF], cdtype)
+            q_r = T.alloc_shared([q_rows, HALF], cdtype)
+            q_t = T.alloc_shared([q_rows, ROPE_DIM], cdtype)
+            kv0_l = T.alloc_shared([block_n, HALF], cdtype)
+            kv0_r = T.alloc_shared([block_n, HALF], cdtype)
+            k0_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
+            kv1_l = T.alloc_shared([block_n, HALF], cdtype)
+            kv1_r = T.alloc_shared([block_n, HALF], cdtype)
+            k1_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
+            p_shared = T.alloc_shared([q_rows, block_n], cdtype)
+            alpha_shared = T.alloc_shared([q_rows], accum)
+            l_shared = T.alloc_shared([q_rows], accum)
+
+            # S (rows x tokens) and O (rows x dims); tws: S^T and O^T
+            acc_s = T.alloc_fragment([block_n, q_rows] if transposed else [block_rows, block_n], accum)
+            acc_o_l = T.alloc_fragment([HALF, q_rows] if transposed else [block_rows, HALF], accum)
+            if transposed:
+                l_acc = T.alloc_fragment([block_n, q_rows], accum)  # WG0: per-thread partial column sums of P
+                # WG1's O^T as four 64-dim tiles: TileLang 0.1.9 gives a [256, 16] accumulator of the second
+                # warpgroup a thread-dependent register index (nvcc puts it in local memory); 64 rows do not
+                acc_o_r0 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+                acc_o_r1 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+                acc_o_r2 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+                acc_o_r3 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+            else:
+                acc_o_r = T.alloc_fragment([block_rows, HALF], accum)
+            m_prev = T.alloc_fragment([q_rows], accum)
+            m_cur = T.alloc_fragment([q_rows], accum)
+            alpha = T.alloc_fragment([q_rows], accum)
+            if not transposed:  # tws keeps per-thread sums (l_acc) instead
+                row_sum = T.alloc_fragment([q_rows], accum)
+            l_sum = T.alloc_fragment([q_rows], accum)
+            l_r = T.alloc_fragment([q_rows], accum)
+            alpha_r = T.alloc_fragment([q_rows], accum)
+            raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
+            if stream_fp8:  # (only then: TileLang 0.1.11's CUDA codegen was seen to crash with it unused)
+                pages = T.alloc_local([2], "int32")  # ws fp8 producer: pages of its 2 rows of the next block
+            if seesaw:  # WG1's own S / P / softmax state, and the row maxima / sums the consumers swap
+                acc_s_r = T.alloc_fragment([block_rows, block_n], accum)
+                p_frag_l = T.alloc_fragment([block_rows, block_n], cdtype)
+                p_frag_r = T.alloc_fragment([block_rows, block_n], cdtype)
+                m_run_r = T.alloc_fragment([block_rows], accum)
+                m_new_r = T.alloc_fragment([block_rows], accum)
+                m0_r = T.alloc_fragment([block_rows], accum)
+                row_max_r = T.alloc_fragment([block_rows], accum)
+                row_sum_r = T.alloc_fragment([block_rows], accum)
+                m_big_shared = T.alloc_shared([block_rows], accum)  # M: max after the pair's second block
+                l_r_shared = T.alloc_shared([block_rows], accum)
+                pc = T.alloc_var("int32")  # block pairs started by this program (per thread)
+
+            k_ready = T.alloc_barrier([128, 128])
+            k_free = T.alloc_barrier([256, 256])
+            q_ready = T.alloc_barrier(128)
+            # seesaw: both consumers read Q and swap l (256 arrivals); otherwise WG0 alone reads Q
+            q_free = T.alloc_barrier(256 if seesaw else 128)
+            p_ready = T.alloc_barrier(128)  # seesaw: P0 (and m0) of a pair written by WG0
+            p_free = T.alloc_barrier(128)  # seesaw: P1 (and M) of a pair written by WG1
+            l_ready = T.alloc_barrier(256 if seesaw else 128)
+            l_free = T.alloc_barrier(256 if seesaw else 128)
+
+            seg = T.alloc_var("int32")  # non-empty request segments started by this program (per thread)
+
+            tx = T.get_thread_binding()
+            row0 = row_block * block_rows
+            width = blocks_per_part[0]
+            part_lo = part * width
+            part_hi = T.min(part_lo + width, cu_blocks[batch])
+            kv_scale = k_scale[0]
+            scale_log2 = sm_scale[0] * kv_scale * LOG2E * (2.0 ** Q_F16_SHIFT if q_to_f16 else 1.0)
+
+            seg = 0
+            if seesaw:
+                pc = 0
+            if seesaw and tx < 128:
+                # ------------------------------------------------ seesaw WG0: even blocks' S and P, O[:, :256]
+                # Pair (a, b) of blocks (b may be missing at a segment's end), old max m:
+                #   m0 = max(m, rowmax S_a); P_a = exp2(S_a - m0) -> registers and shared (with m0)
+                #   O_L = O_L * 2^(m - m0) + P_a V_a[:, :256]      (P_a from registers)
+                #   [WG1: M = max(m0, rowmax S_b); P_b = exp2(S_b - M) -> shared (with M)]
+                #   O_L = O_L * 2^(m0 - M) + P_b V_b[:, :256]      (P_b from shared)
+                # l (row sums) of P_a stays here, of P_b in WG1; added in the epilogue.
+                T.set_max_nreg(REGS_SEESAW, 1)
+                if pad_rows:
+                    zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
+                    blk_lo = T.max(part_lo, req_lo) - req_lo
+                    blk_hi = T.min(part_hi, req_hi) - req_lo
+                    if blk_hi > blk_lo:
+                        tok0 = qo_indptr[req]
+                        vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
+                        g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                        n_blk = blk_hi - blk_lo
+                        n_pairs = (n_blk + 1) // 2
+                        T.fill(acc_o_l, 0)
+                        T.fill(l_sum, 0)
+                        T.fill(m_prev, -T.infinity(accum))  # m: running max
+                        T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                        for k in T.serial(n_pairs):
+                            ga = g0 + 2 * k
+                            T.barrier_wait(k_ready[kv_buffer(ga)], kv_ready_parity(ga))
+                            score_block(q_l, q_r, q_t, ga, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
+                            if k == n_pairs - 1:
+                                T.barrier_arrive(q_free[0])  # WG0's last read of this segment's Q
+                            mask_scale(acc_s, (blk_lo + 2 * k) * block_n, vis0, row0, scale_log2)
+                            T.reduce_max(acc_s, row_sum, dim=1, clear=True)
+                            for i in T.Parallel(block_rows):
+                                m_cur[i] = T.max(m_prev[i], row_sum[i])  # m0
+                                alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
+                                                          T.exp2(m_prev[i] - m_cur[i]))
+                            for i, j in T.Parallel(block_rows, block_n):
+                                acc_s[i, j] = T.exp2(acc_s[i, j]
+                                                     - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                            T.reduce_sum(acc_s, row_sum, dim=1)
+                            T.copy(acc_s, p_frag_l)
+                            # P_b of the previous pair is no longer read (WG0's own GEMM below waited)
+                            T.copy(p_frag_l, p_shared)
+                            for i in T.Parallel(block_rows):
+                                alpha_shared[i] = m_cur[i]  # m0 for WG1
+                            T.fence_proxy_async()
+                            T.barrier_arrive(p_ready[0])
+                            for i in T.Parallel(block_rows):
+                                l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                            for i, d in T.Parallel(block_rows, HALF):
+                                acc_o_l[i, d] *= alpha[i]
+                            pv_block(p_frag_l, ga, kv0_l, kv1_l, acc_o_l)
+                            T.barrier_arrive(k_free[kv_buffer(ga)])
+                            # WG1 has published M (and P_b when the pair has a second block)
+                            T.barrier_wait(p_free[0], pc & 1)
+                            for i in T.Parallel(block_rows):
+                                m_prev[i] = m_big_shared[i]
+                                alpha[i] = T.if_then_else(m_prev[i] == -T.infinity(accum), 1,
+                                                          T.exp2(m_cur[i] - m_prev[i]))
+                                l_sum[i] = l_sum[i] * alpha[i]
+                            for i, d in T.Parallel(block_rows, HALF):
+                                acc_o_l[i, d] *= alpha[i]
+                            if 2 * k + 1 < n_blk:
+                                T.barrier_wait(k_ready[kv_buffer(ga + 1)], kv_ready_parity(ga + 1))
+                                pv_block(p_shared, ga + 1, kv0_l, kv1_l, acc_o_l)
+                                T.barrier_arrive(k_free[kv_buffer(ga + 1)])
+                            pc = pc + 1
+                        exchange_l(l_sum, l_shared, l_r_shared, l_ready, l_free, seg)
+                        store_left(acc_o_l, l_sum, m_prev, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                   part + req, tok0, row0, out, lse, out_partial, lse_partial)
+                        seg = seg + 1
+            elif seesaw and tx < 256:
+                # ------------------------------------------------ seesaw WG1: odd blocks' S and P, O[:, 256:]
+                T.set_max_nreg(REGS_SEESAW, 1)
+                if pad_rows:
+                    zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER - 1)
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
+                    blk_lo = T.max(part_lo, req_lo) - req_lo
+                    blk_hi = T.min(part_hi, req_hi) - req_lo
+                    if blk_hi > blk_lo:
+                        tok0 = qo_indptr[req]
+                        vis0 = kv_lens[req] - q_len + 1
+                        g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                        n_blk = blk_hi - blk_lo
+                        n_pairs = (n_blk + 1) // 2
+                        T.fill(acc_o_r, 0)
+                        T.fill(l_r, 0)
+                        T.fill(m_run_r, -T.infinity(accum))
+                        T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                        for k in T.serial(n_pairs):
+                            ga = g0 + 2 * k
+                            if 2 * k + 1 < n_blk:
+                                T.barrier_wait(k_ready[kv_buffer(ga + 1)], kv_ready_parity(ga + 1))
+                                score_block(q_l, q_r, q_t, ga + 1, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s_r)
+                                mask_scale(acc_s_r, (blk_lo + 2 * k + 1) * block_n, vis0, row0, scale_log2)
+                                T.reduce_max(acc_s_r, row_max_r, dim=1, clear=True)
+                            else:
+                                T.fill(row_max_r, -T.infinity(accum))
+                            if k == n_pairs - 1:
+                                T.barrier_arrive(q_free[0])  # WG1's last read of this segment's Q
+                            T.barrier_wait(p_ready[0], pc & 1)  # P_a and m0 from WG0
+                            for i in T.Parallel(block_rows):
+                                m0_r[i] = alpha_shared[i]
+                                m_new_r[i] = T.max(m0_r[i], row_max_r[i])  # M
+                                alpha_r[i] = T.if_then_else(m0_r[i] == -T.infinity(accum), 1,
+                                                            T.exp2(m_run_r[i] - m0_r[i]))
+                                l_r[i] = l_r[i] * alpha_r[i]
+                            for i, d in T.Parallel(block_rows, HALF):
+                                acc_o_r[i, d] *= alpha_r[i]
+                            T.barrier_wait(k_ready[kv_buffer(ga)], kv_ready_parity(ga))
+                            pv_block(p_shared, ga, kv0_r, kv1_r, acc_o_r)
+                            T.barrier_arrive(k_free[kv_buffer(ga)])
+                            for i in T.Parallel(block_rows):
+                                alpha_r[i] = T.if_then_else(m_new_r[i] == -T.infinity(accum), 1,
+                                                            T.exp2(m0_r[i] - m_new_r[i]))
+                            if 2 * k + 1 < n_blk:
+                                for i, j in T.Parallel(block_rows, block_n):
+                                    acc_s_r[i, j] = T.exp2(acc_s_r[i, j] - T.if_then_else(
+                                        m_new_r[i] == -T.infinity(accum), 0, m_new_r[i]))
+                                T.reduce_sum(acc_s_r, row_sum_r, dim=1)
+                                T.copy(acc_s_r, p_frag_r)
+                                T.copy(p_frag_r, p_shared)  # P_a is no longer read: the GEMM above waited
+                            else:
+                                T.fill(row_sum_r, 0)
+                            for i in T.Parallel(block_rows):
+                                m_big_shared[i] = m_new_r[i]
+                            T.fence_proxy_async()
+                            T.barrier_arrive(p_free[0])
+                            for i in T.Parallel(block_rows):
+                                l_r[i] = l_r[i] * alpha_r[i] + row_sum_r[i]
+                                m_run_r[i] = m_new_r[i]
+                            for i, d in T.Parallel(block_rows, HALF):
+                                acc_o_r[i, d] *= alpha_r[i]
+                            if 2 * k + 1 < n_blk:
+                                pv_block(p_frag_r, ga + 1, kv0_r, kv1_r, acc_o_r)
+                                T.barrier_arrive(k_free[kv_buffer(ga + 1)])
+                            pc = pc + 1
+                        exchange_l(l_r, l_r_shared, l_shared, l_ready, l_free, seg)
+                        store_right(acc_o_r, l_r, l_r, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                    part + req, tok0, row0, out, lse, out_partial, lse_partial)
+                        seg = seg + 1
+            elif tx < 128:
+                if transposed:
+                    # ------------------------------------------------ tws WG0: S^T, softmax down columns, P, O^T[:256]
+                    # Same protocol as WG0 below; the running max is a cross-warp reduction per block, the row
+                    # sums stay per thread (l_acc, rescaled like O) until the segment's end.
+                    T.set_max_nreg(regs_wg0, grows(regs_wg0))
+                    if pad_rows:
+                        zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            tok0 = qo_indptr[req]
+                            vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                            n_blk = blk_hi - blk_lo
+                            T.fill(acc_o_l, 0)
+                            T.fill(l_acc, 0)
+                            T.fill(m_cur, -T.infinity(accum))
+                            T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                            if q_to_f16:
+                                q_bf16_to_f16(q_l, q_r, q_t, tx)
+                            for blk in T.serial(n_blk):
+                                g = g0 + blk
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
+                                if blk == n_blk - 1:
+                                    T.barrier_arrive(q_free[0])
+                                mask_scale_t(acc_s, (blk_lo + blk) * block_n, vis0, scale_log2)
+                                T.copy(m_cur, m_prev)
+                                T.reduce_max(acc_s, m_cur, dim=0, clear=False)
+                                for i in T.Parallel(q_rows):
+                                    alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
+                                                              T.exp2(m_prev[i] - m_cur[i]))
+                                for j, i in T.Parallel(block_n, q_rows):
+                                    acc_s[j, i] = T.exp2(acc_s[j, i]
+                                                         - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                                    l_acc[j, i] = l_acc[j, i] * alpha[i] + acc_s[j, i]
+                                T.barrier_wait(p_free[0], p_free_parity(g))
+                                for i in T.Parallel(q_rows):
+                                    alpha_shared[i] = alpha[i]
+                                for j, i in T.Parallel(block_n, q_rows):
+                                    p_shared[i, j] = acc_s[j, i]
+                                T.fence_proxy_async()
+                                T.barrier_arrive(p_ready[0])
+                                for d, i in T.Parallel(HALF, q_rows):
+                                    acc_o_l[d, i] *= alpha[i]
+                                pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
+                                T.barrier_arrive(k_free[kv_buffer(g)])
+
+                            T.reduce_sum(l_acc, l_sum, dim=0)
+                            T.barrier_wait(l_free[0], seg_free_parity(seg))
+                            for i in T.Parallel(q_rows):
+                                l_shared[i] = l_sum[i]
+                            T.barrier_arrive(l_ready[0])
+                            store_left_t(acc_o_l, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                         part + req, tok0, out, lse, out_partial, lse_partial)
+                            seg = seg + 1
+                else:
+                    # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
+                    T.set_max_nreg(REGS_WG0, 1)
+                    if pad_rows:
+                        zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)  # WG0 is Q's only reader
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            kv_len = kv_lens[req]
+                            tok0 = qo_indptr[req]
+                            vis0 = kv_len - q_len + 1  # row r sees positions < vis0 + r // H
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)  # g of the segment's first block
+                            n_blk = blk_hi - blk_lo
+                            T.fill(acc_o_l, 0)
+                            T.fill(l_sum, 0)
+                            T.fill(m_cur, -T.infinity(accum))
+                            T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                            if q_to_f16:
+                                q_bf16_to_f16(q_l, q_r, q_t, tx)
+                            for blk in T.serial(n_blk):
+                                g = g0 + blk
+                                pos0 = (blk_lo + blk) * block_n
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
+                                if blk == n_blk - 1:
+                                    T.barrier_arrive(q_free[0])  # last read of this segment's Q
+                                mask_scale(acc_s, pos0, vis0, row0, scale_log2)
+                                T.copy(m_cur, m_prev)
+                                T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+                                # A row that has seen nothing yet keeps max -inf: offset by 0 instead, so
+                                # exp2 gives 0, not NaN.
+                                for i in T.Parallel(block_rows):
+                                    alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
+                                                              T.exp2(m_prev[i] - m_cur[i]))
+                                for i, j in T.Parallel(block_rows, block_n):
+                                    acc_s[i, j] = T.exp2(acc_s[i, j]
+                                                         - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                                T.reduce_sum(acc_s, row_sum, dim=1)
+                                for i in T.Parallel(block_rows):
+                                    l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                                # WG1 has finished with P / alpha of block g - 1
+                                T.barrier_wait(p_free[0], p_free_parity(g))
+                                for i in T.Parallel(block_rows):
+                                    alpha_shared[i] = alpha[i]
+                                T.copy(acc_s, p_shared)
+                                T.fence_proxy_async()  # P: generic stores, read by WGMMA (async proxy)
+                                T.barrier_arrive(p_ready[0])
+                                for i, d in T.Parallel(block_rows, HALF):
+                                    acc_o_l[i, d] *= alpha[i]
+                                pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
+                                T.barrier_arrive(k_free[kv_buffer(g)])
+
+                            # epilogue: hand l to WG1, write O[:, :256] and the LSE
+                            T.barrier_wait(l_free[0], seg_free_parity(seg))
+                            for i in T.Parallel(block_rows):
+                                l_shared[i] = l_sum[i]
+                            T.barrier_arrive(l_ready[0])
+                            store_left(acc_o_l, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                       part + req, tok0, row0, out, lse, out_partial, lse_partial)
+                            seg = seg + 1
+            elif tx < 256:
+                if transposed:
+                    # ------------------------------------------------ tws WG1: O^T[256:]
+                    T.set_max_nreg(regs_wg1, grows(regs_wg1))
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            tok0 = qo_indptr[req]
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                            T.fill(acc_o_r0, 0)
+                            T.fill(acc_o_r1, 0)
+                            T.fill(acc_o_r2, 0)
+                            T.fill(acc_o_r3, 0)
+                            for blk in T.serial(blk_hi - blk_lo):
+                                g = g0 + blk
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                T.barrier_wait(p_ready[0], p_ready_parity(g))
+                                for i in T.Parallel(q_rows):
+                                    alpha_r[i] = alpha_shared[i]
+                                for d, i in T.Parallel(TWS_TILE, q_rows):
+                                    acc_o_r0[d, i] *= alpha_r[i]
+                                    acc_o_r1[d, i] *= alpha_r[i]
+                                    acc_o_r2[d, i] *= alpha_r[i]
+                                    acc_o_r3[d, i] *= alpha_r[i]
+                                if kv_buffer(g) == 0:
+                                    pv_quarters(p_shared, kv0_r, acc_o_r0, acc_o_r1, acc_o_r2, acc_o_r3)
+                                else:
+                                    pv_quarters(p_shared, kv1_r, acc_o_r0, acc_o_r1, acc_o_r2, acc_o_r3)
+                                T.barrier_arrive(p_free[0])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
+
+                            T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+                            for i in T.Parallel(q_rows):
+                                l_r[i] = l_shared[i]
+                            T.barrier_arrive(l_free[0])
+                            direct = req_lo // width == (req_hi - 1) // width
+                            store_right_t[0](acc_o_r0, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
+                                             out_partial, lse_partial)
+                            store_right_t[1](acc_o_r1, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
+                                             out_partial, lse_partial)
+                            store_right_t[2](acc_o_r2, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
+                                             out_partial, lse_partial)
+                            store_right_t[3](acc_o_r3, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
+                                             out_partial, lse_partial)
+                            seg = seg + 1
+                else:
+                    # ------------------------------------------------ WG1: O[:, 256:]
+                    T.set_max_nreg(regs_wg1, grows(regs_wg1))  # fp8's 160 is a .dec
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            tok0 = qo_indptr[req]
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                            T.fill(acc_o_r, 0)
+                            for blk in T.serial(blk_hi - blk_lo):
+                                g = g0 + blk
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                T.barrier_wait(p_ready[0], p_ready_parity(g))
+                                for i in T.Parallel(block_rows):
+                                    alpha_r[i] = alpha_shared[i]
+                                for i, d in T.Parallel(block_rows, HALF):
+                                    acc_o_r[i, d] *= alpha_r[i]
+                                pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
+                                T.barrier_arrive(p_free[0])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
+
+                            T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+                            for i in T.Parallel(block_rows):
+                                l_r[i] = l_shared[i]
+                            T.barrier_arrive(l_free[0])
+                            store_right(acc_o_r, l_r, l_r, kv_scale, req_lo // width == (req_hi - 1) // width,
+                                        part + req, tok0, row0, out, lse, out_partial, lse_partial)
+                            seg = seg + 1
+            else:
+                # ------------------------------------------------ WG2: producer
+                T.set_max_nreg(regs_producer, grows(regs_producer))
+                t = tx - 256
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
+                    blk_lo = T.max(part_lo, req_lo) - req_lo
+                    blk_hi = T.min(part_hi, req_hi) - req_lo
+                    if blk_hi > blk_lo:
+                        kv_len = kv_lens[req]
+                        tok0 = qo_indptr[req]
+                        pt0 = page_table_start[req]
+                        g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                        # Q of segment seg: WG0 has finished reading Q of segment seg - 1
+                        if is_fp8:  # the segment's first blocks (later ones are asked for FP8_PREFETCH_AHEAD ahead)
+                            for a in T.serial(FP8_PREFETCH_AHEAD):
+                                if blk_lo + a < blk_hi:
+                                    prefetch_block(kv_cache, page_table, pt0, (blk_lo + a) * block_n, kv_len, t)
+                        if ahead_fp8:  # the segment's first block (later ones: during the block before)
+                            fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
+                            fp8_issue_block(kv_cache, pages, blk_lo * block_n, kv_len, raw, g0, t)
+                            if blk_lo + 1 < blk_hi:
+                                fp8_pages(page_table, pt0, (blk_lo + 1) * block_n, kv_len, pages, t)
+                        elif stream_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
+                            fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
+                            fp8_issue_row(kv_cache, pages[0], blk_lo * block_n, kv_len, raw, 0, 0, t)
+                        T.barrier_wait(q_free[0], seg_free_parity(seg))
+                        load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
+                        T.cp_async_barrier_noinc(q_ready[0])
+                        for blk in T.serial(blk_hi - blk_lo):
+                            g = g0 + blk
+                            pos0 = (blk_lo + blk) * block_n
+                            if is_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
+                                prefetch_block(kv_cache, page_table, pt0, pos0 + FP8_PREFETCH_AHEAD * block_n, kv_len, t)
+                            if ahead_fp8:  # the next block's rows load while this one's convert (other set)
+                                if blk + 1 < blk_hi - blk_lo:
+                                    fp8_issue_block(kv_cache, pages, pos0 + block_n, kv_len, raw, g + 1, t)
+                                    if blk + 2 < blk_hi - blk_lo:
+                                        fp8_pages(page_table, pt0, pos0 + 2 * block_n, kv_len, pages, t)
+                            elif stream_fp8:  # loads go to registers: issue them before the buffer is free
+                                fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
+                                if blk + 1 < blk_hi - blk_lo:
+                                    fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
+                            # both consumers are done with the block that used this buffer before (g - 2)
+                            T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
+                            if ahead_fp8:
+                                if kv_buffer(g) == 0:
+                                    fp8_convert_block(raw, 0, kv0_l, kv0_r, k0_t, t)
+                                else:
+                                    fp8_convert_block(raw, 1, kv1_l, kv1_r, k1_t, t)
+                            elif stream_fp8:
+                                if kv_buffer(g) == 0:
+                                    fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
+                                              kv0_l, kv0_r, k0_t, t)
+                                else:
+                                    fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
+                                              kv1_l, kv1_r, k1_t, t)
+                            elif kv_buffer(g) == 0:
+                                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, raw, t)
+                            else:
+                                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, raw, t)
+                            if is_fp8:
+                                T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
+                                T.barrier_arrive(k_ready[kv_buffer(g)])
+                            else:
+                                T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
+                        seg = seg + 1
+                if part_hi > part_lo:
+                    # Tail: no producer thread exits with cp.async in flight. The part's last k_ready phase
+                    # completes once all 128 producer threads' copies have landed (a noinc arrival waits
+                    # for all of its thread's earlier cp.async, Q included). (cp.async.wait_group would
+                    # make TileLang add a named barrier whose id collides with WG0's.)
+                    T.barrier_wait(k_ready[kv_buffer(part_hi - part_lo - 1)], kv_ready_parity(part_hi - part_lo - 1))
+
+    return mla_decode_split
+
+
+def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
+                        cfg: KernelConfig = SM90_WS):
+    """Same name and parameters as ``mla_decode.build_decode_kernel`` (for a config-driven swap)."""
+    return build_decode_kernel_ws(num_heads, q_len, page_size, dtype, kv_dtype, cfg)

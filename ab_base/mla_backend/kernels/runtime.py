@@ -1,0 +1,115 @@
+"""Compile-once, cache-on-disk loading and launching of the TileLang decode kernels.
+
+A variant is keyed by (num_heads, q_len, page_size, dtype, kv_dtype, arch); batch, pages and lengths
+are runtime values, so an engine compiles each variant once (``warmup``) before graph capture.
+TileLang's own disk cache (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``) makes later
+processes load the binary instead of recompiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .configs import compat_pass_configs, config_for, target_for_arch
+
+logger = logging.getLogger("mla_backend")
+
+_TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8_e4m3"}
+
+
+@dataclass
+class CompileStats:
+    compiled: int = 0
+    seconds: float = 0.0
+    variants: tuple = ()
+
+
+STATS = CompileStats()
+_KERNELS: dict[tuple, tuple] = {}
+_LOCK = threading.Lock()
+
+
+def tl_dtype(dtype: torch.dtype) -> str:
+    return _TORCH_TO_TL[dtype]
+
+
+def _variant_key(variant: tuple) -> tuple:
+    """``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` plus the arch's current tile config."""
+    return (*variant, config_for(variant[-1]))
+
+
+def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype, arch: str):
+    """Returns the compiled ``(split, combine)`` kernels of one variant, compiling on first use.
+
+    The tile config (and so the kernel source) is ``config_for(arch)``; plans must use its ``block_n``.
+    """
+    key = _variant_key((num_heads, q_len, page_size, dtype, kv_dtype, arch))
+    cfg = key[-1]
+    kernels = _KERNELS.get(key)
+    if kernels is not None:
+        return kernels
+    with _LOCK:
+        if key in _KERNELS:
+            return _KERNELS[key]
+        import tilelang
+        from tilelang import tvm
+
+        from . import mla_decode, mla_decode_ws
+
+        build_decode_kernel = (mla_decode if cfg.kernel == "pipelined" else mla_decode_ws).build_decode_kernel
+        build_combine_kernel = mla_decode.build_combine_kernel
+        target = tvm.target.Target(target_for_arch(arch))
+        pass_configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True, **compat_pass_configs()}
+        start = time.perf_counter()
+        split = tilelang.compile(
+            build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
+            target=target, pass_configs=pass_configs)
+        combine = tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype)),
+                                   target=target, pass_configs=pass_configs)
+        seconds = time.perf_counter() - start
+        STATS.compiled += 1
+        STATS.seconds += seconds
+        STATS.variants += (key,)
+        # A disk-cache hit takes well under a second; a real compile takes several.
+        logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s (%s) ready in %.2fs (%s)", num_heads, q_len,
+                    page_size, dtype, kv_dtype, arch, cfg.kernel, seconds, "disk cache hit" if seconds < 1.5 else "compiled")
+        _KERNELS[key] = (split, combine)
+        return split, combine
+
+
+def _compile_one(variant: tuple) -> float:
+    start = time.perf_counter()
+    get_kernels(*variant)
+    return time.perf_counter() - start
+
+
+def warmup(variants: list[tuple], workers: int = 1) -> float:
+    """Compile ``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` variants before serving.
+
+    With ``workers > 1`` the variants compile in parallel subprocesses that fill TileLang's disk cache,
+    then this process loads them from it. Returns the wall time in seconds.
+    """
+    start = time.perf_counter()
+    todo = [v for v in dict.fromkeys(variants) if _variant_key(v) not in _KERNELS]
+    if workers > 1 and len(todo) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        try:
+            with concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), mp_context=ctx) as pool:
+                list(pool.map(_compile_one, todo))
+        except Exception as exc:  # noqa: BLE001 - the pool only pre-fills the disk cache
+            # Seen with TileLang 0.1.11: a spawned worker dies (BrokenProcessPool). Compile here instead.
+            logger.warning("mla_backend: parallel kernel compile failed (%s: %s); compiling serially",
+                           type(exc).__name__, exc)
+    for variant in todo:
+        get_kernels(*variant)
+    seconds = time.perf_counter() - start
+    logger.info("mla_backend: %d kernel variant(s) ready in %.1fs", len(dict.fromkeys(variants)), seconds)
+    return seconds

@@ -1,0 +1,126 @@
+"""Split-KV planner: cuts the flattened (request, KV block) work list into equal parts, on the GPU.
+
+No host sync and no ``.item()``: every output is a device tensor computed by a few torch ops, and
+the buffers' sizes depend only on (max batch, SM count, heads x q_len), so an engine can plan into
+persistent buffers outside a CUDA graph and replay the graph with new lengths.
+
+Part ``p`` covers flat blocks ``[p * W, min((p + 1) * W, total))`` with ``W = blocks_per_part``.
+A request covering blocks ``[cu[r], cu[r+1])`` is split iff ``cu[r] // W != (cu[r+1] - 1) // W``;
+its partial from part ``p`` goes to slot ``p + r``, so ``num_slots = num_parts + max_batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.configs import MAX_PARTS, config_for
+from .metadata import INDEX_DTYPE, MLADecodeMetadata
+
+# A part may hold a single block: the combine merges a request's partials with all their loads in flight, so
+# spreading a short batch over every SM wins (b=1, s=4096, h=16: 64 one-block parts instead of 16 of four).
+MIN_BLOCKS_PER_PART = 1
+KV_LORA_RANK = 512
+
+
+@dataclass
+class SplitPlan:
+    """Device buffers of one plan (shapes are maxima; the kernels read the first ``batch`` rows).
+
+    cu_blocks: int32 ``[max_batch + 1]`` prefix sum of KV blocks per request.
+    part_begin_req / part_end_req: int32 ``[num_parts]`` first / last request each part touches
+        (``end < begin`` for an empty part).
+    blocks_per_part: int32 ``[1]``.
+    out_partial: fp32 ``[num_parts + max_batch, rows, 512]``; lse_partial: fp32 ``[.., rows]`` (log2).
+    """
+
+    cu_blocks: torch.Tensor
+    part_begin_req: torch.Tensor
+    part_end_req: torch.Tensor
+    blocks_per_part: torch.Tensor
+    out_partial: torch.Tensor
+    lse_partial: torch.Tensor
+    num_parts: int
+    rows: int
+    block_n: int  # KV tokens per block of work: the kernel checks it equals its own block_n
+
+
+def num_parts_for(num_sms: int, num_heads: int, q_len: int, block_rows: int = 64) -> int:
+    """One part per SM and row block: ``rows`` tiles of 64 share the SMs (at most ``MAX_PARTS``)."""
+    row_blocks = -(-num_heads * q_len // block_rows)
+    return min(MAX_PARTS, max(1, num_sms // row_blocks))
+
+
+def default_block_n(device: torch.device) -> int:
+    """The KV block of the kernel that will run on ``device`` (Hopper's default config off-GPU)."""
+    from .dispatch import device_arch
+
+    arch = device_arch(device)[0] or "sm90"
+    return config_for(arch).block_n
+
+
+def device_sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+class SplitPlanner:
+    """Owns persistent plan buffers for up to ``max_batch`` requests; ``plan()`` refills them in place."""
+
+    def __init__(self, max_batch: int, num_heads: int, q_len: int, device: torch.device | str,
+                 num_sms: int | None = None, block_n: int | None = None):
+        device = torch.device(device)
+        self.max_batch, self.block_n = max_batch, block_n or default_block_n(device)
+        self.num_sms = num_sms or device_sm_count(device)
+        self.num_parts = num_parts_for(self.num_sms, num_heads, q_len)
+        rows = num_heads * q_len
+        i32 = dict(dtype=INDEX_DTYPE, device=device)
+        self._plan = SplitPlan(
+            cu_blocks=torch.zeros(max_batch + 1, **i32),
+            part_begin_req=torch.zeros(self.num_parts, **i32),
+            part_end_req=torch.zeros(self.num_parts, **i32),
+            blocks_per_part=torch.ones(1, **i32),
+            out_partial=torch.empty(self.num_parts + max_batch, rows, KV_LORA_RANK, dtype=torch.float32, device=device),
+            lse_partial=torch.empty(self.num_parts + max_batch, rows, dtype=torch.float32, device=device),
+            num_parts=self.num_parts,
+            rows=rows,
+            block_n=self.block_n,
+        )
+        self._part_ids = torch.arange(self.num_parts, **i32)
+
+    def plan(self, kv_lens: torch.Tensor) -> SplitPlan:
+        """Refill the plan for ``kv_lens`` (int32 ``[batch]``, batch <= max_batch); device ops only."""
+        batch = kv_lens.shape[0]
+        if batch > self.max_batch:
+            raise ValueError(f"batch {batch} exceeds the planner's max_batch {self.max_batch}")
+        p = self._plan
+        blocks = (kv_lens + (self.block_n - 1)) // self.block_n
+        cu = p.cu_blocks[: batch + 1]
+        torch.cumsum(blocks, 0, out=cu[1:])
+        total = cu[batch:]  # [1]
+        width = torch.clamp((total + (self.num_parts - 1)) // self.num_parts, min=MIN_BLOCKS_PER_PART)
+        p.blocks_per_part.copy_(width)
+        lo = self._part_ids * width
+        hi = torch.minimum(lo + width, total)
+        begin = torch.searchsorted(cu[1:], lo, right=True, out_int32=True)
+        end = torch.searchsorted(cu[1:], hi - 1, right=True, out_int32=True)
+        p.part_begin_req.copy_(begin)
+        # empty part (lo >= total): make the request loop run zero times
+        p.part_end_req.copy_(torch.where(hi > lo, end, begin - 1))
+        return p
+
+
+_PLANNERS: dict[tuple, SplitPlanner] = {}
+
+
+def plan_split_kv(metadata: MLADecodeMetadata, num_heads: int) -> SplitPlan:
+    """Plan for one call (standalone use). Engines keep a :class:`SplitPlanner` and plan once per step."""
+    batch = metadata.batch_size
+    key = (metadata.device, num_heads, metadata.q_len, default_block_n(metadata.device))
+    planner = _PLANNERS.get(key)
+    if planner is None or planner.max_batch < batch:
+        planner = SplitPlanner(max(batch, 1), num_heads, metadata.q_len or 1, metadata.device)
+        _PLANNERS[key] = planner
+    return planner.plan(metadata.kv_lens)

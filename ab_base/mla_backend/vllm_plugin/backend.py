@@ -1,0 +1,277 @@
+"""vLLM (0.26 .. 0.33) attention backend classes for the TileLang MLA decode op (imported by vLLM on selection).
+
+A thin adapter: prefill, chunked prefill, prefix caching, the KV-cache write and the W_UK / W_UV
+projections are all inherited from vLLM's MLA common classes; this module only turns vLLM's decode
+metadata into :class:`~mla_backend.MLADecodeMetadata` (see :mod:`.translate`) and calls
+:func:`~mla_backend.mla_decode` from ``forward_mqa``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonDecodeMetadata,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
+
+from ..dispatch import ENV_IMPL, REFERENCE, TILELANG_GFX942, engine_impl_request, select_impl, tilelang_available
+from ..kernels.configs import MAX_HEADS, MAX_Q_LEN
+from ..metadata import MLADecodeMetadata
+from ..op import mla_decode
+from .translate import DecodeMetadataBuilder, decode_q_len_limit
+
+# A child of vLLM's logger, so these lines appear in vLLM's log with its format and level.
+logger = init_logger("vllm.mla_backend")
+
+HEAD_SIZE = 576  # kv_lora_rank 512 + qk_rope_head_dim 64
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+_KV_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``forward_mqa`` sees the cache in for a vLLM ``--kv-cache-dtype``."""
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return torch.float8_e4m3fn
+    return _KV_DTYPE_NAMES.get(kv_cache_dtype, model_dtype)
+
+
+def config_problems(vllm_config: VllmConfig | None) -> list[str]:
+    """Engine settings this backend cannot serve (heads, spec-decode depth, context parallelism)."""
+    if vllm_config is None or vllm_config.model_config is None:
+        return []
+    problems = []
+    parallel = vllm_config.parallel_config
+    heads = vllm_config.model_config.get_num_attention_heads(parallel)
+    if heads > MAX_HEADS:
+        problems.append(f"{heads} query heads per GPU (the TileLang kernels take <= {MAX_HEADS}; raise "
+                        f"--tensor-parallel-size)")
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.num_speculative_tokens:
+        q_len = decode_q_len_limit(spec.num_speculative_tokens, bool(getattr(spec, "parallel_drafting", False)))
+        if q_len > MAX_Q_LEN:
+            problems.append(f"decode query length {q_len} (1 + drafts from num_speculative_tokens="
+                            f"{spec.num_speculative_tokens}); the TileLang kernels take <= {MAX_Q_LEN}")
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+        problems.append("decode context parallelism (DCP) is not supported")
+    if getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+        problems.append("prefill context parallelism (PCP) is not supported")
+    return problems
+
+
+def platform_problems() -> list[str]:
+    """ROCm: the gfx942 kernel lowers in CI but has not run on an MI300X, so it is opt-in (docs/amd.md)."""
+    try:
+        request = engine_impl_request()
+    except ValueError as exc:
+        return [str(exc)]
+    from vllm.platforms import current_platform
+
+    if current_platform.is_rocm() and request != TILELANG_GFX942:
+        return [f"on ROCm the TileLang gfx942 kernel is unverified on hardware; set {ENV_IMPL}={TILELANG_GFX942} "
+                "to use it (docs/amd.md)"]
+    return []
+
+
+class TileLangMLABackend(MLACommonBackend):
+    """DeepSeek-style MLA (head size 576) decode on Hopper through TileLang kernels."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", *FP8_KV_CACHE_DTYPES]
+
+    @staticmethod
+    def get_name() -> str:
+        # Must name an AttentionBackendEnum member: vLLM maps names back with AttentionBackendEnum[name].
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type["TileLangMLAImpl"]:
+        return TileLangMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["TileLangMLAMetadataBuilder"]:
+        return TileLangMLAMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(*args, **kwargs) -> list[int]:
+        # Exact sizes, not MultipleOf: a larger --block-size (e.g. 256) is split by vLLM into kernel
+        # blocks of the largest size here that divides it. (*args: vLLM >= 0.33 passes kv_cache_spec.)
+        return list(KERNEL_BLOCK_SIZES)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [HEAD_SIZE]
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        # sm_90 (H100 / H200); vLLM's ROCm platform reports MI300X (gfx942) as 9.4
+        return (capability.major, capability.minor) in ((9, 0), (9, 4))
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # vLLM >= 0.33 (adaptive verification of dspark drafts) may trim query lengths on the device only;
+        # the decode path plans from the host query_start_loc (one uniform q_len), so opt out and let
+        # validate_configuration refuse that combination. vLLM 0.26 never calls this.
+        return False
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        # vLLM >= 0.33 resolves one physical KV-cache layout for all layers (VLLM_KV_CACHE_LAYOUT, KV
+        # connectors). The kernels read a layer's cache as dense [num_pages, page_size, 576] pages, which
+        # only the layer-outermost layouts give (MLA has one KV head, so H's place does not matter);
+        # block-outermost ones (BL...) interleave the layers inside a block. vLLM 0.26 has no such hook:
+        # its MLA caches are always layer-outermost.
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+
+    @classmethod
+    def supports_combination(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                             block_size: int | None, use_mla: bool, has_sink: bool, use_sparse: bool,
+                             use_mm_prefix: bool, device_capability) -> str | None:
+        reasons = []
+        if not tilelang_available():
+            reasons.append("tilelang is not installed (pip install tilelang==0.1.9)")
+        if kv_cache_dtype in _KV_DTYPE_NAMES and _KV_DTYPE_NAMES[kv_cache_dtype] != dtype:
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype} with model dtype {dtype} (the kernels take the "
+                           f"model dtype or fp8)")
+        reasons += config_problems(get_current_vllm_config_or_none())
+        reasons += platform_problems()
+        return "; ".join(reasons) if reasons else None
+
+
+@dataclass
+class TileLangMLADecodeMetadata(MLACommonDecodeMetadata):
+    #: canonical metadata over persistent buffers, split plan attached
+    mla: MLADecodeMetadata | None = None
+
+
+@dataclass
+class TileLangMLAMetadata(MLACommonMetadata[TileLangMLADecodeMetadata]):
+    pass
+
+
+class TileLangMLAMetadataBuilder(MLACommonMetadataBuilder[TileLangMLAMetadata]):
+    # Full CUDA graphs for uniform decode batches, q_len = 1 + num_speculative_tokens included: every
+    # tensor the kernels read lives in persistent storage refilled by _build_decode (outside the graph).
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    # vLLM raises this to 1 + num_speculative_tokens (UNIFORM support), so MTP verify rows run here.
+    reorder_batch_threshold: int = 1
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, TileLangMLAMetadata)
+        route_core_logs()
+        problems = config_problems(vllm_config)
+        if self.reorder_batch_threshold > MAX_Q_LEN:
+            problems.append(f"decode query length up to {self.reorder_batch_threshold}; the kernels take "
+                            f"<= {MAX_Q_LEN}")
+        if problems:
+            raise ValueError("mla_backend (CUSTOM): " + "; ".join(problems))
+        q_lens = range(1, self.reorder_batch_threshold + 1)
+        self._decode = DecodeMetadataBuilder(vllm_config.scheduler_config.max_num_seqs, self.num_heads,
+                                             self.page_size, q_lens, device)
+        model_dtype = self.model_config.dtype
+        kv_dtype = kv_torch_dtype(vllm_config.cache_config.cache_dtype, model_dtype)
+        warm_up_kernels(torch.device(device), model_dtype, kv_dtype, self.num_heads, self.page_size,
+                        self._decode.q_lens, self._decode.plan_buffer_bytes())
+
+    def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor, max_seq_len: int,
+                      query_start_loc_cpu: torch.Tensor, query_start_loc_device: torch.Tensor,
+                      num_decode_tokens: int, dcp_tot_seq_lens_device: torch.Tensor | None,
+                      **kwargs) -> TileLangMLADecodeMetadata:
+        # vLLM passes keywords only; **kwargs takes what newer releases add (0.33: max_query_len).
+        mla = self._decode.build(block_table_tensor, seq_lens_device, query_start_loc_cpu, num_decode_tokens,
+                                 max_seq_len)
+        return TileLangMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
+                                         dcp_tot_seq_lens=dcp_tot_seq_lens_device, mla=mla)
+
+
+class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
+    can_return_lse_for_decode: bool = True  # natural-log LSE, as vLLM expects (lse_base_on_e)
+    supports_pcp: bool = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None, attn_type: str, kv_sharing_target_layer_name: str | None,
+                 **mla_args) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args)
+        unsupported = [name for name, value in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
+                                                ("logits_soft_cap", logits_soft_cap)) if value]
+        if attn_type != AttentionType.DECODER:
+            unsupported.append(f"attention type {attn_type}")
+        if not 1 <= num_heads <= MAX_HEADS:
+            unsupported.append(f"{num_heads} heads (1..{MAX_HEADS})")
+        if head_size != HEAD_SIZE or self.kv_lora_rank != 512 or self.qk_rope_head_dim != 64:
+            unsupported.append(f"head size {head_size} (kv_lora_rank {self.kv_lora_rank} + rope "
+                               f"{self.qk_rope_head_dim}); the kernels take 512 + 64")
+        if kv_cache_dtype not in TileLangMLABackend.supported_kv_cache_dtypes:
+            unsupported.append(f"kv_cache_dtype {kv_cache_dtype}")
+        unsupported += config_problems(get_current_vllm_config())
+        if unsupported:
+            raise NotImplementedError("TileLangMLAImpl (attention backend CUSTOM) does not support: "
+                                      + "; ".join(unsupported))
+        self._fp8_cache = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+        self._impl = engine_impl_request()  # "auto", or e.g. tilelang-gfx942 on an MI300X (opt-in)
+        # Keep q in the model dtype with an fp8 cache: the kernels dequantise K/V with k_scale.
+        self.supports_quant_query_input = False
+
+    def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
+                    attn_metadata: TileLangMLAMetadata, layer: AttentionLayer
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        decode = attn_metadata.decode
+        assert decode is not None and decode.mla is not None
+        result = mla_decode(q, kv_c_and_k_pe_cache, decode.mla, self.scale,
+                            k_scale=layer._k_scale if self._fp8_cache else None,
+                            return_lse=self.need_to_return_lse_for_decode, impl=self._impl, check_indices=False)
+        if self.need_to_return_lse_for_decode:
+            return result
+        return result, None
+
+
+def route_core_logs() -> None:
+    """Send the core's ``mla_backend`` logger (kernel choice, compile times) to vLLM's handlers, unless the
+    application configured logging itself."""
+    core, vllm_logger = logging.getLogger("mla_backend"), logging.getLogger("vllm")
+    if core.handlers or logging.getLogger().handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        core.addHandler(handler)
+    core.setLevel(vllm_logger.level)
+    core.propagate = False
+
+
+def warm_up_kernels(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, page_size: int,
+                    q_lens, plan_bytes: int = 0) -> list[tuple]:
+    """Compile (or load from TileLang's disk cache) every kernel variant the engine can launch, before vLLM
+    captures CUDA graphs. Returns the variant keys. Raises where the op would fall back to the reference
+    implementation on a GPU (it syncs the host and cannot be graph-captured)."""
+    if device.type != "cuda":
+        return []
+    variants = []
+    for q_len in q_lens:
+        choice = select_impl(device, dtype, kv_dtype, num_heads, q_len, page_size, engine_impl_request())
+        if choice.impl == REFERENCE:
+            raise RuntimeError(f"mla_backend (CUSTOM): no TileLang kernel for heads={num_heads} q_len={q_len} "
+                               f"page={page_size} {dtype}/{kv_dtype} on {device}: {choice.reason}")
+        variants.append((num_heads, q_len, page_size, dtype, kv_dtype, choice.impl.split("-", 1)[1]))
+    from ..kernels.runtime import warmup
+
+    # One process at a time: vLLM's workers may be daemonic and cannot start a compile pool.
+    seconds = warmup(variants, workers=1)
+    logger.info("mla_backend (vLLM CUSTOM): %d TileLang decode kernel(s) ready in %.1fs: heads=%d page=%d %s/%s "
+                "q_len=%s; split-KV plan buffers %.1f MiB", len(variants), seconds, num_heads, page_size, dtype,
+                kv_dtype, list(q_lens), plan_bytes / 2**20)
+    return variants
