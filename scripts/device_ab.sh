@@ -3,7 +3,8 @@
 # --shapes, graph + eager + per-kernel time) under each setting in AB_SETTINGS, all variants precompiled in
 # parallel first. A setting is "name:ENV=VAL,ENV=VAL" (empty env: the tree as is); "base" runs the package
 # extracted into ab_base/ (git archive <ref> mla_backend | tar -x -C ab_base) instead of the working tree.
-# Carry .devkit/unpack.sh, .devkit/tilelang-0.1.9.tar.xz and .devkit/vllm-deps.tar.xz (triton for do_bench).
+# Carry .devkit/unpack.sh, .devkit/tilelang-0.1.9.tar.xz, .devkit/vllm-deps.tar.xz (triton for do_bench) and, for
+# a "base" setting, ab_base (git-ignored).
 #   AB_SHAPES="1,4096,16,1,64;128,16384,128,1,64" AB_SETTINGS="base: new:" bash scripts/device_ab.sh
 set -o pipefail
 source .devkit/unpack.sh
