@@ -1,10 +1,10 @@
 #!/bin/bash
 # GPU machine: the kernel GPU tests of the working tree, then an A/B of our kernel alone (quick_time.py
 # --shapes, graph + eager + per-kernel time) under each setting in AB_SETTINGS, all variants precompiled in
-# parallel first. A setting is "name:ENV=VAL,ENV=VAL" (empty env: the tree as is); "base" runs the package
-# extracted into ab_base/ (git archive <ref> mla_backend | tar -x -C ab_base) instead of the working tree.
-# Carry .devkit/unpack.sh, .devkit/tilelang-0.1.9.tar.xz, .devkit/vllm-deps.tar.xz (triton for do_bench) and, for
-# a "base" setting, ab_base (git-ignored).
+# parallel first. A setting is "name:ENV=VAL,ENV=VAL" (empty env: the tree as is); a setting "x" runs the package
+# in ab_x/ where there is one (e.g. git archive <ref> mla_backend | tar -x -C ab_base), else the working tree.
+# Carry .devkit/unpack.sh, .devkit/tilelang-0.1.9.tar.xz, .devkit/vllm-deps.tar.xz (triton for do_bench) and the
+# ab_* trees (git-ignored) the settings name.
 #   AB_SHAPES="1,4096,16,1,64;128,16384,128,1,64" AB_SETTINGS="base: new:" bash scripts/device_ab.sh
 set -o pipefail
 source .devkit/unpack.sh
@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 SHAPES=${AB_SHAPES:?AB_SHAPES}
 SETTINGS=${AB_SETTINGS:-"new:"}
 
-tree_of() { [ "${1%%:*}" = base ] && echo "$PWD/ab_base" || echo "$PWD"; }
+tree_of() { [ -d "$PWD/ab_${1%%:*}" ] && echo "$PWD/ab_${1%%:*}" || echo "$PWD"; }  # setting "x:" runs ab_x/ if there
 env_of() { local e=${1#*:}; echo "${e//,/ }"; }
 
 # 1. correctness first: a hang (barrier protocol) costs the smoke's 90 s, not the call

@@ -258,8 +258,15 @@ def test_tws_kernel_lowers(lowered_tws, variant):
         # fp8: the producer's threads run independently (TileLang 0.1.9 put a varying number of named barriers
         # among them when it could see the converted stores), loading the next block while converting this one
         assert not list(named_barriers(sections["producer"])), "named barrier among the fp8 producer's warps"
-        # loads into each of the two row sets, at a segment's start and for the next block: 4 call sites
-        assert sections["producer"].count("mla_ldg16(") == 4
+        # loads into each of the two row sets at a segment's start (a loop over 2 rows: 2 call sites), and per
+        # block the next block's 2 rows into the other set (4)
+        producer = sections["producer"]
+        assert producer.count("mla_ldg16(") == 6
+        # every load counts on one scoreboard, so a conversion waits for all loads in flight: after the buffer
+        # is free (k_free), one conversion (it waits for this block's loads) comes before the next block's loads
+        after_free = producer[producer.index("k_free["):]
+        first_load = after_free.index("mla_ldg16(")
+        assert after_free[:first_load].count("mla_e4m3x16_store") == 1, "next block's loads issued before the drain"
     assert smem == ws.smem_budget(transposed=True)["dynamic"], f"dynamic shared memory {smem} B"
     assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 8, "expected 8 mbarrier arrays (10 barriers)"
 

@@ -42,7 +42,8 @@ it holds two rows per thread and keeps one row's 9 loads in flight while convert
 next block's first row during this block's second), issues a block's loads before waiting for its
 buffer, and first asks L2 for the rows of the block two ahead (``prefetch.global.L2``). The tws producer
 (whose consumers leave it 240 registers) holds 4 rows: the next block's two load while this block's two
-convert (docs/kernel-ws.md). The seesaw
+convert, issued after this block's first conversion (one scoreboard counts all of a thread's loads), and
+asks L2 for nothing past a segment's first two blocks (docs/kernel-ws.md). The seesaw
 variant keeps the older path (bf16/fp16 tiles like q, bit moves + one exact multiply per pair, one row
 at a time: its producer has 56 registers).
 
@@ -458,10 +459,28 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, 2 + r, r, t)
 
     @T.macro
-    def fp8_convert_block(raw, row_set, kv_l, kv_r, k_t, t):
-        """tws producer: raw set ``row_set`` (this thread's 2 rows of a block) -> the block's shared tiles."""
-        for r in T.unroll(2):
-            fp8_convert_row(raw, 2 * row_set + r, r, kv_l, kv_r, k_t, t)
+    def fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, n_left, pages, raw, row_set, kv_l, kv_r, k_t, t):
+        """tws producer, one block (its buffer is free): raw set ``row_set`` (this thread's 2 rows) -> the
+        block's shared tiles, and the next block's loads into the other set. ptxas counts all of a thread's
+        loads on one scoreboard, so a conversion waits for every load in flight: the next block's rows are
+        issued right after the first conversion (which waits for this block's, issued a block ago), not
+        before it, where that wait would include them and expose their whole latency every block. Then the
+        page entries of the block after. Conversions and loads are volatile asm, kept in this order by ptxas.
+        (No L2 prefetch here: L2 is the busy unit, and prefetches only added requests to it.)"""
+        slot = 2 * row_set
+        j = t // 4
+        store_converted(raw, slot * 9, kv_l, j, (t % 4) * 16)  # waits for this block's loads
+        if n_left > 1:
+            fp8_issue_row(kv_cache, pages[0], pos0 + block_n, kv_len, raw, 2 - slot, 0, t)
+            fp8_issue_row(kv_cache, pages[1], pos0 + block_n, kv_len, raw, 3 - slot, 1, t)
+            if n_left > 2:
+                fp8_pages(page_table, pt0, pos0 + 2 * block_n, kv_len, pages, t)
+        for k in T.unroll(3):
+            store_converted(raw, slot * 9 + 1 + k, kv_l, j, (k + 1) * 64 + (t % 4) * 16)
+        for k in T.unroll(4):
+            store_converted(raw, slot * 9 + 4 + k, kv_r, j, k * 64 + (t % 4) * 16)
+        store_converted(raw, slot * 9 + 8, k_t, j, (t % 4) * 16)
+        fp8_convert_row(raw, slot + 1, 1, kv_l, kv_r, k_t, t)
 
     @T.macro
     def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, raw, t):
@@ -671,7 +690,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             alpha_r = T.alloc_fragment([q_rows], accum)
             raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
             if stream_fp8:  # (only then: TileLang 0.1.11's CUDA codegen was seen to crash with it unused)
-                pages = T.alloc_local([2], "int32")  # ws fp8 producer: pages of its 2 rows of the next block
+                pages = T.alloc_local([2], "int32")  # fp8 producer: pages of its 2 rows of the next block
             if seesaw:  # WG1's own S / P / softmax state, and the row maxima / sums the consumers swap
                 acc_s_r = T.alloc_fragment([block_rows, block_n], accum)
                 p_frag_l = T.alloc_fragment([block_rows, block_n], cdtype)
@@ -1071,7 +1090,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         pt0 = page_table_start[req]
                         g0 = segment_first_block(part_lo, req_lo, blk_lo)
                         # Q of segment seg: WG0 has finished reading Q of segment seg - 1
-                        if is_fp8:  # the segment's first blocks (later ones are asked for FP8_PREFETCH_AHEAD ahead)
+                        # the segment's first blocks (ws / seesaw: later ones are asked for FP8_PREFETCH_AHEAD ahead)
+                        if is_fp8:
                             for a in T.serial(FP8_PREFETCH_AHEAD):
                                 if blk_lo + a < blk_hi:
                                     prefetch_block(kv_cache, page_table, pt0, (blk_lo + a) * block_n, kv_len, t)
@@ -1089,24 +1109,21 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         for blk in T.serial(blk_hi - blk_lo):
                             g = g0 + blk
                             pos0 = (blk_lo + blk) * block_n
-                            if is_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
+                            if is_fp8 and not ahead_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
                                 prefetch_block(kv_cache, page_table, pt0, pos0 + FP8_PREFETCH_AHEAD * block_n, kv_len, t)
-                            if ahead_fp8:  # the next block's rows load while this one's convert (other set)
-                                if blk + 1 < blk_hi - blk_lo:
-                                    fp8_issue_block(kv_cache, pages, pos0 + block_n, kv_len, raw, g + 1, t)
-                                    if blk + 2 < blk_hi - blk_lo:
-                                        fp8_pages(page_table, pt0, pos0 + 2 * block_n, kv_len, pages, t)
-                            elif stream_fp8:  # loads go to registers: issue them before the buffer is free
+                            if stream_fp8 and not ahead_fp8:  # loads go to registers: issue them before the buffer is free
                                 fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
                                 if blk + 1 < blk_hi - blk_lo:
                                     fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
                             # both consumers are done with the block that used this buffer before (g - 2)
                             T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
-                            if ahead_fp8:
+                            if ahead_fp8:  # (tws: the next block's loads are issued in there)
                                 if kv_buffer(g) == 0:
-                                    fp8_convert_block(raw, 0, kv0_l, kv0_r, k0_t, t)
+                                    fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
+                                                      pages, raw, 0, kv0_l, kv0_r, k0_t, t)
                                 else:
-                                    fp8_convert_block(raw, 1, kv1_l, kv1_r, k1_t, t)
+                                    fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
+                                                      pages, raw, 1, kv1_l, kv1_r, k1_t, t)
                             elif stream_fp8:
                                 if kv_buffer(g) == 0:
                                     fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
