@@ -904,8 +904,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.barrier_arrive(q_free[0])
                                 mask_scale_t(acc_s, (blk_lo + blk) * block_n, vis0, scale_log2)
                                 T.copy(m_cur, m_prev)
+                                # the scratch by plain address: its two halves alternate by block, so no barrier
+                                # is needed before the write (TileLang's thread-sync pass would add one)
                                 T.evaluate(T.call_extern("handle", "mla_colmax4", acc_s.data,
-                                                         m_cur.data, T.access_ptr(colmax_s[0], "rw", 128), g & 1))
+                                                         m_cur.data, T.address_of(colmax_s[0]), g & 1))
                                 for i in T.Parallel(q_rows):
                                     alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
                                                               T.exp2(m_prev[i] - m_cur[i]))
