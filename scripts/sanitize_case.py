@@ -1,6 +1,7 @@
 """Small decode cases for compute-sanitizer (memcheck / racecheck): every kernel the op launches
 (split planner, ws decode bf16 / fp8 / s_q=2 causal, combine) on ragged lengths incl. 0, 1, 63, 65,
-pages in random order, page sizes 1 / 16 / 64. Run once plain (compiles into TILELANG_CACHE_DIR),
+pages in random order, page sizes 1 / 16 / 64, and one long request beside short ones (split into more than 8
+parts: the combine's block-wide LSE reduction). Run once plain (compiles into TILELANG_CACHE_DIR),
 then under the sanitizer, which then only loads the cached kernels. Exits 1 on a wrong result."""
 import sys
 
@@ -8,13 +9,16 @@ import torch
 
 from mla_backend import MLADecodeMetadata, mla_decode, mla_decode_reference
 
-CASES = [  # (page_size, heads, q_len, fp8)
-    (64, 16, 1, False), (1, 16, 1, False), (16, 128, 2, False), (64, 16, 1, True), (16, 32, 2, True)]
+SHORT = (0, 1, 63, 65, 700, 130)
+LONG = (20000, 1, 65, 3)
+CASES = [  # (page_size, heads, q_len, fp8, kv lens)
+    (64, 16, 1, False, SHORT), (1, 16, 1, False, SHORT), (16, 128, 2, False, SHORT), (64, 16, 1, True, SHORT),
+    (16, 32, 2, True, SHORT), (64, 16, 1, False, LONG), (64, 16, 1, True, LONG)]
 
 
-def run_case(page_size: int, heads: int, q_len: int, fp8: bool) -> float:
+def run_case(page_size: int, heads: int, q_len: int, fp8: bool, kv_lens: tuple) -> float:
     torch.manual_seed(page_size * 7 + heads + q_len)
-    lens = torch.tensor([0, 1, 63, 65, 700, 130], dtype=torch.int32)
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
     pages_per_req = -(-int(lens.max()) // page_size)
     num_pages = pages_per_req * len(lens) + 3
     kv = torch.randn(num_pages, page_size, 576, device="cuda").bfloat16()
@@ -35,7 +39,8 @@ def main() -> int:
     bad = 0
     for case in CASES:
         err = run_case(*case)
-        print(f"page={case[0]:3d} h={case[1]:3d} s_q={case[2]} fp8={case[3]!s:5}: rel err {err:.2e}", flush=True)
+        print(f"page={case[0]:3d} h={case[1]:3d} s_q={case[2]} fp8={case[3]!s:5} lens={case[4]}: rel err {err:.2e}",
+              flush=True)
         bad += not err < 2e-2
     return 1 if bad else 0
 
