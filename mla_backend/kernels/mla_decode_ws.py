@@ -215,8 +215,8 @@ def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, tr
 
     ``dynamic`` is what TileLang allocates (``dyn_shared_memory_buf``); the mbarriers are static
     ``__shared__`` arrays, which nvcc pads to 1024 B so that the 1024-aligned dynamic buffer follows.
-    ``transposed`` (tws): Q and P have TWS_COLS rows, plus TileLang's scratch for the two cross-warp column
-    reductions (128 floats each).
+    ``transposed`` (tws): Q and P have TWS_COLS rows, plus 128 floats each for the column max exchange
+    (``mla_colmax4``, two halves by block parity) and TileLang's scratch for the column sums.
     """
     q_rows = TWS_COLS if transposed else block_rows
     parts = {
