@@ -427,11 +427,12 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                      T.access_ptr(kv_cache[page, p % page_size, k * 64 + (t % 4) * 16], "r", 16)))
 
     @T.macro
-    def fp8_convert_row(raw, slot, r, kv_l, kv_r, k_t, t):
-        """raw slot ``slot`` (row t // 4 + 32 r) -> ``cdtype`` in the shared tiles (exact)."""
+    def fp8_convert_row(raw, slot, r, kv_l, kv_r, k_t, t, first=0):
+        """raw slot ``slot`` (row t // 4 + 32 r) -> ``cdtype`` in the shared tiles (exact); ``first``: chunks
+        before it are already stored (0 or 1)."""
         j = r * 32 + t // 4
-        for k in T.unroll(4):
-            store_converted(raw, slot * 9 + k, kv_l, j, k * 64 + (t % 4) * 16)
+        for k in T.unroll(4 - first):
+            store_converted(raw, slot * 9 + first + k, kv_l, j, (first + k) * 64 + (t % 4) * 16)
         for k in T.unroll(4):
             store_converted(raw, slot * 9 + 4 + k, kv_r, j, k * 64 + (t % 4) * 16)
         store_converted(raw, slot * 9 + 8, k_t, j, (t % 4) * 16)
@@ -468,18 +469,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         page entries of the block after. Conversions and loads are volatile asm, kept in this order by ptxas.
         (No L2 prefetch here: L2 is the busy unit, and prefetches only added requests to it.)"""
         slot = 2 * row_set
-        j = t // 4
-        store_converted(raw, slot * 9, kv_l, j, (t % 4) * 16)  # waits for this block's loads
+        store_converted(raw, slot * 9, kv_l, t // 4, (t % 4) * 16)  # row 0's first chunk: waits for this block's loads
         if n_left > 1:
             fp8_issue_row(kv_cache, pages[0], pos0 + block_n, kv_len, raw, 2 - slot, 0, t)
             fp8_issue_row(kv_cache, pages[1], pos0 + block_n, kv_len, raw, 3 - slot, 1, t)
             if n_left > 2:
                 fp8_pages(page_table, pt0, pos0 + 2 * block_n, kv_len, pages, t)
-        for k in T.unroll(3):
-            store_converted(raw, slot * 9 + 1 + k, kv_l, j, (k + 1) * 64 + (t % 4) * 16)
-        for k in T.unroll(4):
-            store_converted(raw, slot * 9 + 4 + k, kv_r, j, k * 64 + (t % 4) * 16)
-        store_converted(raw, slot * 9 + 8, k_t, j, (t % 4) * 16)
+        fp8_convert_row(raw, slot, 0, kv_l, kv_r, k_t, t, 1)
         fp8_convert_row(raw, slot + 1, 1, kv_l, kv_r, k_t, t)
 
     @T.macro
