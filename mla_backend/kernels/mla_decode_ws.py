@@ -80,6 +80,7 @@ HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 # thread slot, or a setmaxnreg.inc below the launch count, is an illegal instruction at run time.
 LAUNCH_REGS = 168
 REGS_PER_CTA_SLOT = 3 * LAUNCH_REGS
+REGS_PER_SM = 65536
 REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
 # fp8 cache: the producer holds 2 rows x 144 B of raw bytes per thread (72 registers: one row's loads in
 # flight while the other converts); WG1 needs fewer there (it peaks at R153): 240 + 160 + 104 = 504.
@@ -89,6 +90,27 @@ REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
 # tws, fp8 cache: the transposed consumers need few registers (ptxas: R97 / R63), so the producer takes them and
 # holds 4 rows of raw bytes (144 registers): the next block's two rows load while this block's two convert.
 REGS_TWS_FP8 = (160, 104, 240)
+# tws, fp8 cache, TWS_FP8_PRODUCERS > 1 producer warpgroups taking blocks in turn, each with one set of raw
+# registers (its 2 rows of a block, 72 registers): a block's loads are issued when its producer has converted
+# the block TWS_FP8_PRODUCERS before, so they have that many blocks' time to land, less one conversion. One
+# warpgroup with two sets cannot do that: ptxas counts all of a thread's loads on one scoreboard, so each
+# conversion waits for every load the thread has in flight and the next block's loads get one block's time.
+TWS_FP8_PRODUCERS = 2
+REGS_TWS_FP8_RR = {2: (120, 80, 152), 3: (104, 64, 104)}
+
+
+def tws_fp8_producers() -> int:
+    return TWS_FP8_PRODUCERS
+
+
+def kernel_threads(fp8: bool, transposed: bool) -> int:
+    """Threads of a variant: two consumer warpgroups and one producer, or tws fp8's TWS_FP8_PRODUCERS."""
+    return 256 + 128 * (tws_fp8_producers() if fp8 and transposed else 1)
+
+
+def launch_regs(threads: int = 384) -> int:
+    """Registers per thread the launch bound leaves (a multiple of 8): 168 at 384 threads, 128 at 512."""
+    return REGS_PER_SM // threads // 8 * 8
 
 
 def register_budget(fp8: bool, seesaw: bool = False, transposed: bool = False) -> tuple[int, int, int]:
@@ -96,14 +118,14 @@ def register_budget(fp8: bool, seesaw: bool = False, transposed: bool = False) -
     if seesaw:
         return REGS_SEESAW, REGS_SEESAW, REGS_SEESAW_PRODUCER
     if transposed and fp8:
-        return REGS_TWS_FP8
+        return REGS_TWS_FP8 if tws_fp8_producers() == 1 else REGS_TWS_FP8_RR[tws_fp8_producers()]
     return (REGS_WG0, REGS_WG1_FP8, REGS_PRODUCER_FP8) if fp8 else (REGS_WG0, REGS_WG1, REGS_PRODUCER)
 
 
-def grows(count: int) -> int:
+def grows(count: int, threads: int = 384) -> int:
     """setmaxnreg direction for a role's budget: 1 (.inc) from the launch count up, 0 (.dec) below it.
     The seesaw consumers always grow; the other roles' direction depends on the variant."""
-    return 1 if count >= LAUNCH_REGS else 0
+    return 1 if count >= launch_regs(threads) else 0
 
 
 # Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range
@@ -352,7 +374,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     stream_fp8 = is_fp8 and not seesaw
     # tws, fp8 cache: a whole block ahead, in two sets of two rows (set g & 1 holds block g's rows)
     ahead_fp8 = stream_fp8 and transposed
-    fp8_rows = 1 if seesaw else 4 if ahead_fp8 else 2  # KV rows of raw bytes a producer thread holds
+    # tws, fp8 cache, several producer warpgroups: block g is converted by producer g % n_producers, from one set
+    n_producers = tws_fp8_producers() if ahead_fp8 else 1
+    rr_fp8 = n_producers > 1
+    threads = 256 + 128 * n_producers
+    fp8_rows = 1 if seesaw else 2 if rr_fp8 or not ahead_fp8 else 4  # KV rows of raw bytes a producer thread holds
     # ws with an fp8 cache computes in fp16 (shared tiles, P): e4m3 -> fp16 is one instruction per pair
     # (bf16 takes five), exact, and fp16 holds P and the e4m3 values with more precision than bf16. A bf16
     # q is converted in shared memory, times 2^-Q_F16_SHIFT (undone in the softmax scale).
@@ -521,6 +547,106 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     "r", 1)))
 
     @T.macro
+    def stream_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,
+                       pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, q_free, q_ready, k_free,
+                       k_ready, t):
+        """The producer warpgroup, one request segment (blocks blk_lo .. blk_hi - 1 of the request, g0 the first's
+        g): Q, then every block, through cp.async, or an fp8 cache's loads and conversions (ws, seesaw, tws with
+        one producer)."""
+        # Q of segment seg: WG0 has finished reading Q of segment seg - 1
+        # the segment's first blocks (ws / seesaw: later ones are asked for FP8_PREFETCH_AHEAD ahead)
+        if is_fp8:
+            for a in T.serial(FP8_PREFETCH_AHEAD):
+                if blk_lo + a < blk_hi:
+                    prefetch_block(kv_cache, page_table, pt0, (blk_lo + a) * block_n, kv_len, t)
+        if ahead_fp8:  # the segment's first block (later ones: during the block before)
+            fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
+            fp8_issue_block(kv_cache, pages, blk_lo * block_n, kv_len, raw, g0, t)
+            if blk_lo + 1 < blk_hi:
+                fp8_pages(page_table, pt0, (blk_lo + 1) * block_n, kv_len, pages, t)
+        elif stream_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
+            fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
+            fp8_issue_row(kv_cache, pages[0], blk_lo * block_n, kv_len, raw, 0, 0, t)
+        T.barrier_wait(q_free[0], seg_free_parity(seg))
+        load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
+        T.cp_async_barrier_noinc(q_ready[0])
+        for blk in T.serial(blk_hi - blk_lo):
+            g = g0 + blk
+            pos0 = (blk_lo + blk) * block_n
+            if is_fp8 and not ahead_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
+                prefetch_block(kv_cache, page_table, pt0, pos0 + FP8_PREFETCH_AHEAD * block_n, kv_len, t)
+            if stream_fp8 and not ahead_fp8:  # loads go to registers: issue them before the buffer is free
+                fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
+                if blk + 1 < blk_hi - blk_lo:
+                    fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
+            # both consumers are done with the block that used this buffer before (g - 2)
+            T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
+            if ahead_fp8:  # (tws: the next block's loads are issued in there)
+                if kv_buffer(g) == 0:
+                    fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
+                                      pages, raw, 0, kv0_l, kv0_r, k0_t, t)
+                else:
+                    fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
+                                      pages, raw, 1, kv1_l, kv1_r, k1_t, t)
+            elif stream_fp8:
+                if kv_buffer(g) == 0:
+                    fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
+                              kv0_l, kv0_r, k0_t, t)
+                else:
+                    fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
+                              kv1_l, kv1_r, k1_t, t)
+            elif kv_buffer(g) == 0:
+                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, raw, t)
+            else:
+                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, raw, t)
+            if is_fp8:
+                T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
+                T.barrier_arrive(k_ready[kv_buffer(g)])
+            else:
+                T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
+
+    @T.macro
+    def rr_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,
+                   pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, q_free, q_ready, k_free,
+                   k_ready, t):
+        """tws fp8, producer warpgroup ``pw`` of ``n_producers``, one request segment: its blocks are blk = first,
+        first + n, ... (g = g0 + blk, g % n == pw). This thread's two rows of a block are converted from the raw
+        registers, then the loads of the producer's next block are issued into them: no conversion of this thread
+        waits for those loads before that block's turn, n blocks later. Producer 0 also loads the segment's Q."""
+        n_blk = blk_hi - blk_lo
+        first = (pw + n_producers - g0 % n_producers) % n_producers
+        if first < n_blk:
+            fp8_pages(page_table, pt0, (blk_lo + first) * block_n, kv_len, pages, t)
+            for r in T.unroll(2):
+                fp8_issue_row(kv_cache, pages[r], (blk_lo + first) * block_n, kv_len, raw, r, r, t)
+            if first + n_producers < n_blk:
+                fp8_pages(page_table, pt0, (blk_lo + first + n_producers) * block_n, kv_len, pages, t)
+        if pw == 0:
+            T.barrier_wait(q_free[0], seg_free_parity(seg))
+            load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
+            T.cp_async_barrier_noinc(q_ready[0])
+        for i in T.serial((n_blk - first + n_producers - 1) // n_producers):
+            blk = first + i * n_producers
+            g = g0 + blk
+            pos0 = (blk_lo + blk) * block_n
+            T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
+            if kv_buffer(g) == 0:
+                fp8_convert_row(raw, 0, 0, kv0_l, kv0_r, k0_t, t)
+                fp8_convert_row(raw, 1, 1, kv0_l, kv0_r, k0_t, t)
+            else:
+                fp8_convert_row(raw, 0, 0, kv1_l, kv1_r, k1_t, t)
+                fp8_convert_row(raw, 1, 1, kv1_l, kv1_r, k1_t, t)
+            T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
+            T.barrier_arrive(k_ready[kv_buffer(g)])
+            if blk + n_producers < n_blk:
+                for r in T.unroll(2):
+                    fp8_issue_row(kv_cache, pages[r], pos0 + n_producers * block_n, kv_len, raw, r, r, t)
+                if blk + 2 * n_producers < n_blk:
+                    fp8_pages(page_table, pt0, pos0 + 2 * n_producers * block_n, kv_len, pages, t)
+
+    produce_segment = rr_segment if rr_fp8 else stream_segment
+
+    @T.macro
     def score(q_l, q_r, q_t, kv_l, kv_r, k_t, acc_s):
         """S = Q K^T (rows x tokens); tws: S^T = K Q^T (tokens x rows)."""
         T.clear(acc_s)
@@ -648,7 +774,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
         lse_partial: T.Tensor([num_slots, rows], accum),
     ):
-        with T.Kernel(num_parts, n_row_blocks, threads=384, prelude=PRELUDE if is_fp8 or transposed else None) as (part, row_block):
+        with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=PRELUDE if is_fp8 or transposed else None) as (part, row_block):
             q_l = T.alloc_shared([q_rows, HALF], cdtype)
             q_r = T.alloc_shared([q_rows, HALF], cdtype)
             q_t = T.alloc_shared([q_rows, ROPE_DIM], cdtype)
@@ -685,8 +811,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             l_r = T.alloc_fragment([q_rows], accum)
             alpha_r = T.alloc_fragment([q_rows], accum)
             raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
-            if stream_fp8:  # (only then: TileLang 0.1.11's CUDA codegen was seen to crash with it unused)
-                pages = T.alloc_local([2], "int32")  # fp8 producer: pages of its 2 rows of the next block
+            # fp8 producer: pages of its 2 rows of the next block (only then: TileLang 0.1.11's CUDA codegen was
+            # seen to crash with it unused)
+            pages = T.alloc_local([2], "int32") if stream_fp8 else None
             if seesaw:  # WG1's own S / P / softmax state, and the row maxima / sums the consumers swap
                 acc_s_r = T.alloc_fragment([block_rows, block_n], accum)
                 p_frag_l = T.alloc_fragment([block_rows, block_n], cdtype)
@@ -873,7 +1000,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     # ------------------------------------------------ tws WG0: S^T, softmax down columns, P, O^T[:256]
                     # Same protocol as WG0 below; the running max is a cross-warp reduction per block, the row
                     # sums stay per thread (l_acc, rescaled like O) until the segment's end.
-                    T.set_max_nreg(regs_wg0, grows(regs_wg0))
+                    T.set_max_nreg(regs_wg0, grows(regs_wg0, threads))
                     if pad_rows:
                         zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
                     for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
@@ -997,7 +1124,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             elif tx < 256:
                 if transposed:
                     # ------------------------------------------------ tws WG1: O^T[256:]
-                    T.set_max_nreg(regs_wg1, grows(regs_wg1))
+                    T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))
                     for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                         req_lo = cu_blocks[req]
                         req_hi = cu_blocks[req + 1]
@@ -1044,7 +1171,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             seg = seg + 1
                 else:
                     # ------------------------------------------------ WG1: O[:, 256:]
-                    T.set_max_nreg(regs_wg1, grows(regs_wg1))  # fp8's 160 is a .dec
+                    T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))  # fp8's 160 is a .dec
                     for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                         req_lo = cu_blocks[req]
                         req_hi = cu_blocks[req + 1]
@@ -1075,8 +1202,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             seg = seg + 1
             else:
                 # ------------------------------------------------ WG2: producer
-                T.set_max_nreg(regs_producer, grows(regs_producer))
-                t = tx - 256
+                T.set_max_nreg(regs_producer, grows(regs_producer, threads))
+                t = tx - 256 if n_producers == 1 else (tx - 256) % 128
+                pw = (tx - 256) // 128  # producer warpgroup (rr_fp8: it converts the blocks g with g % n == pw)
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
                     req_hi = cu_blocks[req + 1]
@@ -1087,57 +1215,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         tok0 = qo_indptr[req]
                         pt0 = page_table_start[req]
                         g0 = segment_first_block(part_lo, req_lo, blk_lo)
-                        # Q of segment seg: WG0 has finished reading Q of segment seg - 1
-                        # the segment's first blocks (ws / seesaw: later ones are asked for FP8_PREFETCH_AHEAD ahead)
-                        if is_fp8:
-                            for a in T.serial(FP8_PREFETCH_AHEAD):
-                                if blk_lo + a < blk_hi:
-                                    prefetch_block(kv_cache, page_table, pt0, (blk_lo + a) * block_n, kv_len, t)
-                        if ahead_fp8:  # the segment's first block (later ones: during the block before)
-                            fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
-                            fp8_issue_block(kv_cache, pages, blk_lo * block_n, kv_len, raw, g0, t)
-                            if blk_lo + 1 < blk_hi:
-                                fp8_pages(page_table, pt0, (blk_lo + 1) * block_n, kv_len, pages, t)
-                        elif stream_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
-                            fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
-                            fp8_issue_row(kv_cache, pages[0], blk_lo * block_n, kv_len, raw, 0, 0, t)
-                        T.barrier_wait(q_free[0], seg_free_parity(seg))
-                        load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
-                        T.cp_async_barrier_noinc(q_ready[0])
-                        for blk in T.serial(blk_hi - blk_lo):
-                            g = g0 + blk
-                            pos0 = (blk_lo + blk) * block_n
-                            if is_fp8 and not ahead_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
-                                prefetch_block(kv_cache, page_table, pt0, pos0 + FP8_PREFETCH_AHEAD * block_n, kv_len, t)
-                            if stream_fp8 and not ahead_fp8:  # loads go to registers: issue them before the buffer is free
-                                fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
-                                if blk + 1 < blk_hi - blk_lo:
-                                    fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
-                            # both consumers are done with the block that used this buffer before (g - 2)
-                            T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
-                            if ahead_fp8:  # (tws: the next block's loads are issued in there)
-                                if kv_buffer(g) == 0:
-                                    fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
-                                                      pages, raw, 0, kv0_l, kv0_r, k0_t, t)
-                                else:
-                                    fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
-                                                      pages, raw, 1, kv1_l, kv1_r, k1_t, t)
-                            elif stream_fp8:
-                                if kv_buffer(g) == 0:
-                                    fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
-                                              kv0_l, kv0_r, k0_t, t)
-                                else:
-                                    fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
-                                              kv1_l, kv1_r, k1_t, t)
-                            elif kv_buffer(g) == 0:
-                                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, raw, t)
-                            else:
-                                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, raw, t)
-                            if is_fp8:
-                                T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
-                                T.barrier_arrive(k_ready[kv_buffer(g)])
-                            else:
-                                T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
+                        produce_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi,
+                                        g0, seg, pw, pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t,
+                                        q_free, q_ready, k_free, k_ready, t)
                         seg = seg + 1
                 if part_hi > part_lo:
                     # Tail: no producer thread exits with cp.async in flight. The part's last k_ready phase
