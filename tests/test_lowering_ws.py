@@ -114,10 +114,16 @@ def _budget(variant, kernel: str = "ws") -> dict[str, int]:
     return dict(zip(("wg0", "wg1", "producer"), ws.register_budget(variant[4] != variant[3], transposed=transposed)))
 
 
+def _threads(variant, kernel: str = "ws") -> int:
+    transposed = kernel == "tws" and variant[0] * variant[1] <= ws.TWS_COLS
+    return ws.kernel_threads(variant[4] != variant[3], transposed)
+
+
 def _role_marks(variant, kernel: str = "ws") -> dict[str, str]:
     """Each role's setmaxnreg call in the CUDA source of a variant."""
     # setmaxnreg.inc below the launch count is an illegal instruction
-    return {role: f"warpgroup_reg_{'alloc' if ws.grows(regs) else 'dealloc'}<{regs}>"
+    threads = _threads(variant, kernel)
+    return {role: f"warpgroup_reg_{'alloc' if ws.grows(regs, threads) else 'dealloc'}<{regs}>"
             for role, regs in _budget(variant, kernel).items()}
 
 
@@ -148,11 +154,14 @@ def _thread_dependent_ifs_around(src: str, offset: int) -> list[str]:
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("seesaw,transposed", [(False, False), (True, False), (False, True)])
 def test_register_budgets_fit_the_launch(fp8, seesaw, transposed):
-    """setmaxnreg takes multiples of 8 in 24..256, and the three roles share the 3 x 168 registers per thread
-    slot the CTA was launched with (more is an illegal instruction at run time)."""
-    budget = ws.register_budget(fp8, seesaw, transposed)
+    """setmaxnreg takes multiples of 8 in 24..256, and the roles share the registers per thread slot the CTA was
+    launched with (3 x 168 at 384 threads; tws fp8's 2 producers: 4 x 128), more is an illegal instruction."""
+    wg0, wg1, producer = budget = ws.register_budget(fp8, seesaw, transposed)
     assert all(r % 8 == 0 and 24 <= r <= 256 for r in budget), budget
-    assert sum(budget) <= ws.REGS_PER_CTA_SLOT, budget
+    threads = ws.kernel_threads(fp8, transposed)
+    producers = threads // 128 - 2
+    assert wg0 + wg1 + producers * producer <= threads // 128 * ws.launch_regs(threads), (budget, threads)
+    assert threads == 384 or (fp8 and transposed), "only tws fp8 has more than one producer warpgroup"
 
 
 @pytest.mark.parametrize("variant", LOWER_VARIANTS, ids=_vid)
@@ -243,7 +252,8 @@ def test_tws_kernel_lowers(lowered_tws, variant):
     warps in one exchange (mla_colmax4, named barrier 1), column sums by TileLang's AllReduce once per segment (
     barriers 1 and 2, WG0 only), a quarter of the ws kernel's Q and P."""
     src, smem = lowered_tws[variant]
-    assert re.search(r'extern "C" __global__ void __launch_bounds__\(384, 1\) mla_decode_split_kernel', src)
+    threads = _threads(variant, "tws")
+    assert re.search(rf'extern "C" __global__ void __launch_bounds__\({threads}, 1\) mla_decode_split_kernel', src)
     shapes = set(re.findall(r"tl::wgmma_ss<[^>]*?kFloat32, (\d+), (\d+), (\d+), (true|false), (true|false)", src))
     assert shapes == {("64", "16", "16", "false", "false"), ("64", "16", "16", "true", "false")}, shapes
     for mark in _role_marks(variant, "tws").values():
@@ -258,15 +268,22 @@ def test_tws_kernel_lowers(lowered_tws, variant):
         # fp8: the producer's threads run independently (TileLang 0.1.9 put a varying number of named barriers
         # among them when it could see the converted stores), loading the next block while converting this one
         assert not list(named_barriers(sections["producer"])), "named barrier among the fp8 producer's warps"
-        # loads into each of the two row sets at a segment's start (a loop over 2 rows: 2 call sites), and per
-        # block the next block's 2 rows into the other set (4)
         producer = sections["producer"]
-        assert producer.count("mla_ldg16(") == 6
-        # every load counts on one scoreboard, so a conversion waits for all loads in flight: after the buffer
-        # is free (k_free), one conversion (it waits for this block's loads) comes before the next block's loads
         after_free = producer[producer.index("k_free["):]
         first_load = after_free.index("mla_ldg16(")
-        assert after_free[:first_load].count("mla_e4m3x16_store") == 1, "next block's loads issued before the drain"
+        # every load counts on one scoreboard, so a conversion waits for all of the thread's loads in flight
+        if ws.tws_fp8_producers() > 1:
+            # blocks taken in turn: a segment's first block of this producer (a loop over its 2 rows), then after
+            # converting a whole block the loads of its next one into the same registers
+            assert producer.count("mla_ldg16(") == 2
+            assert "k_ready" in after_free[after_free.rindex("mla_e4m3x16_store"):first_load], \
+                "a block's loads issued before the previous block of this producer is converted and handed over"
+        else:
+            # loads into each of the two row sets at a segment's start (a loop over 2 rows: 2 call sites), and
+            # per block the next block's 2 rows into the other set (4); after the buffer is free (k_free), one
+            # conversion (it waits for this block's loads) comes before the next block's loads
+            assert producer.count("mla_ldg16(") == 6
+            assert after_free[:first_load].count("mla_e4m3x16_store") == 1, "next block's loads before the drain"
     assert smem == ws.smem_budget(transposed=True)["dynamic"], f"dynamic shared memory {smem} B"
     assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 8, "expected 8 mbarrier arrays (10 barriers)"
 
@@ -357,15 +374,16 @@ def test_nvcc_compiles_ws_for_sm90a(request, kernel, tmp_path):
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert regs and spills, report
-    # 384 threads x 168 registers = 64512 <= 65536: the launch bound caps the kernel at 168
-    assert int(regs.group(1)) <= 168, report
+    # 384 threads x 168 registers = 64512 <= 65536: the launch bound caps the kernel at 168 (tws fp8, 512: 128)
+    threads = _threads(variant, kernel)
+    assert int(regs.group(1)) <= ws.launch_regs(threads), report
     # no spills, and no stack (a register array with a thread-dependent index lands in local memory)
     assert spills.groups() == ("0", "0", "0"), f"local memory: {spills.group(0)}"
     ptx = "".join(p.read_text() for p in keep.glob("*.ptx"))
     assert "wgmma.mma_async" in ptx, "no WGMMA in the PTX"
     budget = _budget(variant, kernel)
     for role in ("wg0", "wg1", "producer"):
-        direction = "inc" if ws.grows(budget[role]) else "dec"
+        direction = "inc" if ws.grows(budget[role], threads) else "dec"
         assert f"setmaxnreg.{direction}.sync.aligned.u32 {budget[role]}" in ptx
 
     cuobjdump = _cuobjdump()
@@ -497,8 +515,9 @@ def part_segments(cu, width, part, begin, end):
     return segs
 
 
-def simulate_part(segs, *, fp8=False, seed=0, mutation=None, max_steps=5_000_000):
-    """Runs the 12 warps of one program over its segments with a random schedule.
+def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_steps=5_000_000):
+    """Runs the 12 warps of one program (``producers`` > 1: tws fp8's producer warpgroups, taking blocks in
+    turn) over its segments with a random schedule.
 
     The warps follow the kernel's code (same order of waits, arrivals, reads and writes, with the
     kernel's parity functions); what each wait and arrival *should* target is computed here from
@@ -593,17 +612,24 @@ def simulate_part(segs, *, fp8=False, seed=0, mutation=None, max_steps=5_000_000
             yield ("arrive", "l_free", s)
             seg += 1
 
-    def producer(w):
+    def producer(pw, w):
         nsync = 0
         seg = 0
         for s, blks in per_segment:
-            yield ("wait", "q_free", ws.seg_free_parity(seg), s - 1)
-            yield ("copy", "q", w, s)
-            yield ("noinc", "q_ready", s)
+            if pw == 0:  # (rr: producer 0 loads Q)
+                yield ("wait", "q_free", ws.seg_free_parity(seg), s - 1)
+                yield ("copy", "q", w, s)
+                yield ("noinc", "q_ready", s)
             for (blk, g, b, fill, r) in blks:
+                if g % producers != (0 if mutation == "rr_same_turn" else pw):
+                    continue
                 if mutation != "producer_skips_free_wait":
                     yield ("wait", f"k_free{b}", ws.kv_free_parity(g), fill - 1)
-                if fp8:  # load, convert, store; TileLang's named barriers sit between the stores
+                if producers > 1:  # rr: convert and store (no barrier among the warps), hand over
+                    yield ("wbegin", f"kv{b}", w)
+                    yield ("wend", f"kv{b}", w, r)
+                    yield ("arrive", f"k_ready{b}", fill)  # after fence.proxy.async
+                elif fp8:  # load, convert, store; TileLang's named barriers sit between the stores
                     nsync += 1
                     yield ("sync", "producer", nsync)
                     yield ("wbegin", f"kv{b}", w)
@@ -613,13 +639,18 @@ def simulate_part(segs, *, fp8=False, seed=0, mutation=None, max_steps=5_000_000
                     yield ("copy", f"kv{b}", w, r)
                     yield ("noinc", f"k_ready{b}", fill)
             seg += 1
-        if n_blocks and mutation != "producer_no_tail":  # the tail: wait for the part's last k_ready phase (the kernel's g = part_hi - part_lo - 1)
+        if mutation == "producer_no_tail":
+            return
+        if producers > 1:  # rr: producer 0 waits for its last Q copies (the kernel's q_ready, segment seg - 1)
+            if pw == 0 and seg > 0:
+                yield ("wait", "q_ready", ws.seg_ready_parity(seg - 1), seg - 1)
+        elif n_blocks:  # the tail: wait for the part's last k_ready phase (the kernel's g = part_hi - part_lo - 1)
             g_last = n_blocks - 1
             b = ws.kv_buffer(g_last)
             yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g_last), fills[b] - 1)
 
     warps = [("wg0", w, wg0(w)) for w in range(4)] + [("wg1", w, wg1(w)) for w in range(4)] + \
-            [("producer", w, producer(w)) for w in range(4)]
+            [("producer", (pw, w), producer(pw, w)) for pw in range(producers) for w in range(4)]
     nxt = [next(gen, None) for _, _, gen in warps]
     arrived_at_sync = {}  # (group, n) -> warps that reached that named barrier
     jobs = {}  # id -> (warp, buffer, slice, tag): cp.async in flight
@@ -744,15 +775,33 @@ EDGE_CASES = {
 }
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["cp.async", "fp8-registers"])
+@pytest.mark.parametrize("fp8,producers", [(False, 1), (True, 1), (True, 2)],
+                         ids=["cp.async", "fp8-registers", "fp8-2-producers"])
 @pytest.mark.parametrize("case", list(EDGE_CASES), ids=list(EDGE_CASES))
-def test_protocol_edge_cases(case, fp8):
+def test_protocol_edge_cases(case, fp8, producers):
     lens, width, num_parts = EDGE_CASES[case]
     cu, begin, end = plan_parts(lens, width, num_parts)
     for part in range(num_parts):
         segs = part_segments(cu, width, part, begin, end)
         for seed in range(20):
-            simulate_part(segs, fp8=fp8, seed=seed)
+            simulate_part(segs, fp8=fp8, producers=producers, seed=seed)
+
+
+def test_protocol_three_producers_alias_k_free():
+    """Why tws fp8 has at most 2 producer warpgroups: with 3 taking blocks in turn over 2 buffers, a producer
+    can wait for k_free's completion f - 1 while it is at f - 3 (its earlier fills of that buffer were another
+    producer's), and a parity wait cannot tell them apart."""
+    lens, width, num_parts = EDGE_CASES["odd-then-odd"]
+    cu, begin, end = plan_parts(lens, width, num_parts)
+    segs = part_segments(cu, width, 0, begin, end)
+    failures = 0
+    for seed in range(20):
+        try:
+            simulate_part(segs, fp8=True, producers=3, seed=seed)
+        except ProtocolError:
+            failures += 1
+    assert failures, "3 producers never aliased"
+    assert ws.tws_fp8_producers() in (1, 2)
 
 
 def test_protocol_random_plans():
@@ -766,7 +815,7 @@ def test_protocol_random_plans():
         cu, begin, end = plan_parts(lens, width, num_parts)
         for part in range(num_parts):
             segs = part_segments(cu, width, part, begin, end)
-            simulate_part(segs, fp8=trial % 3 == 0, seed=trial * 31 + part)
+            simulate_part(segs, fp8=trial % 3 != 1, producers=1 + (trial % 3 == 2), seed=trial * 31 + part)
             runs += 1
     assert runs > 150
 
@@ -787,7 +836,8 @@ def test_protocol_with_the_real_planner():
         begin, end = plan.part_begin_req.tolist(), plan.part_end_req.tolist()
         assert (cu, begin, end) == plan_parts(lens, width, plan.num_parts)
         for part in range(plan.num_parts):
-            simulate_part(part_segments(cu, width, part, begin, end), seed=trial, fp8=trial % 2 == 1)
+            simulate_part(part_segments(cu, width, part, begin, end), seed=trial, fp8=trial % 2 == 1,
+                          producers=ws.tws_fp8_producers() if trial % 4 == 1 else 1)
 
 
 @pytest.mark.parametrize("mutation,error", [
@@ -796,16 +846,18 @@ def test_protocol_with_the_real_planner():
     ("wg1_no_p_free", Deadlock),
     ("producer_skips_free_wait", ProtocolError),
     ("producer_no_tail", ProtocolError),
+    ("rr_same_turn", (ProtocolError, Deadlock)),
 ])
 def test_protocol_simulation_catches_broken_protocols(mutation, error):
     """The simulation has teeth: each of these bugs is caught on some plan and schedule."""
     lens, width, num_parts = [64 * 3, 0, 64 * 2 + 1, 64 * 3], 16, 1
     cu, begin, end = plan_parts(lens, width, num_parts)
     segs = part_segments(cu, width, 0, begin, end)
+    producers = 2 if mutation.startswith("rr_") else 1
     caught = 0
     for seed in range(30):
         try:
-            simulate_part(segs, seed=seed, mutation=mutation)
+            simulate_part(segs, seed=seed, mutation=mutation, fp8=producers > 1, producers=producers)
         except error:
             caught += 1
     assert caught > 0, f"{mutation} went unnoticed in 30 schedules"

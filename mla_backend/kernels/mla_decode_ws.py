@@ -95,8 +95,10 @@ REGS_TWS_FP8 = (160, 104, 240)
 # the block TWS_FP8_PRODUCERS before, so they have that many blocks' time to land, less one conversion. One
 # warpgroup with two sets cannot do that: ptxas counts all of a thread's loads on one scoreboard, so each
 # conversion waits for every load the thread has in flight and the next block's loads get one block's time.
+# Not 3: over two buffers a producer could then wait for k_free's completion f - 1 while it is at f - 3 (its
+# buffer's fills in between are another producer's), which a parity wait cannot tell apart (tests/test_lowering_ws.py).
 TWS_FP8_PRODUCERS = 2
-REGS_TWS_FP8_RR = {2: (120, 80, 152), 3: (104, 64, 104)}
+REGS_TWS_FP8_RR = (120, 80, 152)  # 4 x 128 registers per thread slot at 512 threads
 
 
 def tws_fp8_producers() -> int:
@@ -118,7 +120,7 @@ def register_budget(fp8: bool, seesaw: bool = False, transposed: bool = False) -
     if seesaw:
         return REGS_SEESAW, REGS_SEESAW, REGS_SEESAW_PRODUCER
     if transposed and fp8:
-        return REGS_TWS_FP8 if tws_fp8_producers() == 1 else REGS_TWS_FP8_RR[tws_fp8_producers()]
+        return REGS_TWS_FP8 if tws_fp8_producers() == 1 else REGS_TWS_FP8_RR
     return (REGS_WG0, REGS_WG1_FP8, REGS_PRODUCER_FP8) if fp8 else (REGS_WG0, REGS_WG1, REGS_PRODUCER)
 
 
@@ -1219,7 +1221,12 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                         g0, seg, pw, pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t,
                                         q_free, q_ready, k_free, k_ready, t)
                         seg = seg + 1
-                if part_hi > part_lo:
+                if rr_fp8:
+                    # Tail: producer 0's last Q copies have landed (the others issue no cp.async). Not the part's
+                    # last k_ready as below: a producer done early may be two fills ahead of that barrier.
+                    if pw == 0 and seg > 0:
+                        T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
+                elif part_hi > part_lo:
                     # Tail: no producer thread exits with cp.async in flight. The part's last k_ready phase
                     # completes once all 128 producer threads' copies have landed (a noinc arrival waits
                     # for all of its thread's earlier cp.async, Q included). (cp.async.wait_group would
