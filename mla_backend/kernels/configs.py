@@ -27,7 +27,7 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # Hopper, warp-specialised with transposed consumers where h x q_len <= 16 (S^T = K Q^T: tokens are WGMMA's M,
 # so 16 rows are not padded to 64), the "ws" kernel for other shapes. The default since session 7: on the H100
 # its fp8 producer (a whole block of loads in flight) makes the e4m3 cache 1.68x faster than bf16 (ws: 1.37x;
-# 1.79x since session 10), bf16 level with ws; 33/33 GPU tests under TileLang 0.1.9 and 0.1.11 (benchmarks/RESULTS.md).
+# 1.79x since session 10, 1.84x with its two producer warpgroups since session 11), bf16 level with ws; 37/37 GPU tests under TileLang 0.1.9 and 0.1.11 (session 11; benchmarks/RESULTS.md).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws")
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.

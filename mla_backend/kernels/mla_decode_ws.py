@@ -43,7 +43,9 @@ next block's first row during this block's second), issues a block's loads befor
 buffer, and first asks L2 for the rows of the block two ahead (``prefetch.global.L2``). The tws producer
 (whose consumers leave it 240 registers) holds 4 rows: the next block's two load while this block's two
 convert, issued after this block's first conversion (one scoreboard counts all of a thread's loads), and
-asks L2 for nothing past a segment's first two blocks (docs/kernel-ws.md). The seesaw
+asks L2 for nothing past a segment's first two blocks (docs/kernel-ws.md). With TWS_FP8_PRODUCERS = 2 (the
+default) the tws fp8 kernel has 512 threads: two producer warpgroups take blocks in turn, each converting
+from one row set and then issuing its next block's loads, which so have two blocks' time to land. The seesaw
 variant keeps the older path (bf16/fp16 tiles like q, bit moves + one exact multiply per pair, one row
 at a time: its producer has 56 registers).
 
