@@ -272,7 +272,7 @@ def test_tws_kernel_lowers(lowered_tws, variant):
         after_free = producer[producer.index("k_free["):]
         first_load = after_free.index("mla_ldg16(")
         # every load counts on one scoreboard, so a conversion waits for all of the thread's loads in flight
-        if ws.tws_fp8_producers() > 1:
+        if ws.TWS_FP8_PRODUCERS > 1:
             # blocks taken in turn: a segment's first block of this producer (a loop over its 2 rows), then after
             # converting a whole block the loads of its next one into the same registers
             assert producer.count("mla_ldg16(") == 2
@@ -801,7 +801,7 @@ def test_protocol_three_producers_alias_k_free():
         except ProtocolError:
             failures += 1
     assert failures, "3 producers never aliased"
-    assert ws.tws_fp8_producers() in (1, 2)
+    assert ws.TWS_FP8_PRODUCERS in (1, 2)
 
 
 def test_protocol_random_plans():
@@ -837,7 +837,7 @@ def test_protocol_with_the_real_planner():
         assert (cu, begin, end) == plan_parts(lens, width, plan.num_parts)
         for part in range(plan.num_parts):
             simulate_part(part_segments(cu, width, part, begin, end), seed=trial, fp8=trial % 2 == 1,
-                          producers=ws.tws_fp8_producers() if trial % 4 == 1 else 1)
+                          producers=ws.TWS_FP8_PRODUCERS if trial % 4 == 1 else 1)
 
 
 @pytest.mark.parametrize("mutation,error", [

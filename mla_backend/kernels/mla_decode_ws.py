@@ -9,7 +9,8 @@ The only difference visible to the host is the KV block size: 64 tokens, so the 
 be built with ``block_n=SM90_WS.block_n`` (64) when this kernel is used. The combine kernel of
 ``mla_decode`` is reused unchanged (it does not depend on the block size).
 
-Layout of one program (part, 64-row block), 384 threads = 3 warpgroups:
+Layout of one program (part, 64-row block), 384 threads = 3 warpgroups (tws with an fp8 cache: 512, two
+producer warpgroups taking blocks in turn, ``TWS_FP8_PRODUCERS``):
 
 * WG0 (threads 0..127, 240 regs), consumer 0: ``S = Q K^T`` over 576 dims (WGMMA, async + wait),
   length / causal mask, online softmax (log2 domain, -inf safe), P (bf16/fp16) and the per-row
@@ -103,13 +104,9 @@ TWS_FP8_PRODUCERS = 2
 REGS_TWS_FP8_RR = (120, 80, 152)  # 4 x 128 registers per thread slot at 512 threads
 
 
-def tws_fp8_producers() -> int:
-    return TWS_FP8_PRODUCERS
-
-
 def kernel_threads(fp8: bool, transposed: bool) -> int:
     """Threads of a variant: two consumer warpgroups and one producer, or tws fp8's TWS_FP8_PRODUCERS."""
-    return 256 + 128 * (tws_fp8_producers() if fp8 and transposed else 1)
+    return 256 + 128 * (TWS_FP8_PRODUCERS if fp8 and transposed else 1)
 
 
 def launch_regs(threads: int = 384) -> int:
@@ -118,11 +115,12 @@ def launch_regs(threads: int = 384) -> int:
 
 
 def register_budget(fp8: bool, seesaw: bool = False, transposed: bool = False) -> tuple[int, int, int]:
-    """setmaxnreg of (WG0, WG1, producer) for a kernel variant (``transposed``: tws with h x q_len <= 16)."""
+    """setmaxnreg of (WG0, WG1, producer) for a kernel variant (``transposed``: tws with h x q_len <= 16; each of
+    tws fp8's producer warpgroups gets the producer's)."""
     if seesaw:
         return REGS_SEESAW, REGS_SEESAW, REGS_SEESAW_PRODUCER
     if transposed and fp8:
-        return REGS_TWS_FP8 if tws_fp8_producers() == 1 else REGS_TWS_FP8_RR
+        return REGS_TWS_FP8 if TWS_FP8_PRODUCERS == 1 else REGS_TWS_FP8_RR
     return (REGS_WG0, REGS_WG1_FP8, REGS_PRODUCER_FP8) if fp8 else (REGS_WG0, REGS_WG1, REGS_PRODUCER)
 
 
@@ -379,9 +377,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # tws, fp8 cache: a whole block ahead, in two sets of two rows (set g & 1 holds block g's rows)
     ahead_fp8 = stream_fp8 and transposed
     # tws, fp8 cache, several producer warpgroups: block g is converted by producer g % n_producers, from one set
-    n_producers = tws_fp8_producers() if ahead_fp8 else 1
+    threads = kernel_threads(is_fp8, transposed)
+    n_producers = threads // 128 - 2
     rr_fp8 = n_producers > 1
-    threads = 256 + 128 * n_producers
     fp8_rows = 1 if seesaw else 2 if rr_fp8 or not ahead_fp8 else 4  # KV rows of raw bytes a producer thread holds
     # ws with an fp8 cache computes in fp16 (shared tiles, P): e4m3 -> fp16 is one instruction per pair
     # (bf16 takes five), exact, and fp16 holds P and the e4m3 values with more precision than bf16. A bf16
