@@ -108,15 +108,19 @@ def lowered_tws():
     return dict(zip(TWS_VARIANTS, results))
 
 
+def _transposed(variant, kernel: str) -> bool:
+    """tws changes the kernel only where it transposes: h x q_len <= 16."""
+    return kernel == "tws" and variant[0] * variant[1] <= ws.TWS_COLS
+
+
 def _budget(variant, kernel: str = "ws") -> dict[str, int]:
-    """setmaxnreg of each role of a variant (tws changes it only where it transposes: h x q_len <= 16)."""
-    transposed = kernel == "tws" and variant[0] * variant[1] <= ws.TWS_COLS
-    return dict(zip(("wg0", "wg1", "producer"), ws.register_budget(variant[4] != variant[3], transposed=transposed)))
+    """setmaxnreg of each role of a variant."""
+    fp8 = variant[4] != variant[3]
+    return dict(zip(("wg0", "wg1", "producer"), ws.register_budget(fp8, transposed=_transposed(variant, kernel))))
 
 
 def _threads(variant, kernel: str = "ws") -> int:
-    transposed = kernel == "tws" and variant[0] * variant[1] <= ws.TWS_COLS
-    return ws.kernel_threads(variant[4] != variant[3], transposed)
+    return ws.kernel_threads(variant[4] != variant[3], _transposed(variant, kernel))
 
 
 def _role_marks(variant, kernel: str = "ws") -> dict[str, str]:

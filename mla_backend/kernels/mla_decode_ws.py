@@ -81,9 +81,16 @@ HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 # setmaxnreg budgets, multiples of 8. setmaxnreg moves registers between the warpgroups of a CTA, whose
 # pool is what it was launched with: 384 threads x 168 (launch bound). A sum above 3 x 168 = 504 per
 # thread slot, or a setmaxnreg.inc below the launch count, is an illegal instruction at run time.
-LAUNCH_REGS = 168
-REGS_PER_CTA_SLOT = 3 * LAUNCH_REGS
 REGS_PER_SM = 65536
+
+
+def launch_regs(threads: int = 384) -> int:
+    """Registers per thread the launch bound leaves (a multiple of 8): 168 at 384 threads, 128 at 512."""
+    return REGS_PER_SM // threads // 8 * 8
+
+
+LAUNCH_REGS = launch_regs(384)
+REGS_PER_CTA_SLOT = 3 * LAUNCH_REGS
 REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
 # fp8 cache: the producer holds 2 rows x 144 B of raw bytes per thread (72 registers: one row's loads in
 # flight while the other converts); WG1 needs fewer there (it peaks at R153): 240 + 160 + 104 = 504.
@@ -107,11 +114,6 @@ REGS_TWS_FP8_RR = (120, 80, 152)  # 4 x 128 registers per thread slot at 512 thr
 def kernel_threads(fp8: bool, transposed: bool) -> int:
     """Threads of a variant: two consumer warpgroups and one producer, or tws fp8's TWS_FP8_PRODUCERS."""
     return 256 + 128 * (TWS_FP8_PRODUCERS if fp8 and transposed else 1)
-
-
-def launch_regs(threads: int = 384) -> int:
-    """Registers per thread the launch bound leaves (a multiple of 8): 168 at 384 threads, 128 at 512."""
-    return REGS_PER_SM // threads // 8 * 8
 
 
 def register_budget(fp8: bool, seesaw: bool = False, transposed: bool = False) -> tuple[int, int, int]:
@@ -476,16 +478,19 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         fp8_convert_row(raw, 1, 1, kv_l, kv_r, k_t, t)
 
     @T.macro
+    def fp8_issue_rows(kv_cache, pages, pos0, kv_len, raw, slot0, t):
+        """Loads (no wait) both of this thread's rows of the block at pos0 into raw slots slot0, slot0 + 1
+        (``slot0`` a constant, so raw stays in registers); ``pages`` holds their pages."""
+        for r in T.unroll(2):
+            fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, slot0 + r, r, t)
+
+    @T.macro
     def fp8_issue_block(kv_cache, pages, pos0, kv_len, raw, g, t):
-        """tws producer: loads (no wait) both of this thread's rows of block g (at pos0) into raw set
-        ``kv_buffer(g)`` (slots 2 set, 2 set + 1; constant in each branch, so raw stays in registers);
-        ``pages`` holds their pages."""
+        """tws producer: fp8_issue_rows for block g into raw set ``kv_buffer(g)`` (slots 2 set, 2 set + 1)."""
         if kv_buffer(g) == 0:
-            for r in T.unroll(2):
-                fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, r, r, t)
+            fp8_issue_rows(kv_cache, pages, pos0, kv_len, raw, 0, t)
         else:
-            for r in T.unroll(2):
-                fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, 2 + r, r, t)
+            fp8_issue_rows(kv_cache, pages, pos0, kv_len, raw, 2, t)
 
     @T.macro
     def fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, n_left, pages, raw, row_set, kv_l, kv_r, k_t, t):
@@ -619,8 +624,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         first = (pw + n_producers - g0 % n_producers) % n_producers
         if first < n_blk:
             fp8_pages(page_table, pt0, (blk_lo + first) * block_n, kv_len, pages, t)
-            for r in T.unroll(2):
-                fp8_issue_row(kv_cache, pages[r], (blk_lo + first) * block_n, kv_len, raw, r, r, t)
+            fp8_issue_rows(kv_cache, pages, (blk_lo + first) * block_n, kv_len, raw, 0, t)
             if first + n_producers < n_blk:
                 fp8_pages(page_table, pt0, (blk_lo + first + n_producers) * block_n, kv_len, pages, t)
         if pw == 0:
@@ -641,8 +645,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
             T.barrier_arrive(k_ready[kv_buffer(g)])
             if blk + n_producers < n_blk:
-                for r in T.unroll(2):
-                    fp8_issue_row(kv_cache, pages[r], pos0 + n_producers * block_n, kv_len, raw, r, r, t)
+                fp8_issue_rows(kv_cache, pages, pos0 + n_producers * block_n, kv_len, raw, 0, t)
                 if blk + 2 * n_producers < n_blk:
                     fp8_pages(page_table, pt0, pos0 + 2 * n_producers * block_n, kv_len, pages, t)
 
