@@ -128,6 +128,7 @@ def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
 
 def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, softmax_scale, k_scale, out):
     from .kernels.configs import config_for
+    from .kernels.mla_decode import use_wide_combine
     from .kernels.runtime import get_kernels
 
     num_tokens, num_heads, _ = q_nope.shape
@@ -149,7 +150,7 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
         raise MLAInputError(f"mla_decode: metadata.plan was made with {plan.block_n}-token blocks but the {arch} "
                             f"kernel ({cfg.kernel}) walks {cfg.block_n}-token blocks; build the "
                             f"SplitPlanner after choosing the kernel (block_n=None picks it)")
-    split, combine = get_kernels(num_heads, metadata.q_len, metadata.page_size, q_nope.dtype, kv_cache.dtype, arch)
+    kernels = get_kernels(num_heads, metadata.q_len, metadata.page_size, q_nope.dtype, kv_cache.dtype, arch)
     if isinstance(k_scale, torch.Tensor):
         k_scale_t = k_scale.reshape(1).float()
     else:
@@ -159,8 +160,10 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
     # The kernels read q through its (token, head) strides: the last dim must be dense and rows
     # 16-byte aligned (vectorised / cp.async loads); anything else is copied once.
     q_nope, q_pe = _rows_aligned(q_nope), _rows_aligned(q_pe)
-    split(q_nope, q_pe, kv_cache, k_scale_t, metadata.page_table, metadata.page_table_start, metadata.kv_lens,
+    kernels.split(q_nope, q_pe, kv_cache, k_scale_t, metadata.page_table, metadata.page_table_start, metadata.kv_lens,
           metadata.qo_indptr, cu_blocks, plan.part_begin_req, plan.part_end_req, plan.blocks_per_part,
           _scalar(softmax_scale, device), out, lse, plan.out_partial, plan.lse_partial)
+    # a short batch's requests have many parts each: the wide combine keeps all their partial rows in flight
+    combine = kernels.combine_wide if use_wide_combine(batch, plan.rows, plan.num_parts) else kernels.combine
     combine(metadata.qo_indptr, cu_blocks, plan.blocks_per_part, plan.out_partial, plan.lse_partial, out, lse)
     return out, lse

@@ -38,6 +38,7 @@ report = {"tilelang": tilelang.__version__}
 funcs = {f"split-{h}-{q}-{p}": build_decode_kernel(h, q, p, "bfloat16", "bfloat16", configs.GFX942)
          for h, q, p in variants}
 funcs["combine"] = build_combine_kernel(16, 1, "bfloat16")
+funcs["combine-wide"] = build_combine_kernel(16, 1, "bfloat16", wide=True)
 for name, func in funcs.items():
     with tvm.transform.PassContext(config=configs.compat_pass_configs()), target:
         src = tilelang.lower(func, target=target, enable_device_compile=False).kernel_source
@@ -70,7 +71,7 @@ def test_hip_source_uses_mfma(hip_sources):
     for h, q, p in VARIANTS:
         entry = report[f"split-{h}-{q}-{p}"]
         assert entry["mfma"] > 0, f"split kernel h={h} q_len={q} page={p}: no MFMA builtin in the HIP source"
-    assert report["combine"]["bytes"] > 0
+    assert report["combine"]["bytes"] > 0 and report["combine-wide"]["bytes"] > 0
 
 
 def _clang() -> str | None:

@@ -117,6 +117,20 @@ def test_fp16():
     check(*make_problem(RAGGED, 16, 1, 64, torch.float16, seed=5), torch.float16)
 
 
+@pytest.mark.parametrize("lens,heads,wide", [([20000], 16, True), ([9000, 0], 16, True), ([5000], 128, False),
+                                             ([0, 1, 63, 65, 3000, 8192] * 7, 16, False)])
+def test_combine_paths(lens, heads, wide):
+    """Short batches take the wide combine (b=1: over 64 parts, so past its first loads too), others the per-row
+    combine; both against the reference (LSE included, an empty request too)."""
+    _kernel_or_skip(heads=heads)
+    from mla_backend.kernels.mla_decode import use_wide_combine
+
+    q, kv_cache, md, k_scale = make_problem(lens, heads, 1, 64, BF16, seed=21)
+    md.plan = SplitPlanner(len(lens), heads, 1, "cuda").plan(md.kv_lens)
+    assert use_wide_combine(len(lens), heads, md.plan.num_parts) == wide
+    check(q, kv_cache, md, k_scale, BF16)
+
+
 @pytest.mark.parametrize("kv_dtype,lens,seed,rel_tol", [(None, [32768, 0, 1, 5000], 7, 1e-2),
                                                        (FP8, [32768, 0, 1, 5000, 95], 17, 2e-2)])
 def test_long_and_zero(kv_dtype, lens, seed, rel_tol):

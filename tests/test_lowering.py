@@ -40,7 +40,9 @@ SPLIT_VARIANTS = [
     (128, 2, 1, "bfloat16", "bfloat16"),
     (16, 1, 64, "bfloat16", "float8_e4m3"),
 ]
-COMBINE_VARIANTS = [(16, 1, "bfloat16"), (128, 2, "bfloat16"), (16, 2, "float16")]
+# (num_heads, q_len, dtype, wide): the per-row combine and the wide one (short batches, per 128 dims)
+COMBINE_VARIANTS = [(16, 1, "bfloat16", False), (128, 2, "bfloat16", False), (16, 2, "float16", False),
+                    (16, 1, "bfloat16", True), (128, 2, "float16", True)]
 
 
 def _vid(v) -> str:
@@ -50,7 +52,8 @@ def _vid(v) -> str:
 def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
     if kind == "split":
         return build_decode_kernel(*variant, cfg)
-    return build_combine_kernel(*variant)  # one combine kernel for every config
+    *shape, wide = variant
+    return build_combine_kernel(*shape, wide=wide)  # the combines serve every config
 
 
 def _smem_bytes(mod) -> int:
@@ -91,10 +94,13 @@ def test_split_kernel_lowers_to_wgmma(cuda_lowered, variant):
 def test_combine_kernel_lowers(cuda_lowered, variant):
     src = cuda_lowered("combine", variant).kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine', src)
+    if variant[-1]:  # wide: the partial rows are read as float4, all COMBINE_WIDE_LOADS of them before the weights
+        head = src[:src.index("lse_partial[")]
+        assert head.count("*(float4*)(out_partial") == 1 and "for (int u = 0; u < 16; ++u)" in head, head[-3000:]
 
 
 @pytest.mark.parametrize("kind,variant", [("split", SPLIT_VARIANTS[0]), ("split", SPLIT_VARIANTS[4]),
-                                          ("combine", COMBINE_VARIANTS[1])], ids=lambda v: _vid(v) if isinstance(v, tuple) else v)
+                                          ("combine", COMBINE_VARIANTS[1]), ("combine", COMBINE_VARIANTS[3])], ids=lambda v: _vid(v) if isinstance(v, tuple) else v)
 def test_nvcc_compiles_for_sm90a(cuda_lowered, kind, variant, tmp_path):
     """The flags TileLang's own nvcc callback uses (tilelang.engine.lower.tilelang_callback_cuda_compile),
     with -c: ptxas runs too, so register or instruction errors show here."""
@@ -146,8 +152,9 @@ def test_split_kernel_lowers_to_mfma_on_gfx942(heads, q_len, page_size):
         assert "mfma" in src
 
 
-def test_combine_kernel_lowers_on_gfx942():
-    _lower_hip_to_device_ir(build_combine_kernel(16, 1, "bfloat16"))
+@pytest.mark.parametrize("wide", [False, True])
+def test_combine_kernel_lowers_on_gfx942(wide):
+    _lower_hip_to_device_ir(build_combine_kernel(16, 1, "bfloat16", wide=wide))
 
 
 def test_hip_source_codegen():

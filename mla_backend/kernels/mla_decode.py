@@ -251,21 +251,40 @@ COMBINE_TAIL = 4
 # Up to this many parts per request the combine reduces the partial LSEs serially in every thread (no block
 # barrier): 2-part requests dominate large batches, where a block-wide reduction measured slower.
 COMBINE_SERIAL_LSE = 8
+# The wide combine (short batches, many parts per request): a program per (request, row, 128 dims), its 4 warps
+# each summing every 4th part; each thread loads its first COMBINE_WIDE_LOADS partial rows (4 floats each) before
+# the merge weights are known, so those loads overlap the LSE reduction instead of following it.
+COMBINE_WIDE_DIMS = 128
+COMBINE_WIDE_GROUPS = 4
+COMBINE_WIDE_LOADS = 16
+# mla_decode picks the wide combine where the per-row grid is small (batch x rows programs) and requests have many
+# parts. H100, graph replay: b=1 h=16 (16 programs, 64 parts each) 4.5 -> 3.7 us; b=4 h=16 (64 programs, 33 parts)
+# 3.6 -> 3.8 and b=1 h=128 (128 programs) 5.6 -> 5.8, so not there.
+COMBINE_WIDE_MAX_PROGRAMS = 32
+COMBINE_WIDE_MIN_PARTS = 8
 
 
-def build_combine_kernel(num_heads: int, q_len: int, dtype: str):
+def use_wide_combine(batch: int, rows: int, num_parts: int) -> bool:
+    """Whether ``mla_decode`` merges with the wide combine: ``rows`` = heads x q_len, ``num_parts`` the plan's."""
+    return batch * rows <= COMBINE_WIDE_MAX_PROGRAMS and num_parts >= COMBINE_WIDE_MIN_PARTS * batch
+
+
+def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
 
-    One program per (request, row); requests whose single part wrote the output directly return. The
-    request's partial LSEs become merge weights in shared memory: more than ``COMBINE_SERIAL_LSE`` parts
-    (up to ``MAX_PARTS``, two per thread) are reduced across the block (max, then the sum of exp2), fewer
-    are walked serially by every thread (no block barrier). The 512-wide rows are summed ``COMBINE_UNROLL``
-    at a time, then ``COMBINE_TAIL`` at a time from clamped indices (no branch between the loads), so a small
-    batch with many splits waits on a few load latencies, not one per split.
+    One program per (request, row), or with ``wide`` per (request, row, 128-dim chunk); requests whose single
+    part wrote the output directly return. The request's partial LSEs become merge weights in shared memory:
+    more than ``COMBINE_SERIAL_LSE`` parts (up to ``MAX_PARTS``, two per thread) are reduced across the block
+    (max, then the sum of exp2), fewer are walked serially by every thread (no block barrier). The 512-wide rows
+    are summed ``COMBINE_UNROLL`` at a time, then ``COMBINE_TAIL`` at a time from clamped indices (no branch
+    between the loads), so a small batch with many splits waits on a few load latencies, not one per split.
+    ``wide`` (see ``COMBINE_WIDE_LOADS``) waits on one round for up to 64 parts, at four times the programs.
     """
     rows = num_heads * q_len
     accum = "float32"
     threads = 128
+    n_chunks = KV_LORA_RANK // COMBINE_WIDE_DIMS if wide else 1
+    lanes = threads // COMBINE_WIDE_GROUPS  # wide: a warp covers the chunk's 128 dims, 4 per lane
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -281,17 +300,22 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str):
         out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
         lse: T.Tensor([num_tokens, num_heads], accum),
     ):
-        with T.Kernel(batch, rows, threads=threads) as (req, row):
+        with T.Kernel(batch, rows, n_chunks, threads=threads) as (req, row, chunk):
             lse_f = T.alloc_fragment([MAX_PARTS], accum)  # partial LSEs, then their exp2 weights
             weight_s = T.alloc_shared([MAX_PARTS], accum)
             lse_s = T.alloc_shared([COMBINE_SERIAL_LSE], accum)
-            acc = T.alloc_fragment([KV_LORA_RANK], accum)
             lse_max = T.alloc_fragment([1], accum)
             lse_sum = T.alloc_fragment([1], accum)
             lse_top = T.alloc_var(accum)  # the same two, reduced serially by every thread (few parts)
             lse_acc = T.alloc_var(accum)
             first = T.alloc_var("int32")  # the request's first part (its partial slots are first + i + req)
             n_read = T.alloc_var("int32")  # its number of parts (the planner makes at most MAX_PARTS)
+            if wide:
+                raw = T.alloc_local([COMBINE_WIDE_LOADS, 4], accum)  # this thread's first partial rows
+                acc_w = T.alloc_local([4], accum)
+                sums = T.alloc_shared([COMBINE_WIDE_GROUPS, COMBINE_WIDE_DIMS], accum)  # per warp, then added
+            else:
+                acc = T.alloc_fragment([KV_LORA_RANK], accum)
             width = blocks_per_part[0]
             req_lo = cu_blocks[req]
             req_hi = cu_blocks[req + 1]
@@ -299,11 +323,24 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str):
             n_read = T.min((req_hi - 1) // width - first + 1, MAX_PARTS)
             tok = qo_indptr[req] + row // num_heads
             head = row % num_heads
+            d0 = chunk * COMBINE_WIDE_DIMS if wide else 0
             if req_hi == req_lo:
-                for d in T.Parallel(KV_LORA_RANK):
-                    out[tok, head, d] = T.cast(0, dtype)
-                lse[tok, head] = -T.infinity(accum)
+                for d in T.Parallel(KV_LORA_RANK // n_chunks):
+                    out[tok, head, d0 + d] = T.cast(0, dtype)
+                if chunk == 0:
+                    lse[tok, head] = -T.infinity(accum)
             elif n_read > 1:
+                if wide:
+                    tx = T.get_thread_binding()
+                    grp = tx // lanes
+                    col = d0 + (tx % lanes) * 4
+                    # warp grp sums parts grp, grp + 4, ...; the first COMBINE_WIDE_LOADS of them are loaded now
+                    # (past the last part: the last part again, weighted 0 below)
+                    for u in T.unroll(COMBINE_WIDE_LOADS):
+                        for k in T.vectorized(4):
+                            raw[u, k] = out_partial[first + T.min(grp + u * COMBINE_WIDE_GROUPS, n_read - 1) + req,
+                                                    row, col + k]
+                # merge weights: weight_s[i] = part i's share; lse_max / lse_sum: the log2 LSE's offset and sum
                 if n_read > COMBINE_SERIAL_LSE:
                     # many parts (small batches): LSE max and sum reduced across the block, two per thread
                     for i in T.Parallel(MAX_PARTS):
@@ -331,26 +368,48 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str):
                         weight_s[i] = T.if_then_else(lse_acc > 0, T.exp2(lse_s[i] - lse_top) / lse_acc, 0)
                     lse_max[0] = lse_top
                     lse_sum[0] = lse_acc
-                T.clear(acc)
-                n_full = n_read // COMBINE_UNROLL
-                for i0 in T.serial(n_full):
-                    for u in T.unroll(COMBINE_UNROLL):
-                        for d in T.Parallel(KV_LORA_RANK):
-                            acc[d] += weight_s[i0 * COMBINE_UNROLL + u] * out_partial[
-                                first + i0 * COMBINE_UNROLL + u + req, row, d]
-                # the rest (most requests: 2 parts) COMBINE_TAIL at a time; past the last part, the last row
-                # is re-read with weight 0
-                for i0 in T.serial(T.ceildiv(n_read - n_full * COMBINE_UNROLL, COMBINE_TAIL)):
-                    for u in T.unroll(COMBINE_TAIL):
-                        j = n_full * COMBINE_UNROLL + i0 * COMBINE_TAIL + u
-                        i = T.min(j, n_read - 1)
-                        w = T.if_then_else(j < n_read, weight_s[i], 0)
-                        for d in T.Parallel(KV_LORA_RANK):
-                            acc[d] += w * out_partial[first + i + req, row, d]
-                for d in T.Parallel(KV_LORA_RANK):
-                    out[tok, head, d] = T.cast(acc[d], dtype)
+                if wide:
+                    for k in T.vectorized(4):
+                        acc_w[k] = 0
+                    for u in T.unroll(COMBINE_WIDE_LOADS):
+                        j = grp + u * COMBINE_WIDE_GROUPS
+                        for k in T.vectorized(4):
+                            acc_w[k] += T.if_then_else(j < n_read, weight_s[T.min(j, n_read - 1)], 0) * raw[u, k]
+                    # parts past the first 4 x COMBINE_WIDE_LOADS (more than 64 parts): COMBINE_TAIL per round
+                    n_rest = n_read - COMBINE_WIDE_GROUPS * COMBINE_WIDE_LOADS
+                    for i0 in T.serial(T.ceildiv(T.max(n_rest, 0), COMBINE_WIDE_GROUPS * COMBINE_TAIL)):
+                        for u in T.unroll(COMBINE_TAIL):
+                            j = COMBINE_WIDE_GROUPS * (COMBINE_WIDE_LOADS + i0 * COMBINE_TAIL + u) + grp
+                            i = T.min(j, n_read - 1)
+                            w = T.if_then_else(j < n_read, weight_s[i], 0)
+                            for k in T.vectorized(4):
+                                acc_w[k] += w * out_partial[first + i + req, row, col + k]
+                    for k in T.vectorized(4):
+                        sums[grp, (tx % lanes) * 4 + k] = acc_w[k]
+                    for d in T.Parallel(COMBINE_WIDE_DIMS):
+                        out[tok, head, d0 + d] = T.cast(sums[0, d] + sums[1, d] + sums[2, d] + sums[3, d], dtype)
+                else:
+                    T.clear(acc)
+                    n_full = n_read // COMBINE_UNROLL
+                    for i0 in T.serial(n_full):
+                        for u in T.unroll(COMBINE_UNROLL):
+                            for d in T.Parallel(KV_LORA_RANK):
+                                acc[d] += weight_s[i0 * COMBINE_UNROLL + u] * out_partial[
+                                    first + i0 * COMBINE_UNROLL + u + req, row, d]
+                    # the rest (most requests: 2 parts) COMBINE_TAIL at a time; past the last part, the last row
+                    # is re-read with weight 0
+                    for i0 in T.serial(T.ceildiv(n_read - n_full * COMBINE_UNROLL, COMBINE_TAIL)):
+                        for u in T.unroll(COMBINE_TAIL):
+                            j = n_full * COMBINE_UNROLL + i0 * COMBINE_TAIL + u
+                            i = T.min(j, n_read - 1)
+                            w = T.if_then_else(j < n_read, weight_s[i], 0)
+                            for d in T.Parallel(KV_LORA_RANK):
+                                acc[d] += w * out_partial[first + i + req, row, d]
+                    for d in T.Parallel(KV_LORA_RANK):
+                        out[tok, head, d] = T.cast(acc[d], dtype)
                 # lse_max is the offset (0 where every partial was -inf, and then lse_sum is 0)
-                lse[tok, head] = T.if_then_else(lse_sum[0] > 0, (T.log2(lse_sum[0]) + lse_max[0]) * LN2,
-                                                -T.infinity(accum))
+                if chunk == 0:
+                    lse[tok, head] = T.if_then_else(lse_sum[0] > 0, (T.log2(lse_sum[0]) + lse_max[0]) * LN2,
+                                                    -T.infinity(accum))
 
     return mla_decode_combine

@@ -201,6 +201,15 @@ __device__ __forceinline__ void mla_e4m3x4_f16(unsigned word, unsigned& lo, unsi
                "cvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
                : "=r"(lo), "=r"(hi) : "r"(word));
 }
+// ws consumers: whether this thread's rows of O need rescaling. alpha holds the thread's n row factors (2 in the
+// m64 accumulator layout); each is exactly 1 when its row's running max did not change, as in most blocks once
+// the max has settled, and the 128-register multiply is then skipped (exact either way).
+__device__ __forceinline__ int mla_rescale_needed(const float* alpha, int n) {
+  int need = 0;
+#pragma unroll
+  for (int i = 0; i < n; ++i) need |= alpha[i] != 1.0f;
+  return need;
+}
 // 8 bf16 values in shared memory -> fp16 x 2^-Q_F16_SHIFT, in place (Q of a kernel that computes in fp16;
 // the factor keeps bf16's range: it overflows fp16 only above 2^24, and is undone exactly in the softmax scale).
 __device__ __forceinline__ void mla_bf16x8_to_f16(void* p) {
@@ -747,6 +756,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         T.fence_proxy_async()
         T.sync_threads(WG0_NAMED_BARRIER, 128)
 
+    def rescale_needed(alpha_frag):
+        """ws consumers: some row of this thread has alpha != 1 (the m64 accumulator layout gives a thread 2 rows)."""
+        return T.call_extern("int32", "mla_rescale_needed", alpha_frag.data, 2) != 0
+
     @T.macro
     def exchange_l(l_part, l_mine, l_other, l_ready, l_free, seg):
         """Seesaw epilogue: each consumer holds the row sums of the P tiles it made; both need the total."""
@@ -779,7 +792,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
         lse_partial: T.Tensor([num_slots, rows], accum),
     ):
-        with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=PRELUDE if is_fp8 or transposed else None) as (part, row_block):
+        with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=PRELUDE) as (part, row_block):
             q_l = T.alloc_shared([q_rows, HALF], cdtype)
             q_r = T.alloc_shared([q_rows, HALF], cdtype)
             q_t = T.alloc_shared([q_rows, ROPE_DIM], cdtype)
@@ -1113,8 +1126,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 T.copy(acc_s, p_shared)
                                 T.fence_proxy_async()  # P: generic stores, read by WGMMA (async proxy)
                                 T.barrier_arrive(p_ready[0])
-                                for i, d in T.Parallel(block_rows, HALF):
-                                    acc_o_l[i, d] *= alpha[i]
+                                if rescale_needed(alpha):
+                                    for i, d in T.Parallel(block_rows, HALF):
+                                        acc_o_l[i, d] *= alpha[i]
                                 pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
                                 T.barrier_arrive(k_free[kv_buffer(g)])
 
@@ -1192,8 +1206,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 T.barrier_wait(p_ready[0], p_ready_parity(g))
                                 for i in T.Parallel(block_rows):
                                     alpha_r[i] = alpha_shared[i]
-                                for i, d in T.Parallel(block_rows, HALF):
-                                    acc_o_r[i, d] *= alpha_r[i]
+                                if rescale_needed(alpha_r):
+                                    for i, d in T.Parallel(block_rows, HALF):
+                                        acc_o_r[i, d] *= alpha_r[i]
                                 pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
                                 T.barrier_arrive(p_free[0])
                                 T.barrier_arrive(k_free[kv_buffer(g)])

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +30,14 @@ class CompileStats:
     variants: tuple = ()
 
 
+class Kernels(NamedTuple):
+    """The compiled kernels of one variant: the split kernel and the two combines (``mla_decode`` picks one)."""
+
+    split: Any
+    combine: Any  # one program per (request, row)
+    combine_wide: Any  # per (request, row, 128 dims): short batches with many parts per request
+
+
 STATS = CompileStats()
 _KERNELS: dict[tuple, tuple] = {}
 _LOCK = threading.Lock()
@@ -44,7 +53,7 @@ def _variant_key(variant: tuple) -> tuple:
 
 
 def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype, arch: str):
-    """Returns the compiled ``(split, combine)`` kernels of one variant, compiling on first use.
+    """Returns the compiled :class:`Kernels` of one variant, compiling on first use.
 
     The tile config (and so the kernel source) is ``config_for(arch)``; plans must use its ``block_n``.
     """
@@ -69,8 +78,8 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         split = tilelang.compile(
             build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
             target=target, pass_configs=pass_configs)
-        combine = tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype)),
-                                   target=target, pass_configs=pass_configs)
+        combine, combine_wide = (tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide),
+                                                  target=target, pass_configs=pass_configs) for wide in (False, True))
         seconds = time.perf_counter() - start
         STATS.compiled += 1
         STATS.seconds += seconds
@@ -78,8 +87,8 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         # A disk-cache hit takes well under a second; a real compile takes several.
         logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s (%s) ready in %.2fs (%s)", num_heads, q_len,
                     page_size, dtype, kv_dtype, arch, cfg.kernel, seconds, "disk cache hit" if seconds < 1.5 else "compiled")
-        _KERNELS[key] = (split, combine)
-        return split, combine
+        _KERNELS[key] = kernels = Kernels(split, combine, combine_wide)
+        return kernels
 
 
 def _compile_one(variant: tuple) -> float:
