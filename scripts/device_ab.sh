@@ -1,7 +1,8 @@
 #!/bin/bash
 # GPU machine: the kernel GPU tests of the working tree, then an A/B of our kernel alone (quick_time.py
 # --shapes, graph + eager + per-kernel time) under each setting in AB_SETTINGS, all variants precompiled in
-# parallel first. A setting is "name:ENV=VAL,ENV=VAL" (empty env: the tree as is); a setting "x" runs the package
+# parallel first. A setting is "name:ENV=VAL,ENV=VAL" (empty env: the tree as is; its ENV wins over the defaults, so
+# "seesaw:MLA_BACKEND_SM90_KERNEL=seesaw" times that kernel); a setting "x" runs the package
 # in ab_x/ where there is one (e.g. git archive <ref> mla_backend | tar -x -C ab_base), else the working tree.
 # Carry .devkit/unpack.sh, .devkit/tilelang-0.1.9.tar.xz, .devkit/vllm-deps.tar.xz (triton for do_bench) and the
 # ab_* trees (git-ignored) the settings name.
@@ -33,7 +34,7 @@ echo "precompiled in $((SECONDS - start)) s" | tee -a $OUT/precompile.log
 
 # 3. the A/B: one process per setting, all shapes
 for setting in $SETTINGS; do
-  env $(env_of "$setting") PYTHONPATH=$(tree_of "$setting"):$PWD/scripts:/tmp/site MLA_BACKEND_SM90_KERNEL=${MLA_BACKEND_SM90_KERNEL:-tws} \
+  env PYTHONPATH=$(tree_of "$setting"):$PWD/scripts:/tmp/site MLA_BACKEND_SM90_KERNEL=${MLA_BACKEND_SM90_KERNEL:-tws} $(env_of "$setting") \
     timeout 200 python3 scripts/quick_time.py --shapes "$SHAPES" --kineto 2>&1 | grep -v Cache | grep " b=" \
     | sed "s/^/${setting%%:*} /" | tee -a $OUT/ab.log
 done

@@ -310,6 +310,27 @@ def seg_free_parity(s):
     return (s & 1) ^ 1
 
 
+# seesaw: each KV buffer is three tiles (rope, left 256 dims, right 256 dims), each with its own k_ready / k_free
+# barrier, so a tile is refilled as soon as its last reader is done with it, not when the whole block is.
+PART_T, PART_L, PART_R = 0, 1, 2
+N_PARTS = 3
+
+
+def part_barrier(g, part):
+    """Index of the k_ready / k_free barrier of tile ``part`` of the buffer holding block g (seesaw)."""
+    return kv_buffer(g) * N_PARTS + part
+
+
+def pair_ready_parity(pc):
+    """seesaw: p_ready / pb_ready: wait for completion pc (pair pc's P_a and m0 / P_b and M written)."""
+    return pc & 1
+
+
+def pair_free_parity(pc):
+    """seesaw: WG0, before writing P_a of pair pc, waits for completion pc - 1 of p_free."""
+    return (pc & 1) ^ 1
+
+
 def segment_first_block(part_lo, req_lo, blk_lo):
     """g of a request segment's first block: its flat block index minus the part's first one."""
     return req_lo + blk_lo - part_lo
@@ -364,7 +385,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     block_rows, block_n = cfg.block_rows, cfg.block_n
     if (block_rows, block_n, cfg.threads) != (64, 64, 384):
         raise ValueError(f"the warp-specialised kernel is written for 64 rows x 64 tokens x 384 threads, got {cfg}")
-    seesaw = cfg.kernel == "seesaw"
+    is_fp8 = kv_dtype != dtype
+    # seesaw: 16-bit caches (an fp8 cache compiles the ws kernel, whose producer converts in registers)
+    seesaw = cfg.kernel == "seesaw" and not is_fp8
     rows = num_heads * q_len
     # tws: transposed consumers where the rows fit one m64n16 tile (one row block); the ws kernel otherwise
     transposed = cfg.kernel == "tws" and rows <= TWS_COLS
@@ -373,7 +396,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
     pad_rows = n_row_blocks * q_rows != rows  # the last row block has rows that are never stored
     accum = "float32"
-    is_fp8 = kv_dtype != dtype
     # each consumer warpgroup stores its 256 output columns; WG0 also owns the LSE
     store_left = make_store_rows(num_heads, q_len, block_rows, HALF)
     store_right = make_store_rows(num_heads, q_len, block_rows, HALF, col0=HALF, with_lse=False)
@@ -383,15 +405,15 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
     vec = 8  # dtype elements per 16-byte cp.async
     # ws, fp8 cache: the producer keeps one row's loads in flight while it converts the other (next block's
-    # row 0 during this block's row 1); seesaw's 56-register producer loads and converts one row at a time
-    stream_fp8 = is_fp8 and not seesaw
+    # row 0 during this block's row 1)
+    stream_fp8 = is_fp8
     # tws, fp8 cache: a whole block ahead, in two sets of two rows (set g & 1 holds block g's rows)
     ahead_fp8 = stream_fp8 and transposed
     # tws, fp8 cache, several producer warpgroups: block g is converted by producer g % n_producers, from one set
     threads = kernel_threads(is_fp8, transposed)
     n_producers = threads // 128 - 2
     rr_fp8 = n_producers > 1
-    fp8_rows = 1 if seesaw else 2 if rr_fp8 or not ahead_fp8 else 4  # KV rows of raw bytes a producer thread holds
+    fp8_rows = 2 if rr_fp8 or not ahead_fp8 else 4  # KV rows of raw bytes a producer thread holds
     # ws with an fp8 cache computes in fp16 (shared tiles, P): e4m3 -> fp16 is one instruction per pair
     # (bf16 takes five), exact, and fp16 holds P and the e4m3 values with more precision than bf16. A bf16
     # q is converted in shared memory, times 2^-Q_F16_SHIFT (undone in the softmax scale).
@@ -521,33 +543,52 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         fp8_convert_row(raw, slot + 1, 1, kv_l, kv_r, k_t, t)
 
     @T.macro
-    def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, raw, t):
+    def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, t):
         """Gathers KV rows pos0 .. pos0 + 63 of one request into one buffer (3 tiles: 256 | 256 | 64 dims).
 
         Rows past kv_len re-read row kv_len - 1 (their probabilities are 0): no page outside the
         request is touched and no stale (possibly NaN) cache slot can reach P @ V.
         """
-        if is_fp8:  # seesaw only (the ws producer streams rows: fp8_block below)
-            # 4 threads per row: thread t loads 16-byte chunks t % 4 + 4 k (k = 0..8: 512 latent dims, then
-            # 64 rope dims) of row t // 4 + 32 r, all 9 loads of a row before converting it.
-            for r in T.serial(2):
-                fp8_issue_row(kv_cache, page_table[pt0 + fp8_row(pos0, r, t, kv_len) // page_size], pos0, kv_len,
-                              raw, 0, r, t)
-                fp8_convert_row(raw, 0, r, kv_l, kv_r, k_t, t)
-        else:
-            for r in T.serial(block_n // 16):
-                j = r * 16 + t // 8
-                p = T.min(pos0 + j, kv_len - 1)
-                page = page_table[pt0 + p // page_size]
-                slot = p % page_size
-                for u in T.serial(HALF // (8 * vec)):
-                    c = u * 8 * vec + (t % 8) * vec
-                    T.ptx_cp_async(T.access_ptr(kv_l[j, c], "w", vec),
-                                   T.access_ptr(kv_cache[page, slot, c], "r", vec), vec)
-                    T.ptx_cp_async(T.access_ptr(kv_r[j, c], "w", vec),
-                                   T.access_ptr(kv_cache[page, slot, HALF + c], "r", vec), vec)
-                T.ptx_cp_async(T.access_ptr(k_t[j, (t % 8) * vec], "w", vec),
-                               T.access_ptr(kv_cache[page, slot, KV_LORA_RANK + (t % 8) * vec], "r", vec), vec)
+        for r in T.serial(block_n // 16):
+            j = r * 16 + t // 8
+            p = T.min(pos0 + j, kv_len - 1)
+            page = page_table[pt0 + p // page_size]
+            slot = p % page_size
+            for u in T.serial(HALF // (8 * vec)):
+                c = u * 8 * vec + (t % 8) * vec
+                T.ptx_cp_async(T.access_ptr(kv_l[j, c], "w", vec),
+                               T.access_ptr(kv_cache[page, slot, c], "r", vec), vec)
+                T.ptx_cp_async(T.access_ptr(kv_r[j, c], "w", vec),
+                               T.access_ptr(kv_cache[page, slot, HALF + c], "r", vec), vec)
+            T.ptx_cp_async(T.access_ptr(k_t[j, (t % 8) * vec], "w", vec),
+                           T.access_ptr(kv_cache[page, slot, KV_LORA_RANK + (t % 8) * vec], "r", vec), vec)
+
+    @T.macro
+    def load_part(kv_cache, page_table, pt0, pos0, kv_len, dst, col0, t):
+        """load_kv for one tile of a buffer: cache dims col0 .. col0 + width of rows pos0 .. pos0 + 63 into
+        ``dst`` [64, width] (width 256 or 64; 8 lanes per row, 16 rows per pass)."""
+        for r in T.serial(block_n // 16):
+            j = r * 16 + t // 8
+            p = T.min(pos0 + j, kv_len - 1)
+            page = page_table[pt0 + p // page_size]
+            for u in T.serial(dst.shape[1] // (8 * vec)):
+                c = u * 8 * vec + (t % 8) * vec
+                T.ptx_cp_async(T.access_ptr(dst[j, c], "w", vec),
+                               T.access_ptr(kv_cache[page, p % page_size, col0 + c], "r", vec), vec)
+
+    @T.macro
+    def load_parts(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, g, k_ready, k_free, t):
+        """seesaw producer, block g: each tile of its buffer (rope, left, right) is refilled as soon as its last
+        reader has released it (``k_free[part_barrier(g, part)]``) and signalled on its own ``k_ready``."""
+        T.barrier_wait(k_free[part_barrier(g, PART_T)], kv_free_parity(g))
+        load_part(kv_cache, page_table, pt0, pos0, kv_len, k_t, KV_LORA_RANK, t)
+        T.cp_async_barrier_noinc(k_ready[part_barrier(g, PART_T)])
+        T.barrier_wait(k_free[part_barrier(g, PART_L)], kv_free_parity(g))
+        load_part(kv_cache, page_table, pt0, pos0, kv_len, kv_l, 0, t)
+        T.cp_async_barrier_noinc(k_ready[part_barrier(g, PART_L)])
+        T.barrier_wait(k_free[part_barrier(g, PART_R)], kv_free_parity(g))
+        load_part(kv_cache, page_table, pt0, pos0, kv_len, kv_r, HALF, t)
+        T.cp_async_barrier_noinc(k_ready[part_barrier(g, PART_R)])
 
     @T.macro
     def prefetch_block(kv_cache, page_table, pt0, pos0, kv_len, t):
@@ -595,31 +636,37 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
                 if blk + 1 < blk_hi - blk_lo:
                     fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
-            # both consumers are done with the block that used this buffer before (g - 2)
-            T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
-            if ahead_fp8:  # (tws: the next block's loads are issued in there)
+            if seesaw:  # per tile: waits for its release, signals its arrival
                 if kv_buffer(g) == 0:
-                    fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
-                                      pages, raw, 0, kv0_l, kv0_r, k0_t, t)
+                    load_parts(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, g, k_ready, k_free, t)
                 else:
-                    fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
-                                      pages, raw, 1, kv1_l, kv1_r, k1_t, t)
-            elif stream_fp8:
-                if kv_buffer(g) == 0:
-                    fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
-                              kv0_l, kv0_r, k0_t, t)
+                    load_parts(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, g, k_ready, k_free, t)
+            else:
+                # both consumers are done with the block that used this buffer before (g - 2)
+                T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
+                if ahead_fp8:  # (tws: the next block's loads are issued in there)
+                    if kv_buffer(g) == 0:
+                        fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
+                                          pages, raw, 0, kv0_l, kv0_r, k0_t, t)
+                    else:
+                        fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
+                                          pages, raw, 1, kv1_l, kv1_r, k1_t, t)
+                elif stream_fp8:
+                    if kv_buffer(g) == 0:
+                        fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
+                                  kv0_l, kv0_r, k0_t, t)
+                    else:
+                        fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
+                                  kv1_l, kv1_r, k1_t, t)
+                elif kv_buffer(g) == 0:
+                    load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, t)
                 else:
-                    fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
-                              kv1_l, kv1_r, k1_t, t)
-            elif kv_buffer(g) == 0:
-                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, raw, t)
-            else:
-                load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, raw, t)
-            if is_fp8:
-                T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
-                T.barrier_arrive(k_ready[kv_buffer(g)])
-            else:
-                T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
+                    load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, t)
+                if is_fp8:
+                    T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
+                    T.barrier_arrive(k_ready[kv_buffer(g)])
+                else:
+                    T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
 
     @T.macro
     def rr_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,
@@ -682,6 +729,28 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s)
         else:
             score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s)
+
+    @T.macro
+    def score_tiles(q_l, q_r, q_t, kv_l, kv_r, k_t, g, k_ready, acc_s):
+        """seesaw: S = Q K^T, each tile's WGMMA issued as soon as that tile has landed (rope, left, right: the
+        order the producer refills them in)."""
+        T.clear(acc_s)
+        T.barrier_wait(k_ready[part_barrier(g, PART_T)], kv_ready_parity(g))
+        T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
+        T.barrier_wait(k_ready[part_barrier(g, PART_L)], kv_ready_parity(g))
+        T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
+        T.barrier_wait(k_ready[part_barrier(g, PART_R)], kv_ready_parity(g))
+        T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(acc_s, num_regs=s_regs)
+
+    @T.macro
+    def score_tiles_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s):
+        """score_tiles over the KV buffer holding block g."""
+        if kv_buffer(g) == 0:
+            score_tiles(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, g, k_ready, acc_s)
+        else:
+            score_tiles(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, g, k_ready, acc_s)
 
     @T.macro
     def pv_block(p, g, v0, v1, acc_o):
@@ -845,13 +914,18 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 l_r_shared = T.alloc_shared([block_rows], accum)
                 pc = T.alloc_var("int32")  # block pairs started by this program (per thread)
 
-            k_ready = T.alloc_barrier([128, 128])
-            k_free = T.alloc_barrier([256, 256])
+            if seesaw:  # one barrier per tile of each buffer (part_barrier); one consumer releases each tile
+                k_ready = T.alloc_barrier([128] * (2 * N_PARTS))
+                k_free = T.alloc_barrier([128] * (2 * N_PARTS))
+                pb_ready = T.alloc_barrier(128)  # P_b (in its block's rope tile) and M of a pair written by WG1
+            else:
+                k_ready = T.alloc_barrier([128, 128])
+                k_free = T.alloc_barrier([256, 256])
             q_ready = T.alloc_barrier(128)
             # seesaw: both consumers read Q and swap l (256 arrivals); otherwise WG0 alone reads Q
             q_free = T.alloc_barrier(256 if seesaw else 128)
-            p_ready = T.alloc_barrier(128)  # seesaw: P0 (and m0) of a pair written by WG0
-            p_free = T.alloc_barrier(128)  # seesaw: P1 (and M) of a pair written by WG1
+            p_ready = T.alloc_barrier(128)  # seesaw: P_a (p_shared) and m0 of a pair written by WG0
+            p_free = T.alloc_barrier(128)  # seesaw: WG1 done with P_a and m0
             l_ready = T.alloc_barrier(256 if seesaw else 128)
             l_free = T.alloc_barrier(256 if seesaw else 128)
 
@@ -869,13 +943,17 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             if seesaw:
                 pc = 0
             if seesaw and tx < 128:
-                # ------------------------------------------------ seesaw WG0: even blocks' S and P, O[:, :256]
-                # Pair (a, b) of blocks (b may be missing at a segment's end), old max m:
-                #   m0 = max(m, rowmax S_a); P_a = exp2(S_a - m0) -> registers and shared (with m0)
-                #   O_L = O_L * 2^(m - m0) + P_a V_a[:, :256]      (P_a from registers)
-                #   [WG1: M = max(m0, rowmax S_b); P_b = exp2(S_b - M) -> shared (with M)]
-                #   O_L = O_L * 2^(m0 - M) + P_b V_b[:, :256]      (P_b from shared)
-                # l (row sums) of P_a stays here, of P_b in WG1; added in the epilogue.
+                # ------------------------------------------------ seesaw WG0: S and P of a pair's first block, O[:, :256]
+                # Pair (a, b) of a segment's blocks (b missing at an odd end), running max m:
+                #   WG0: S_a; m0 = max(m, rowmax S_a); P_a = exp2(S_a - m0) -> p_shared (+ m0);
+                #        O_L = O_L 2^(m - m0) + P_a V_a[:, :256]          (P_a from registers)
+                #   WG1: S_b (beside WG0's S_a); M = max(m0, rowmax S_b); P_b = exp2(S_b - M) -> rope tile of b (+ M);
+                #        O_R = (O_R 2^(m - m0) + P_a V_a[:, 256:]) 2^(m0 - M) + P_b V_b[:, 256:]
+                #   WG0: O_L = O_L 2^(m0 - M) + P_b V_b[:, :256]           (P_b from shared)
+                # Both P tiles exist at once (P_b in b's rope tile, which only S_b reads), so neither softmax waits for
+                # the other's GEMMs. Row sums: P_a's here, P_b's in WG1, added in the epilogue. Tile releases:
+                # rope of a after S_a, left of a after P_a V_a[:, :256], right of a by WG1 after P_a V_a[:, 256:];
+                # rope and left of b after P_b V_b[:, :256], right of b by WG1 after P_b V_b[:, 256:].
                 T.set_max_nreg(REGS_SEESAW, 1)
                 if pad_rows:
                     zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
@@ -896,8 +974,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg))
                         for k in T.serial(n_pairs):
                             ga = g0 + 2 * k
-                            T.barrier_wait(k_ready[kv_buffer(ga)], kv_ready_parity(ga))
-                            score_block(q_l, q_r, q_t, ga, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
+                            score_tiles_block(q_l, q_r, q_t, ga, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s)
+                            T.barrier_arrive(k_free[part_barrier(ga, PART_T)])  # only S_a reads a's rope tile
                             if k == n_pairs - 1:
                                 T.barrier_arrive(q_free[0])  # WG0's last read of this segment's Q
                             mask_scale(acc_s, (blk_lo + 2 * k) * block_n, vis0, row0, scale_log2)
@@ -911,7 +989,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                                      - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
                             T.reduce_sum(acc_s, row_sum, dim=1)
                             T.copy(acc_s, p_frag_l)
-                            # P_b of the previous pair is no longer read (WG0's own GEMM below waited)
+                            T.barrier_wait(p_free[0], pair_free_parity(pc))  # WG1 is done with the last P_a, m0
                             T.copy(p_frag_l, p_shared)
                             for i in T.Parallel(block_rows):
                                 alpha_shared[i] = m_cur[i]  # m0 for WG1
@@ -919,30 +997,37 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_arrive(p_ready[0])
                             for i in T.Parallel(block_rows):
                                 l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                            for i, d in T.Parallel(block_rows, HALF):
-                                acc_o_l[i, d] *= alpha[i]
+                            if rescale_needed(alpha):
+                                for i, d in T.Parallel(block_rows, HALF):
+                                    acc_o_l[i, d] *= alpha[i]
                             pv_block(p_frag_l, ga, kv0_l, kv1_l, acc_o_l)
-                            T.barrier_arrive(k_free[kv_buffer(ga)])
+                            T.barrier_arrive(k_free[part_barrier(ga, PART_L)])
                             # WG1 has published M (and P_b when the pair has a second block)
-                            T.barrier_wait(p_free[0], pc & 1)
+                            T.barrier_wait(pb_ready[0], pair_ready_parity(pc))
                             for i in T.Parallel(block_rows):
                                 m_prev[i] = m_big_shared[i]
                                 alpha[i] = T.if_then_else(m_prev[i] == -T.infinity(accum), 1,
                                                           T.exp2(m_cur[i] - m_prev[i]))
                                 l_sum[i] = l_sum[i] * alpha[i]
-                            for i, d in T.Parallel(block_rows, HALF):
-                                acc_o_l[i, d] *= alpha[i]
                             if 2 * k + 1 < n_blk:
-                                T.barrier_wait(k_ready[kv_buffer(ga + 1)], kv_ready_parity(ga + 1))
-                                pv_block(p_shared, ga + 1, kv0_l, kv1_l, acc_o_l)
-                                T.barrier_arrive(k_free[kv_buffer(ga + 1)])
+                                if rescale_needed(alpha):
+                                    for i, d in T.Parallel(block_rows, HALF):
+                                        acc_o_l[i, d] *= alpha[i]
+                                gb = ga + 1
+                                T.barrier_wait(k_ready[part_barrier(gb, PART_L)], kv_ready_parity(gb))
+                                if kv_buffer(gb) == 0:
+                                    T.gemm(k0_t, kv0_l, acc_o_l)
+                                else:
+                                    T.gemm(k1_t, kv1_l, acc_o_l)
+                                T.barrier_arrive(k_free[part_barrier(gb, PART_T)])
+                                T.barrier_arrive(k_free[part_barrier(gb, PART_L)])
                             pc = pc + 1
                         exchange_l(l_sum, l_shared, l_r_shared, l_ready, l_free, seg)
                         store_left(acc_o_l, l_sum, m_prev, kv_scale, req_lo // width == (req_hi - 1) // width,
                                    part + req, tok0, row0, out, lse, out_partial, lse_partial)
                         seg = seg + 1
             elif seesaw and tx < 256:
-                # ------------------------------------------------ seesaw WG1: odd blocks' S and P, O[:, 256:]
+                # ------------------------------------------------ seesaw WG1: S and P of a pair's second block, O[:, 256:]
                 T.set_max_nreg(REGS_SEESAW, 1)
                 if pad_rows:
                     zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER - 1)
@@ -963,51 +1048,58 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg))
                         for k in T.serial(n_pairs):
                             ga = g0 + 2 * k
+                            gb = ga + 1
                             if 2 * k + 1 < n_blk:
-                                T.barrier_wait(k_ready[kv_buffer(ga + 1)], kv_ready_parity(ga + 1))
-                                score_block(q_l, q_r, q_t, ga + 1, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s_r)
+                                score_tiles_block(q_l, q_r, q_t, gb, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready,
+                                                  acc_s_r)
                                 mask_scale(acc_s_r, (blk_lo + 2 * k + 1) * block_n, vis0, row0, scale_log2)
                                 T.reduce_max(acc_s_r, row_max_r, dim=1, clear=True)
                             else:
                                 T.fill(row_max_r, -T.infinity(accum))
                             if k == n_pairs - 1:
                                 T.barrier_arrive(q_free[0])  # WG1's last read of this segment's Q
-                            T.barrier_wait(p_ready[0], pc & 1)  # P_a and m0 from WG0
+                            T.barrier_wait(p_ready[0], pair_ready_parity(pc))  # P_a and m0 from WG0
                             for i in T.Parallel(block_rows):
                                 m0_r[i] = alpha_shared[i]
                                 m_new_r[i] = T.max(m0_r[i], row_max_r[i])  # M
                                 alpha_r[i] = T.if_then_else(m0_r[i] == -T.infinity(accum), 1,
                                                             T.exp2(m_run_r[i] - m0_r[i]))
                                 l_r[i] = l_r[i] * alpha_r[i]
-                            for i, d in T.Parallel(block_rows, HALF):
-                                acc_o_r[i, d] *= alpha_r[i]
-                            T.barrier_wait(k_ready[kv_buffer(ga)], kv_ready_parity(ga))
-                            pv_block(p_shared, ga, kv0_r, kv1_r, acc_o_r)
-                            T.barrier_arrive(k_free[kv_buffer(ga)])
-                            for i in T.Parallel(block_rows):
-                                alpha_r[i] = T.if_then_else(m_new_r[i] == -T.infinity(accum), 1,
-                                                            T.exp2(m0_r[i] - m_new_r[i]))
                             if 2 * k + 1 < n_blk:
                                 for i, j in T.Parallel(block_rows, block_n):
                                     acc_s_r[i, j] = T.exp2(acc_s_r[i, j] - T.if_then_else(
                                         m_new_r[i] == -T.infinity(accum), 0, m_new_r[i]))
                                 T.reduce_sum(acc_s_r, row_sum_r, dim=1)
                                 T.copy(acc_s_r, p_frag_r)
-                                T.copy(p_frag_r, p_shared)  # P_a is no longer read: the GEMM above waited
+                                # P_b into b's rope tile: S_b (waited above) was its only reader
+                                if kv_buffer(gb) == 0:
+                                    T.copy(p_frag_r, k0_t)
+                                else:
+                                    T.copy(p_frag_r, k1_t)
                             else:
                                 T.fill(row_sum_r, 0)
                             for i in T.Parallel(block_rows):
                                 m_big_shared[i] = m_new_r[i]
                             T.fence_proxy_async()
+                            T.barrier_arrive(pb_ready[0])
+                            if rescale_needed(alpha_r):
+                                for i, d in T.Parallel(block_rows, HALF):
+                                    acc_o_r[i, d] *= alpha_r[i]
+                            T.barrier_wait(k_ready[part_barrier(ga, PART_R)], kv_ready_parity(ga))
+                            pv_block(p_shared, ga, kv0_r, kv1_r, acc_o_r)
                             T.barrier_arrive(p_free[0])
+                            T.barrier_arrive(k_free[part_barrier(ga, PART_R)])
                             for i in T.Parallel(block_rows):
+                                alpha_r[i] = T.if_then_else(m_new_r[i] == -T.infinity(accum), 1,
+                                                            T.exp2(m0_r[i] - m_new_r[i]))
                                 l_r[i] = l_r[i] * alpha_r[i] + row_sum_r[i]
                                 m_run_r[i] = m_new_r[i]
-                            for i, d in T.Parallel(block_rows, HALF):
-                                acc_o_r[i, d] *= alpha_r[i]
                             if 2 * k + 1 < n_blk:
-                                pv_block(p_frag_r, ga + 1, kv0_r, kv1_r, acc_o_r)
-                                T.barrier_arrive(k_free[kv_buffer(ga + 1)])
+                                if rescale_needed(alpha_r):
+                                    for i, d in T.Parallel(block_rows, HALF):
+                                        acc_o_r[i, d] *= alpha_r[i]
+                                pv_block(p_frag_r, gb, kv0_r, kv1_r, acc_o_r)
+                                T.barrier_arrive(k_free[part_barrier(gb, PART_R)])
                             pc = pc + 1
                         exchange_l(l_r, l_r_shared, l_shared, l_ready, l_free, seg)
                         store_right(acc_o_r, l_r, l_r, kv_scale, req_lo // width == (req_hi - 1) // width,
@@ -1244,6 +1336,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     # last k_ready as below: a producer done early may be two fills ahead of that barrier.
                     if pw == 0 and seg > 0:
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
+                elif seesaw and part_hi > part_lo:
+                    # Tail: as below; the right tile is each block's last cp.async
+                    T.barrier_wait(k_ready[part_barrier(part_hi - part_lo - 1, PART_R)],
+                                   kv_ready_parity(part_hi - part_lo - 1))
                 elif part_hi > part_lo:
                     # Tail: no producer thread exits with cp.async in flight. The part's last k_ready phase
                     # completes once all 128 producer threads' copies have landed (a noinc arrival waits
