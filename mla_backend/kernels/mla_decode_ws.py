@@ -70,8 +70,6 @@ docs/kernel-ws.md walks through the phases (request boundary, odd block count, e
 that touches several requests); tests/test_lowering_ws.py simulates them for random plans.
 """
 
-import os
-
 import tilelang.language as T
 
 from .configs import SM90_WS, KernelConfig
@@ -394,8 +392,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # tws: transposed consumers where the rows fit one m64n16 tile (one row block); the ws kernel otherwise
     transposed = cfg.kernel == "tws" and rows <= TWS_COLS
     q_rows = TWS_COLS if transposed else block_rows  # rows of the Q and P tiles
-    # per-tile k_ready / k_free (seesaw; the ws kernel with a 16-bit cache where MLA_BACKEND_WS_TILES=1)
-    tile_kv = seesaw or (os.environ.get("MLA_BACKEND_WS_TILES", "0") == "1" and not is_fp8 and not transposed)
     s_regs = block_n * q_rows // 128  # fp32 registers of S per consumer thread (128 per warpgroup)
     n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
     pad_rows = n_row_blocks * q_rows != rows  # the last row block has rows that are never stored
@@ -640,7 +636,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
                 if blk + 1 < blk_hi - blk_lo:
                     fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
-            if tile_kv:  # per tile: waits for its release, signals its arrival
+            if seesaw:  # per tile: waits for its release, signals its arrival
                 if kv_buffer(g) == 0:
                     load_parts(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, g, k_ready, k_free, t)
                 else:
@@ -918,14 +914,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 l_r_shared = T.alloc_shared([block_rows], accum)
                 pc = T.alloc_var("int32")  # block pairs started by this program (per thread)
 
-            if tile_kv:  # one barrier per tile of each buffer (part_barrier); one consumer releases each tile
+            if seesaw:  # one barrier per tile of each buffer (part_barrier); one consumer releases each tile
                 k_ready = T.alloc_barrier([128] * (2 * N_PARTS))
                 k_free = T.alloc_barrier([128] * (2 * N_PARTS))
+                pb_ready = T.alloc_barrier(128)  # P_b (in its block's rope tile) and M of a pair written by WG1
             else:
                 k_ready = T.alloc_barrier([128, 128])
                 k_free = T.alloc_barrier([256, 256])
-            if seesaw:
-                pb_ready = T.alloc_barrier(128)  # P_b (in its block's rope tile) and M of a pair written by WG1
             q_ready = T.alloc_barrier(128)
             # seesaw: both consumers read Q and swap l (256 arrivals); otherwise WG0 alone reads Q
             q_free = T.alloc_barrier(256 if seesaw else 128)
@@ -1198,13 +1193,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             for blk in T.serial(n_blk):
                                 g = g0 + blk
                                 pos0 = (blk_lo + blk) * block_n
-                                if tile_kv:
-                                    score_tiles_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready,
-                                                      acc_s)
-                                    T.barrier_arrive(k_free[part_barrier(g, PART_T)])  # the rope tile: S only
-                                else:
-                                    T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
-                                    score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
                                 if blk == n_blk - 1:
                                     T.barrier_arrive(q_free[0])  # last read of this segment's Q
                                 mask_scale(acc_s, pos0, vis0, row0, scale_log2)
@@ -1232,7 +1222,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     for i, d in T.Parallel(block_rows, HALF):
                                         acc_o_l[i, d] *= alpha[i]
                                 pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
-                                T.barrier_arrive(k_free[part_barrier(g, PART_L) if tile_kv else kv_buffer(g)])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
 
                             # epilogue: hand l to WG1, write O[:, :256] and the LSE
                             T.barrier_wait(l_free[0], seg_free_parity(seg))
@@ -1304,9 +1294,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.fill(acc_o_r, 0)
                             for blk in T.serial(blk_hi - blk_lo):
                                 g = g0 + blk
-                                # (tiles: WG0's S, before p_ready, was the right tile's only other reader)
-                                T.barrier_wait(k_ready[part_barrier(g, PART_R) if tile_kv else kv_buffer(g)],
-                                               kv_ready_parity(g))
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
                                 T.barrier_wait(p_ready[0], p_ready_parity(g))
                                 for i in T.Parallel(block_rows):
                                     alpha_r[i] = alpha_shared[i]
@@ -1315,7 +1303,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                         acc_o_r[i, d] *= alpha_r[i]
                                 pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
                                 T.barrier_arrive(p_free[0])
-                                T.barrier_arrive(k_free[part_barrier(g, PART_R) if tile_kv else kv_buffer(g)])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
 
                             T.barrier_wait(l_ready[0], seg_ready_parity(seg))
                             for i in T.Parallel(block_rows):
@@ -1348,7 +1336,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     # last k_ready as below: a producer done early may be two fills ahead of that barrier.
                     if pw == 0 and seg > 0:
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
-                elif tile_kv and part_hi > part_lo:
+                elif seesaw and part_hi > part_lo:
                     # Tail: as below; the right tile is each block's last cp.async
                     T.barrier_wait(k_ready[part_barrier(part_hi - part_lo - 1, PART_R)],
                                    kv_ready_parity(part_hi - part_lo - 1))
