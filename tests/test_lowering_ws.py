@@ -191,13 +191,16 @@ def test_seesaw_kernel_lowers():
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         src, smem = pool.submit(_lower, (16, 2, 16, "float16", "float16"), "seesaw").result()
-    assert "tl::wgmma_ss<" in src and "tl::wgmma_rs<" in src, "S and P_b @ V via shared, P_a @ V from registers"
+    assert "tl::wgmma_ss<" in src and "tl::wgmma_rs<" in src, "S and the other's P @ V via shared, own P from registers"
     assert src.count(f"warpgroup_reg_alloc<{ws.REGS_SEESAW}>") == 2
     assert f"warpgroup_reg_dealloc<{ws.REGS_SEESAW_PRODUCER}>" in src
     assert 2 * ws.REGS_SEESAW + ws.REGS_SEESAW_PRODUCER <= ws.REGS_PER_CTA_SLOT, "beyond the CTA's launch registers"
     # one more P-sized exchange of row maxima / sums than the plain ws kernel, still under the limit
     assert smem == ws.smem_budget()["dynamic"] + 2 * 64 * 4
     assert smem + 1024 <= SM90_SMEM_LIMIT
+    # one k_ready / k_free per tile of each buffer (rope, left, right), and P_b's own barrier
+    assert re.search(rf"uint64_t k_ready_mem\[{2 * ws.N_PARTS}\]", src) and re.search(
+        rf"uint64_t k_free_mem\[{2 * ws.N_PARTS}\]", src) and "pb_ready" in src
     first_role = src.index(f"warpgroup_reg_alloc<{ws.REGS_SEESAW}>")
     assert "__syncthreads()" not in src[first_role:], "CTA-wide barrier inside a warp role"
     assert {count for _, _, count in named_barriers(src)} == {"128"}
@@ -655,6 +658,18 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
 
     warps = [("wg0", w, wg0(w)) for w in range(4)] + [("wg1", w, wg1(w)) for w in range(4)] + \
             [("producer", (pw, w), producer(pw, w)) for pw in range(producers) for w in range(4)]
+    run_warps(warps, bars, bufs, rng, max_steps)
+    assert bars["p_ready"].completions == n_blocks == bars["p_free"].completions
+    assert bars["k_ready0"].completions + bars["k_ready1"].completions == n_blocks
+    assert bars["k_free0"].completions + bars["k_free1"].completions == n_blocks
+    assert bars["q_ready"].completions == len(segs) == bars["l_ready"].completions
+    return n_blocks
+
+
+def run_warps(warps, bars, bufs, rng, max_steps):
+    """Random schedule of the warps' op generators (``(role, id, generator)``) until all are done; raises
+    ProtocolError / Deadlock. cp.async copies complete at random later steps, and a noinc arrival fires once
+    the issuing warp's earlier copies have completed."""
     nxt = [next(gen, None) for _, _, gen in warps]
     arrived_at_sync = {}  # (group, n) -> warps that reached that named barrier
     jobs = {}  # id -> (warp, buffer, slice, tag): cp.async in flight
@@ -728,11 +743,177 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
     for b in bars.values():
         assert b.pending == b.expected, f"{b.name}: {b.expected - b.pending} stray arrivals left at the end"
     assert all(buf.readers == 0 for buf in bufs.values())
-    assert bars["p_ready"].completions == n_blocks == bars["p_free"].completions
-    assert bars["k_ready0"].completions + bars["k_ready1"].completions == n_blocks
-    assert bars["k_free0"].completions + bars["k_free1"].completions == n_blocks
+
+
+def simulate_seesaw_part(segs, *, seed=0, mutation=None, max_steps=5_000_000):
+    """The seesaw schedule (MLA_BACKEND_SM90_KERNEL=seesaw) of one program, as simulate_part does for ws.
+
+    Each KV buffer is three tiles (rope ``t``, left ``l``, right ``r``) with their own k_ready / k_free; a
+    segment's blocks go in pairs (a, b): WG0 computes S_a, writes P_a and m0 to ``p``, WG1 computes S_b, writes
+    P_b into b's rope tile and M to ``mb``; WG0 multiplies V_a and V_b's left halves, WG1 the right halves.
+    Returns the number of pairs.
+    """
+    rng = random.Random(seed)
+    tiles = [f"kv{b}{x}" for b in (0, 1) for x in "tlr"]
+    bars = {f"k_ready_{t}": MBarrier(f"k_ready[{t}]", 128) for t in tiles}
+    bars.update({f"k_free_{t}": MBarrier(f"k_free[{t}]", 128) for t in tiles})
+    bars.update({"q_ready": MBarrier("q_ready", 128), "q_free": MBarrier("q_free", 256),
+                 "p_ready": MBarrier("p_ready", 128), "p_free": MBarrier("p_free", 128),
+                 "pb_ready": MBarrier("pb_ready", 128), "l_ready": MBarrier("l_ready", 256),
+                 "l_free": MBarrier("l_free", 256)})
+    bufs = {n: Buffer(n) for n in tiles + ["q", "p", "mb", "l0", "l1"]}
+
+    per_segment, fills, run, pc = [], [0, 0], 0, 0
+    for s, (_, blk_lo, blk_hi, g0) in enumerate(segs):
+        blks = []
+        for blk in range(blk_hi - blk_lo):
+            g = g0 + blk
+            b = ws.kv_buffer(g)
+            blks.append((g, b, fills[b], run))
+            fills[b] += 1
+            run += 1
+        pairs = []
+        for k in range(0, len(blks), 2):
+            pairs.append((pc, blks[k], blks[k + 1] if k + 1 < len(blks) else None))
+            pc += 1
+        per_segment.append((s, blks, pairs))
+    n_blocks, n_pairs = run, pc
+
+    def score(group, nsync, blk, s):
+        """S over a block's three tiles, each waited for and issued in turn, then wait_wgmma."""
+        g, b, fill, r = blk
+        for x in "tlr":
+            yield ("wait", f"k_ready_kv{b}{x}", ws.kv_ready_parity(g), fill)
+            yield ("rbegin", f"kv{b}{x}", r)
+        yield ("rbegin", "q", s)
+        yield ("sync", group, nsync)
+        for x in "tlr":
+            yield ("rend", f"kv{b}{x}", r)
+        yield ("rend", "q", s)
+
+    def gemm(group, nsync, *reads):
+        """A warpgroup-collective WGMMA reading ``(buffer, tag)`` pairs from shared memory, then its wait."""
+        yield ("sync", group, nsync)
+        for buf, tag in reads:
+            yield ("rbegin", buf, tag)
+        for buf, tag in reads:
+            yield ("rend", buf, tag)
+
+    def exchange_l(group, nsync, w, mine, other, s, seg):
+        yield ("wait", "l_free", ws.seg_free_parity(seg), s - 1)
+        yield ("sync", group, nsync)
+        yield ("wbegin", mine, w)
+        yield ("wend", mine, w, s)
+        yield ("arrive", "l_ready", s)
+        yield ("wait", "l_ready", ws.seg_ready_parity(seg), s)
+        yield ("rbegin", other, s)
+        yield ("rend", other, s)
+        yield ("arrive", "l_free", s)
+
+    def wg0(w):
+        nsync, seg = 0, 0
+        for s, _, pairs in per_segment:
+            yield ("wait", "q_ready", ws.seg_ready_parity(seg), s)
+            for k, (pc, a, b) in enumerate(pairs):
+                ga, ba, fa, ra = a
+                nsync += 1
+                yield from score("wg0", nsync, a, s)
+                yield ("arrive", f"k_free_kv{ba}t", fa)  # only S_a reads a's rope tile
+                if k == len(pairs) - 1:
+                    yield ("arrive", "q_free", s)
+                yield ("wait", "p_free", ws.pair_free_parity(pc), pc - 1)
+                nsync += 1
+                yield ("sync", "wg0", nsync)  # TileLang's barrier before the P_a / m0 stores
+                yield ("wbegin", "p", w)
+                yield ("wend", "p", w, ("P", pc))
+                yield ("arrive", "p_ready", pc)  # after fence.proxy.async
+                nsync += 1
+                yield from gemm("wg0", nsync, (f"kv{ba}l", ra))  # P_a (registers) @ V_a[:, :256]
+                yield ("arrive", f"k_free_kv{ba}l", fa)
+                if mutation != "wg0_skips_pb_wait":
+                    yield ("wait", "pb_ready", ws.pair_ready_parity(pc), pc)
+                yield ("rbegin", "mb", pc)  # M
+                yield ("rend", "mb", pc)
+                if b is not None:
+                    gb, bb, fb, rb = b
+                    yield ("wait", f"k_ready_kv{bb}l", ws.kv_ready_parity(gb), fb)
+                    nsync += 1
+                    # P_b (in b's rope tile) @ V_b[:, :256]
+                    yield from gemm("wg0", nsync, (f"kv{bb}t", ("P", rb)), (f"kv{bb}l", rb))
+                    if mutation != "wg1_releases_p_b":
+                        yield ("arrive", f"k_free_kv{bb}t", fb)
+                    yield ("arrive", f"k_free_kv{bb}l", fb)
+            nsync += 1
+            yield from exchange_l("wg0", nsync, w, "l0", "l1", s, seg)
+            seg += 1
+
+    def wg1(w):
+        nsync, seg = 0, 0
+        for s, _, pairs in per_segment:
+            yield ("wait", "q_ready", ws.seg_ready_parity(seg), s)
+            for k, (pc, a, b) in enumerate(pairs):
+                ga, ba, fa, ra = a
+                if b is not None:
+                    gb, bb, fb, rb = b
+                    nsync += 1
+                    yield from score("wg1", nsync, b, s)
+                if k == len(pairs) - 1:
+                    yield ("arrive", "q_free", s)
+                yield ("wait", "p_ready", ws.pair_ready_parity(pc), pc)
+                yield ("rbegin", "p", ("P", pc))  # m0
+                yield ("rend", "p", ("P", pc))
+                if b is not None:  # P_b into b's rope tile (TileLang's barrier before the stores)
+                    nsync += 1
+                    yield ("sync", "wg1", nsync)
+                    yield ("wbegin", f"kv{bb}t", w)
+                    yield ("wend", f"kv{bb}t", w, ("P", rb))
+                    if mutation == "wg1_releases_p_b":
+                        yield ("arrive", f"k_free_kv{bb}t", fb)
+                nsync += 1
+                yield ("sync", "wg1", nsync)  # before the M stores
+                yield ("wbegin", "mb", w)
+                yield ("wend", "mb", w, pc)
+                yield ("arrive", "pb_ready", pc)  # after fence.proxy.async
+                yield ("wait", f"k_ready_kv{ba}r", ws.kv_ready_parity(ga), fa)
+                nsync += 1
+                yield from gemm("wg1", nsync, ("p", ("P", pc)), (f"kv{ba}r", ra))  # P_a (shared) @ V_a[:, 256:]
+                yield ("arrive", "p_free", pc)
+                yield ("arrive", f"k_free_kv{ba}r", fa)
+                if b is not None:
+                    nsync += 1
+                    yield from gemm("wg1", nsync, (f"kv{bb}r", rb))  # P_b (registers) @ V_b[:, 256:]
+                    yield ("arrive", f"k_free_kv{bb}r", fb)
+            nsync += 1
+            yield from exchange_l("wg1", nsync, w, "l1", "l0", s, seg)
+            seg += 1
+
+    def producer(w):
+        seg = 0
+        for s, blks, _ in per_segment:
+            yield ("wait", "q_free", ws.seg_free_parity(seg), s - 1)
+            yield ("copy", "q", w, s)
+            yield ("noinc", "q_ready", s)
+            for g, b, fill, r in blks:
+                for x in "tlr":
+                    yield ("wait", f"k_free_kv{b}{x}", ws.kv_free_parity(g), fill - 1)
+                    yield ("copy", f"kv{b}{x}", w, r)
+                    yield ("noinc", f"k_ready_kv{b}{x}", fill)
+            seg += 1
+        if n_blocks:  # the tail: the part's last right tile
+            g_last = n_blocks - 1
+            b = ws.kv_buffer(g_last)
+            assert ws.part_barrier(g_last, ws.PART_R) == 3 * b + 2
+            yield ("wait", f"k_ready_kv{b}r", ws.kv_ready_parity(g_last), fills[b] - 1)
+
+    warps = [("wg0", w, wg0(w)) for w in range(4)] + [("wg1", w, wg1(w)) for w in range(4)] + \
+            [("producer", w, producer(w)) for w in range(4)]
+    run_warps(warps, bars, bufs, rng, max_steps)
+    for name in ("p_ready", "p_free", "pb_ready"):
+        assert bars[name].completions == n_pairs, name
+    for x in "tlr":
+        assert sum(bars[f"k_free_kv{b}{x}"].completions for b in (0, 1)) == n_blocks
     assert bars["q_ready"].completions == len(segs) == bars["l_ready"].completions
-    return n_blocks
+    return n_pairs
 
 
 def test_protocol_parities_match_the_running_counts():
@@ -865,3 +1046,46 @@ def test_protocol_simulation_catches_broken_protocols(mutation, error):
         except error:
             caught += 1
     assert caught > 0, f"{mutation} went unnoticed in 30 schedules"
+
+
+def test_seesaw_tile_barriers_are_the_kernel_indices():
+    """part_barrier: buffer-major, three tiles each, in the order the producer refills them."""
+    assert (ws.PART_T, ws.PART_L, ws.PART_R) == (0, 1, 2) and ws.N_PARTS == 3
+    assert [ws.part_barrier(g, p) for g in (4, 7) for p in range(3)] == [0, 1, 2, 3, 4, 5]
+    for pc in range(8):
+        assert ws.pair_ready_parity(pc) == pc & 1 and ws.pair_free_parity(pc) == (pc & 1) ^ 1
+
+
+@pytest.mark.parametrize("case", list(EDGE_CASES), ids=list(EDGE_CASES))
+def test_seesaw_protocol_edge_cases(case):
+    """Odd block counts (a pair without b), empty requests, parts spanning requests: no aliasing, no deadlock,
+    no tile read while refilled (P_b lives in b's rope tile until WG0's P_b V_b)."""
+    kv_lens, width, num_parts = EDGE_CASES[case]
+    cu, begin, end = plan_parts(kv_lens, width, num_parts)
+    for part in range(num_parts):
+        for seed in range(3):
+            simulate_seesaw_part(part_segments(cu, width, part, begin, end), seed=seed)
+
+
+def test_seesaw_protocol_random_plans():
+    rng = random.Random(7)
+    for trial in range(60):
+        kv_lens = [rng.choice((0, 1, 63, 64, 65, 200, 640, 2000)) for _ in range(rng.randint(1, 6))]
+        total = sum(-(-n // 64) for n in kv_lens)
+        width = rng.randint(1, max(1, total))
+        num_parts = -(-total // width) if total else 1
+        cu, begin, end = plan_parts(kv_lens, width, num_parts)
+        for part in range(num_parts):
+            simulate_seesaw_part(part_segments(cu, width, part, begin, end), seed=trial)
+
+
+@pytest.mark.parametrize("mutation,error", [("wg1_releases_p_b", ProtocolError),
+                                            ("wg0_skips_pb_wait", ProtocolError)])
+def test_seesaw_simulation_catches_broken_protocols(mutation, error):
+    """Releasing b's rope tile when P_b is written (before WG0 has read it), or reading M without waiting
+    for pb_ready, must fail for some plan and schedule."""
+    cu, begin, end = plan_parts([1000, 300, 65], 8, 4)
+    with pytest.raises(error):
+        for part in range(4):
+            for seed in range(40):
+                simulate_seesaw_part(part_segments(cu, 8, part, begin, end), seed=seed, mutation=mutation)

@@ -46,9 +46,8 @@ buffer, and first asks L2 for the rows of the block two ahead (``prefetch.global
 convert, issued after this block's first conversion (one scoreboard counts all of a thread's loads), and
 asks L2 for nothing past a segment's first two blocks (docs/kernel-ws.md). With TWS_FP8_PRODUCERS = 2 (the
 default) the tws fp8 kernel has 512 threads: two producer warpgroups take blocks in turn, each converting
-from one row set and then issuing its next block's loads, which so have two blocks' time to land. The seesaw
-variant keeps the older path (bf16/fp16 tiles like q, bit moves + one exact multiply per pair, one row
-at a time: its producer has 56 registers).
+from one row set and then issuing its next block's loads, which so have two blocks' time to land. Under
+MLA_BACKEND_SM90_KERNEL=seesaw an fp8 cache compiles this ws kernel (the seesaw schedule is 16-bit only).
 
 Synchronisation (mbarriers; arrive counts in threads). ``g`` is the block's index inside the part
 (``flat block - part * blocks_per_part``: a running counter that carries across requests, so the
@@ -95,7 +94,8 @@ REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
 # fp8 cache: the producer holds 2 rows x 144 B of raw bytes per thread (72 registers: one row's loads in
 # flight while the other converts); WG1 needs fewer there (it peaks at R153): 240 + 160 + 104 = 504.
 REGS_WG1_FP8, REGS_PRODUCER_FP8 = 160, 104
-# seesaw: both consumers hold an S tile, P and half of O (224 + 224 + 56 = 504; no spills with bf16)
+# seesaw: both consumers hold an S tile, P and half of O (224 + 224 + 56 = 504; no spills with bf16); its producer
+# only issues cp.async
 REGS_SEESAW, REGS_SEESAW_PRODUCER = 224, 56
 # tws, fp8 cache: the transposed consumers need few registers (ptxas: R97 / R63), so the producer takes them and
 # holds 4 rows of raw bytes (144 registers): the next block's two rows load while this block's two convert.
