@@ -608,10 +608,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                        pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, q_free, q_ready, k_free,
                        k_ready, t):
         """The producer warpgroup, one request segment (blocks blk_lo .. blk_hi - 1 of the request, g0 the first's
-        g): Q, then every block, through cp.async, or an fp8 cache's loads and conversions (ws, seesaw, tws with
-        one producer)."""
+        g): Q, then every block, through cp.async (seesaw: tile by tile), or an fp8 cache's loads and conversions
+        (ws, tws with one producer)."""
         # Q of segment seg: WG0 has finished reading Q of segment seg - 1
-        # the segment's first blocks (ws / seesaw: later ones are asked for FP8_PREFETCH_AHEAD ahead)
+        # the segment's first blocks (ws: later ones are asked for FP8_PREFETCH_AHEAD ahead)
         if is_fp8:
             for a in T.serial(FP8_PREFETCH_AHEAD):
                 if blk_lo + a < blk_hi:
