@@ -20,6 +20,7 @@ Each lowering takes ~20-35 s on 2 cores; the variants are lowered in 2 processes
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import multiprocessing
 import os
 import random
@@ -779,113 +780,97 @@ def simulate_seesaw_part(segs, *, seed=0, mutation=None, max_steps=5_000_000):
         per_segment.append((s, blks, pairs))
     n_blocks, n_pairs = run, pc
 
-    def score(group, nsync, blk, s):
+    def score(group, tick, blk, s):
         """S over a block's three tiles, each waited for and issued in turn, then wait_wgmma."""
         g, b, fill, r = blk
         for x in "tlr":
             yield ("wait", f"k_ready_kv{b}{x}", ws.kv_ready_parity(g), fill)
             yield ("rbegin", f"kv{b}{x}", r)
         yield ("rbegin", "q", s)
-        yield ("sync", group, nsync)
+        yield ("sync", group, next(tick))
         for x in "tlr":
             yield ("rend", f"kv{b}{x}", r)
         yield ("rend", "q", s)
 
-    def gemm(group, nsync, *reads):
+    def gemm(group, tick, *reads):
         """A warpgroup-collective WGMMA reading ``(buffer, tag)`` pairs from shared memory, then its wait."""
-        yield ("sync", group, nsync)
+        yield ("sync", group, next(tick))
         for buf, tag in reads:
             yield ("rbegin", buf, tag)
         for buf, tag in reads:
             yield ("rend", buf, tag)
 
-    def exchange_l(group, nsync, w, mine, other, s, seg):
-        yield ("wait", "l_free", ws.seg_free_parity(seg), s - 1)
-        yield ("sync", group, nsync)
-        yield ("wbegin", mine, w)
-        yield ("wend", mine, w, s)
-        yield ("arrive", "l_ready", s)
-        yield ("wait", "l_ready", ws.seg_ready_parity(seg), s)
-        yield ("rbegin", other, s)
-        yield ("rend", other, s)
-        yield ("arrive", "l_free", s)
-
-    def wg0(w):
-        nsync, seg = 0, 0
-        for s, _, pairs in per_segment:
+    def consumer(group, w, mine, other, pair_ops):
+        """A consumer warp: per segment, Q, ``pair_ops`` for each pair, then the row-sum exchange (both consumers
+        write their own l, wait for the other's). ``tick`` numbers the warpgroup's collective syncs."""
+        tick = itertools.count(1)
+        for seg, (s, _, pairs) in enumerate(per_segment):
             yield ("wait", "q_ready", ws.seg_ready_parity(seg), s)
             for k, (pc, a, b) in enumerate(pairs):
-                ga, ba, fa, ra = a
-                nsync += 1
-                yield from score("wg0", nsync, a, s)
-                yield ("arrive", f"k_free_kv{ba}t", fa)  # only S_a reads a's rope tile
-                if k == len(pairs) - 1:
-                    yield ("arrive", "q_free", s)
-                yield ("wait", "p_free", ws.pair_free_parity(pc), pc - 1)
-                nsync += 1
-                yield ("sync", "wg0", nsync)  # TileLang's barrier before the P_a / m0 stores
-                yield ("wbegin", "p", w)
-                yield ("wend", "p", w, ("P", pc))
-                yield ("arrive", "p_ready", pc)  # after fence.proxy.async
-                nsync += 1
-                yield from gemm("wg0", nsync, (f"kv{ba}l", ra))  # P_a (registers) @ V_a[:, :256]
-                yield ("arrive", f"k_free_kv{ba}l", fa)
-                if mutation != "wg0_skips_pb_wait":
-                    yield ("wait", "pb_ready", ws.pair_ready_parity(pc), pc)
-                yield ("rbegin", "mb", pc)  # M
-                yield ("rend", "mb", pc)
-                if b is not None:
-                    gb, bb, fb, rb = b
-                    yield ("wait", f"k_ready_kv{bb}l", ws.kv_ready_parity(gb), fb)
-                    nsync += 1
-                    # P_b (in b's rope tile) @ V_b[:, :256]
-                    yield from gemm("wg0", nsync, (f"kv{bb}t", ("P", rb)), (f"kv{bb}l", rb))
-                    if mutation != "wg1_releases_p_b":
-                        yield ("arrive", f"k_free_kv{bb}t", fb)
-                    yield ("arrive", f"k_free_kv{bb}l", fb)
-            nsync += 1
-            yield from exchange_l("wg0", nsync, w, "l0", "l1", s, seg)
-            seg += 1
+                yield from pair_ops(group, tick, w, s, k == len(pairs) - 1, pc, a, b)
+            yield ("wait", "l_free", ws.seg_free_parity(seg), s - 1)
+            yield ("sync", group, next(tick))
+            yield ("wbegin", mine, w)
+            yield ("wend", mine, w, s)
+            yield ("arrive", "l_ready", s)
+            yield ("wait", "l_ready", ws.seg_ready_parity(seg), s)
+            yield ("rbegin", other, s)
+            yield ("rend", other, s)
+            yield ("arrive", "l_free", s)
 
-    def wg1(w):
-        nsync, seg = 0, 0
-        for s, _, pairs in per_segment:
-            yield ("wait", "q_ready", ws.seg_ready_parity(seg), s)
-            for k, (pc, a, b) in enumerate(pairs):
-                ga, ba, fa, ra = a
-                if b is not None:
-                    gb, bb, fb, rb = b
-                    nsync += 1
-                    yield from score("wg1", nsync, b, s)
-                if k == len(pairs) - 1:
-                    yield ("arrive", "q_free", s)
-                yield ("wait", "p_ready", ws.pair_ready_parity(pc), pc)
-                yield ("rbegin", "p", ("P", pc))  # m0
-                yield ("rend", "p", ("P", pc))
-                if b is not None:  # P_b into b's rope tile (TileLang's barrier before the stores)
-                    nsync += 1
-                    yield ("sync", "wg1", nsync)
-                    yield ("wbegin", f"kv{bb}t", w)
-                    yield ("wend", f"kv{bb}t", w, ("P", rb))
-                    if mutation == "wg1_releases_p_b":
-                        yield ("arrive", f"k_free_kv{bb}t", fb)
-                nsync += 1
-                yield ("sync", "wg1", nsync)  # before the M stores
-                yield ("wbegin", "mb", w)
-                yield ("wend", "mb", w, pc)
-                yield ("arrive", "pb_ready", pc)  # after fence.proxy.async
-                yield ("wait", f"k_ready_kv{ba}r", ws.kv_ready_parity(ga), fa)
-                nsync += 1
-                yield from gemm("wg1", nsync, ("p", ("P", pc)), (f"kv{ba}r", ra))  # P_a (shared) @ V_a[:, 256:]
-                yield ("arrive", "p_free", pc)
-                yield ("arrive", f"k_free_kv{ba}r", fa)
-                if b is not None:
-                    nsync += 1
-                    yield from gemm("wg1", nsync, (f"kv{bb}r", rb))  # P_b (registers) @ V_b[:, 256:]
-                    yield ("arrive", f"k_free_kv{bb}r", fb)
-            nsync += 1
-            yield from exchange_l("wg1", nsync, w, "l1", "l0", s, seg)
-            seg += 1
+    def wg0_pair(group, tick, w, s, last, pc, a, b):
+        ga, ba, fa, ra = a
+        yield from score(group, tick, a, s)
+        yield ("arrive", f"k_free_kv{ba}t", fa)  # only S_a reads a's rope tile
+        if last:
+            yield ("arrive", "q_free", s)
+        yield ("wait", "p_free", ws.pair_free_parity(pc), pc - 1)
+        yield ("sync", group, next(tick))  # TileLang's barrier before the P_a / m0 stores
+        yield ("wbegin", "p", w)
+        yield ("wend", "p", w, ("P", pc))
+        yield ("arrive", "p_ready", pc)  # after fence.proxy.async
+        yield from gemm(group, tick, (f"kv{ba}l", ra))  # P_a (registers) @ V_a[:, :256]
+        yield ("arrive", f"k_free_kv{ba}l", fa)
+        if mutation != "wg0_skips_pb_wait":
+            yield ("wait", "pb_ready", ws.pair_ready_parity(pc), pc)
+        yield ("rbegin", "mb", pc)  # M
+        yield ("rend", "mb", pc)
+        if b is not None:
+            gb, bb, fb, rb = b
+            yield ("wait", f"k_ready_kv{bb}l", ws.kv_ready_parity(gb), fb)
+            # P_b (in b's rope tile) @ V_b[:, :256]
+            yield from gemm(group, tick, (f"kv{bb}t", ("P", rb)), (f"kv{bb}l", rb))
+            if mutation != "wg1_releases_p_b":
+                yield ("arrive", f"k_free_kv{bb}t", fb)
+            yield ("arrive", f"k_free_kv{bb}l", fb)
+
+    def wg1_pair(group, tick, w, s, last, pc, a, b):
+        ga, ba, fa, ra = a
+        if b is not None:
+            gb, bb, fb, rb = b
+            yield from score(group, tick, b, s)
+        if last:
+            yield ("arrive", "q_free", s)
+        yield ("wait", "p_ready", ws.pair_ready_parity(pc), pc)
+        yield ("rbegin", "p", ("P", pc))  # m0
+        yield ("rend", "p", ("P", pc))
+        if b is not None:  # P_b into b's rope tile (TileLang's barrier before the stores)
+            yield ("sync", group, next(tick))
+            yield ("wbegin", f"kv{bb}t", w)
+            yield ("wend", f"kv{bb}t", w, ("P", rb))
+            if mutation == "wg1_releases_p_b":
+                yield ("arrive", f"k_free_kv{bb}t", fb)
+        yield ("sync", group, next(tick))  # before the M stores
+        yield ("wbegin", "mb", w)
+        yield ("wend", "mb", w, pc)
+        yield ("arrive", "pb_ready", pc)  # after fence.proxy.async
+        yield ("wait", f"k_ready_kv{ba}r", ws.kv_ready_parity(ga), fa)
+        yield from gemm(group, tick, ("p", ("P", pc)), (f"kv{ba}r", ra))  # P_a (shared) @ V_a[:, 256:]
+        yield ("arrive", "p_free", pc)
+        yield ("arrive", f"k_free_kv{ba}r", fa)
+        if b is not None:
+            yield from gemm(group, tick, (f"kv{bb}r", rb))  # P_b (registers) @ V_b[:, 256:]
+            yield ("arrive", f"k_free_kv{bb}r", fb)
 
     def producer(w):
         seg = 0
@@ -905,7 +890,8 @@ def simulate_seesaw_part(segs, *, seed=0, mutation=None, max_steps=5_000_000):
             assert ws.part_barrier(g_last, ws.PART_R) == 3 * b + 2
             yield ("wait", f"k_ready_kv{b}r", ws.kv_ready_parity(g_last), fills[b] - 1)
 
-    warps = [("wg0", w, wg0(w)) for w in range(4)] + [("wg1", w, wg1(w)) for w in range(4)] + \
+    warps = [("wg0", w, consumer("wg0", w, "l0", "l1", wg0_pair)) for w in range(4)] + \
+            [("wg1", w, consumer("wg1", w, "l1", "l0", wg1_pair)) for w in range(4)] + \
             [("producer", w, producer(w)) for w in range(4)]
     run_warps(warps, bars, bufs, rng, max_steps)
     for name in ("p_ready", "p_free", "pb_ready"):

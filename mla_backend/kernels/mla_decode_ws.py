@@ -708,13 +708,21 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     produce_segment = rr_segment if rr_fp8 else stream_segment
 
     @T.macro
-    def score(q_l, q_r, q_t, kv_l, kv_r, k_t, acc_s):
-        """S = Q K^T (rows x tokens); tws: S^T = K Q^T (tokens x rows)."""
+    def score(q_l, q_r, q_t, kv_l, kv_r, k_t, g, k_ready, acc_s):
+        """S = Q K^T (rows x tokens); tws: S^T = K Q^T (tokens x rows); seesaw: each tile's WGMMA issued as soon
+        as that tile of block g has landed (rope, left, right: the order the producer refills them in)."""
         T.clear(acc_s)
         if transposed:
             T.wgmma_gemm(kv_l, q_l, acc_s, transpose_B=True)
             T.wgmma_gemm(kv_r, q_r, acc_s, transpose_B=True)
             T.wgmma_gemm(k_t, q_t, acc_s, transpose_B=True)
+        elif seesaw:
+            T.barrier_wait(k_ready[part_barrier(g, PART_T)], kv_ready_parity(g))
+            T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
+            T.barrier_wait(k_ready[part_barrier(g, PART_L)], kv_ready_parity(g))
+            T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
+            T.barrier_wait(k_ready[part_barrier(g, PART_R)], kv_ready_parity(g))
+            T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
         else:
             T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
             T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
@@ -723,34 +731,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         T.warpgroup_fence_operand(acc_s, num_regs=s_regs)  # S is read after the wait, not before
 
     @T.macro
-    def score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s):
-        """S = Q K^T over the KV buffer holding block g."""
+    def score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s):
+        """S = Q K^T over the KV buffer holding block g, once the block has landed (seesaw: per tile, in score)."""
+        if not seesaw:
+            T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
         if kv_buffer(g) == 0:
-            score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, acc_s)
+            score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, g, k_ready, acc_s)
         else:
-            score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, acc_s)
-
-    @T.macro
-    def score_tiles(q_l, q_r, q_t, kv_l, kv_r, k_t, g, k_ready, acc_s):
-        """seesaw: S = Q K^T, each tile's WGMMA issued as soon as that tile has landed (rope, left, right: the
-        order the producer refills them in)."""
-        T.clear(acc_s)
-        T.barrier_wait(k_ready[part_barrier(g, PART_T)], kv_ready_parity(g))
-        T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
-        T.barrier_wait(k_ready[part_barrier(g, PART_L)], kv_ready_parity(g))
-        T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
-        T.barrier_wait(k_ready[part_barrier(g, PART_R)], kv_ready_parity(g))
-        T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
-        T.wait_wgmma(0)
-        T.warpgroup_fence_operand(acc_s, num_regs=s_regs)
-
-    @T.macro
-    def score_tiles_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s):
-        """score_tiles over the KV buffer holding block g."""
-        if kv_buffer(g) == 0:
-            score_tiles(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, g, k_ready, acc_s)
-        else:
-            score_tiles(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, g, k_ready, acc_s)
+            score(q_l, q_r, q_t, kv1_l, kv1_r, k1_t, g, k_ready, acc_s)
 
     @T.macro
     def pv_block(p, g, v0, v1, acc_o):
@@ -943,7 +931,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             if seesaw:
                 pc = 0
             if seesaw and tx < 128:
-                # ------------------------------------------------ seesaw WG0: S and P of a pair's first block, O[:, :256]
+                # ------------------------------------------- seesaw WG0: S and P of a pair's first block, O[:, :256]
                 # Pair (a, b) of a segment's blocks (b missing at an odd end), running max m:
                 #   WG0: S_a; m0 = max(m, rowmax S_a); P_a = exp2(S_a - m0) -> p_shared (+ m0);
                 #        O_L = O_L 2^(m - m0) + P_a V_a[:, :256]          (P_a from registers)
@@ -974,7 +962,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg))
                         for k in T.serial(n_pairs):
                             ga = g0 + 2 * k
-                            score_tiles_block(q_l, q_r, q_t, ga, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s)
+                            score_block(q_l, q_r, q_t, ga, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s)
                             T.barrier_arrive(k_free[part_barrier(ga, PART_T)])  # only S_a reads a's rope tile
                             if k == n_pairs - 1:
                                 T.barrier_arrive(q_free[0])  # WG0's last read of this segment's Q
@@ -1027,7 +1015,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                    part + req, tok0, row0, out, lse, out_partial, lse_partial)
                         seg = seg + 1
             elif seesaw and tx < 256:
-                # ------------------------------------------------ seesaw WG1: S and P of a pair's second block, O[:, 256:]
+                # ------------------------------------------- seesaw WG1: S and P of a pair's second block, O[:, 256:]
                 T.set_max_nreg(REGS_SEESAW, 1)
                 if pad_rows:
                     zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER - 1)
@@ -1050,8 +1038,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             ga = g0 + 2 * k
                             gb = ga + 1
                             if 2 * k + 1 < n_blk:
-                                score_tiles_block(q_l, q_r, q_t, gb, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready,
-                                                  acc_s_r)
+                                score_block(q_l, q_r, q_t, gb, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s_r)
                                 mask_scale(acc_s_r, (blk_lo + 2 * k + 1) * block_n, vis0, row0, scale_log2)
                                 T.reduce_max(acc_s_r, row_max_r, dim=1, clear=True)
                             else:
@@ -1131,8 +1118,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 q_bf16_to_f16(q_l, q_r, q_t, tx)
                             for blk in T.serial(n_blk):
                                 g = g0 + blk
-                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
-                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
+                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s)
                                 if blk == n_blk - 1:
                                     T.barrier_arrive(q_free[0])
                                 mask_scale_t(acc_s, (blk_lo + blk) * block_n, vis0, scale_log2)
@@ -1193,8 +1179,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             for blk in T.serial(n_blk):
                                 g = g0 + blk
                                 pos0 = (blk_lo + blk) * block_n
-                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
-                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, acc_s)
+                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s)
                                 if blk == n_blk - 1:
                                     T.barrier_arrive(q_free[0])  # last read of this segment's Q
                                 mask_scale(acc_s, pos0, vis0, row0, scale_log2)
