@@ -13,6 +13,7 @@ class KernelConfig:
     threads: int
     num_stages: int
     kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py), "ws", "seesaw" or "tws" (mla_decode_ws.py)
+    tma_kv: bool = False  # ws / tws, 16-bit cache, page size a multiple of block_n: whole blocks arrive by TMA
 
 
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
@@ -34,7 +35,8 @@ SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, ke
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
 
 CONFIGS = {"sm90": SM90, "gfx942": GFX942}
-SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS, "seesaw": SM90_SEESAW, "tws": SM90_TWS}
+SM90_TWS_TMA = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True)
+SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS, "seesaw": SM90_SEESAW, "tws": SM90_TWS, "tws_tma": SM90_TWS_TMA}
 # MLA_BACKEND_SM90_KERNEL picks the Hopper kernel (benchmarks/RESULTS.md has them measured).
 SM90_KERNEL_ENV = "MLA_BACKEND_SM90_KERNEL"
 DEFAULT_SM90_KERNEL = "tws"

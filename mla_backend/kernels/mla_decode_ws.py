@@ -421,6 +421,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     q_to_f16 = cdtype != dtype
     convert = "mla_e4m3x16_store<true>" if cdtype == "bfloat16" else "mla_e4m3x16_store<false>"
     regs_wg0, regs_wg1, regs_producer = register_budget(is_fp8, seesaw, transposed)
+    # 16-bit cache, blocks never straddle pages: a whole block is nine TMA boxes of 64 tokens x 64 dims (one
+    # thread issues them; the tensor map views the cache as [num_pages, page_size, 576]). A request's last,
+    # partial block keeps the cp.async gather, which re-reads its last row instead of stale slots.
+    tma_kv = cfg.tma_kv and not is_fp8 and not seesaw and page_size % block_n == 0
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -564,6 +568,16 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                            T.access_ptr(kv_cache[page, slot, KV_LORA_RANK + (t % 8) * vec], "r", vec), vec)
 
     @T.macro
+    def load_kv_tma(kv_cache, page_table, pt0, pos0, kv_l, kv_r, k_t, k_ready, buf):
+        """load_kv of a whole block (pos0 + 64 <= kv_len) by TMA, completing on ``k_ready[buf]`` (one thread's
+        expect_tx)."""
+        page = page_table[pt0 + pos0 // page_size]
+        slot0 = pos0 % page_size
+        T.tma_copy(kv_cache[page, slot0:slot0 + block_n, 0:HALF], kv_l, barrier=k_ready[buf])
+        T.tma_copy(kv_cache[page, slot0:slot0 + block_n, HALF:KV_LORA_RANK], kv_r, barrier=k_ready[buf])
+        T.tma_copy(kv_cache[page, slot0:slot0 + block_n, KV_LORA_RANK:HEAD_DIM], k_t, barrier=k_ready[buf])
+
+    @T.macro
     def load_part(kv_cache, page_table, pt0, pos0, kv_len, dst, col0, t):
         """load_kv for one tile of a buffer: cache dims col0 .. col0 + width of rows pos0 .. pos0 + 63 into
         ``dst`` [64, width] (width 256 or 64; 8 lanes per row, 16 rows per pass)."""
@@ -658,12 +672,19 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     else:
                         fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
                                   kv1_l, kv1_r, k1_t, t)
+                elif tma_kv and pos0 + block_n <= kv_len:
+                    if kv_buffer(g) == 0:
+                        load_kv_tma(kv_cache, page_table, pt0, pos0, kv0_l, kv0_r, k0_t, k_ready, 0)
+                    else:
+                        load_kv_tma(kv_cache, page_table, pt0, pos0, kv1_l, kv1_r, k1_t, k_ready, 1)
                 elif kv_buffer(g) == 0:
                     load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, t)
                 else:
                     load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, t)
                 if is_fp8:
                     T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
+                    T.barrier_arrive(k_ready[kv_buffer(g)])
+                elif tma_kv and pos0 + block_n <= kv_len:  # the TMA bytes complete the phase, not the arrivals
                     T.barrier_arrive(k_ready[kv_buffer(g)])
                 else:
                     T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
@@ -1325,6 +1346,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     # Tail: as below; the right tile is each block's last cp.async
                     T.barrier_wait(k_ready[part_barrier(part_hi - part_lo - 1, PART_R)],
                                    kv_ready_parity(part_hi - part_lo - 1))
+                elif tma_kv and part_hi > part_lo:
+                    # Tail: as below, but a TMA block's phase does not wait for this thread's earlier cp.async: the
+                    # part's last two blocks (either may be a gather) and the last segment's Q have landed.
+                    if part_hi - part_lo > 1:
+                        T.barrier_wait(k_ready[kv_buffer(part_hi - part_lo - 2)], kv_ready_parity(part_hi - part_lo - 2))
+                    T.barrier_wait(k_ready[kv_buffer(part_hi - part_lo - 1)], kv_ready_parity(part_hi - part_lo - 1))
+                    T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
                 elif part_hi > part_lo:
                     # Tail: no producer thread exits with cp.async in flight. The part's last k_ready phase
                     # completes once all 128 producer threads' copies have landed (a noinc arrival waits
