@@ -254,6 +254,33 @@ def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
     assert not any("tl::AllReduce<" in text and "128, 32" in text for text in sections.values())
 
 
+def test_whole_blocks_arrive_by_tma(lowered):
+    """16-bit cache, page size a multiple of 64: each buffer's whole blocks are nine 64 x 64 TMA boxes issued by one
+    producer thread, 73 728 bytes expected on that buffer's k_ready; page size 1 and the fp8 cache keep cp.async."""
+    src, _ = lowered[(128, 1, 64, "bfloat16", "bfloat16")]
+    producer = _role_sections(src, (128, 1, 64, "bfloat16", "bfloat16"))["producer"]
+    for buf in (0, 1):
+        loads = re.findall(rf"tl::tma_load\(kv_cache_desc, k_ready\[{buf}\]", producer)
+        expected = [int(n) for n in re.findall(rf"k_ready\[{buf}\]\.expect_transaction\((\d+)\)", producer)]
+        assert len(loads) == 9 and sum(expected) == 64 * 576 * 2, (len(loads), expected)
+    assert "tl_shuffle_elect<128>" in producer
+    for variant in [(128, 2, 1, "bfloat16", "bfloat16"), (16, 1, 64, "bfloat16", "float8_e4m3")]:
+        assert "tma_load(kv_cache_desc" not in lowered[variant][0], variant
+
+
+def test_tma_setting_off_gives_the_cp_async_kernel(monkeypatch):
+    from mla_backend.kernels import configs
+
+    monkeypatch.setenv(configs.SM90_TMA_ENV, "0")
+    cfg = configs.config_for("sm90")
+    assert not cfg.tma_kv and cfg.kernel == configs.DEFAULT_SM90_KERNEL
+    assert "tma_copy" not in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16", cfg=cfg).script()
+    assert "tma_copy" in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16", cfg=configs.SM90_TWS).script()
+    monkeypatch.setenv(configs.SM90_TMA_ENV, "yes")
+    with pytest.raises(ValueError, match="MLA_BACKEND_SM90_TMA"):
+        configs.config_for("sm90")
+
+
 @pytest.mark.parametrize("variant", TWS_VARIANTS, ids=_vid)
 def test_tws_kernel_lowers(lowered_tws, variant):
     """tws: S^T = K Q^T and O^T = V^T P^T as m64n16 WGMMAs (V read MN-major), column max reduced across WG0's

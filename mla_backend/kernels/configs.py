@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ class KernelConfig:
 # so 32-token blocks with 3 stages (108 KB, more bytes in flight).
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
-SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws")
+SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw")
@@ -29,17 +30,19 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # so 16 rows are not padded to 64), the "ws" kernel for other shapes. The default since session 7: on the H100
 # its fp8 producer (a whole block of loads in flight) makes the e4m3 cache 1.68x faster than bf16 (ws: 1.37x;
 # 1.79x since session 10, 1.84x with its two producer warpgroups since session 11), bf16 level with ws; 37/37 GPU tests under TileLang 0.1.9 and 0.1.11 (session 11; benchmarks/RESULTS.md).
-SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws")
+# Since session 14 whole blocks of a 16-bit cache with page size a multiple of 64 arrive by TMA (tma_kv): 2.5-3.7%
+# faster at h=128 on the H100, level elsewhere (benchmarks/RESULTS.md); MLA_BACKEND_SM90_TMA=0 keeps cp.async.
+SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
 
 CONFIGS = {"sm90": SM90, "gfx942": GFX942}
-SM90_TWS_TMA = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True)
-SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS, "seesaw": SM90_SEESAW, "tws": SM90_TWS, "tws_tma": SM90_TWS_TMA}
+SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS, "seesaw": SM90_SEESAW, "tws": SM90_TWS}
 # MLA_BACKEND_SM90_KERNEL picks the Hopper kernel (benchmarks/RESULTS.md has them measured).
 SM90_KERNEL_ENV = "MLA_BACKEND_SM90_KERNEL"
 DEFAULT_SM90_KERNEL = "tws"
+SM90_TMA_ENV = "MLA_BACKEND_SM90_TMA"  # "0": KV blocks by cp.async only (the kernels before session 14)
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -49,7 +52,11 @@ def config_for(arch: str) -> KernelConfig:
     name = os.environ.get(SM90_KERNEL_ENV, DEFAULT_SM90_KERNEL)
     if name not in SM90_KERNELS:
         raise ValueError(f"{SM90_KERNEL_ENV}={name!r} is not supported; expected one of {tuple(SM90_KERNELS)}")
-    return SM90_KERNELS[name]
+    tma = os.environ.get(SM90_TMA_ENV, "1")
+    if tma not in ("0", "1"):
+        raise ValueError(f"{SM90_TMA_ENV}={tma!r} is not supported; expected 0 or 1")
+    cfg = SM90_KERNELS[name]
+    return dataclasses.replace(cfg, tma_kv=False) if tma == "0" and cfg.tma_kv else cfg
 
 # What the kernels accept (the op validates against these before launching).
 SUPPORTED_DTYPES = ("float16", "bfloat16")

@@ -1,0 +1,56 @@
+"""GPU machine: A/B of Hopper kernel settings in one process, rounds interleaved so clock drift hits both alike.
+
+Each setting's decode step (quick_time.decode_step: fixed lengths, random page order) is captured under its env,
+then per round and setting: the bench's timing (256 MB L2 flush + spin before each replay, median) and
+back-to-back replays (mean). Prints the median over rounds.
+    PYTHONPATH=$PWD:scripts python3 scripts/ab_interleave.py "64,8192,128,2,64;..." "tws:MLA_BACKEND_SM90_KERNEL=tws" ...
+"""
+import os
+import statistics
+import sys
+
+import torch
+
+from mla_backend.bench import Timer
+from quick_time import decode_step
+
+
+def back_to_back(replay, n: int = 20) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+def main() -> int:
+    shapes = [tuple(int(v) for v in x.split(",")) for x in sys.argv[1].split(";")]
+    settings = [(s.split(":", 1)[0], dict(kv.split("=", 1) for kv in s.split(":", 1)[1].split(",") if kv))
+                for s in sys.argv[2:]]
+    rounds = int(os.environ.get("AB_ROUNDS", "4"))
+    timer = Timer("cuda", reps=(30, 30))
+    for b, s, h, sq, ps in shapes:
+        steps = {}
+        for name, env in settings:
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            steps[name] = decode_step(b, s, h, sq, ps)  # keeps the inputs the graph reads alive
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        flops = steps[settings[0][0]][2][1]
+        res = {name: ([], []) for name, _ in settings}
+        for _ in range(rounds):
+            for name, _ in settings:
+                replay = steps[name][0]
+                res[name][0].append(timer(replay, reps=30)["us"])
+                res[name][1].append(back_to_back(replay))
+        cells = " | ".join(f"{name} flushed {statistics.median(f):7.1f} us ({flops / statistics.median(f) / 1e6:5.1f} TF)"
+                           f" b2b {statistics.median(bb):7.1f}" for name, (f, bb) in res.items())
+        print(f"b={b} s={s} h={h} s_q={sq} page={ps}: {cells}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
