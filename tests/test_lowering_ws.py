@@ -268,6 +268,16 @@ def test_whole_blocks_arrive_by_tma(lowered):
         assert "tma_load(kv_cache_desc" not in lowered[variant][0], variant
 
 
+def test_seesaw_tiles_arrive_by_tma():
+    """seesaw, page 64: each tile (rope, left, right) of a whole block is its own TMA copy on its own k_ready."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        src, _ = pool.submit(_lower, (32, 2, 64, "bfloat16", "bfloat16"), "seesaw").result()
+    assert src.count("tl::tma_load(kv_cache_desc") == 18
+    expected = sorted(int(n) for n in re.findall(r"k_ready\[[^\n]*?\]\.expect_transaction\((\d+)\)", src))
+    assert expected == sorted([64 * 64 * 2] * 2 + [64 * 256 * 2] * 4), expected
+
+
 def test_tma_setting_off_gives_the_cp_async_kernel(monkeypatch):
     from mla_backend.kernels import configs
 

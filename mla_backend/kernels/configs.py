@@ -25,7 +25,7 @@ SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
-SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw")
+SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
 # Hopper, warp-specialised with transposed consumers where h x q_len <= 16 (S^T = K Q^T: tokens are WGMMA's M,
 # so 16 rows are not padded to 64), the "ws" kernel for other shapes. The default since session 7: on the H100
 # its fp8 producer (a whole block of loads in flight) makes the e4m3 cache 1.68x faster than bf16 (ws: 1.37x;

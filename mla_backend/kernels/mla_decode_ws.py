@@ -424,7 +424,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # 16-bit cache, blocks never straddle pages: a whole block is nine TMA boxes of 64 tokens x 64 dims (one
     # thread issues them; the tensor map views the cache as [num_pages, page_size, 576]). A request's last,
     # partial block keeps the cp.async gather, which re-reads its last row instead of stale slots.
-    tma_kv = cfg.tma_kv and not is_fp8 and not seesaw and page_size % block_n == 0
+    tma_kv = cfg.tma_kv and not is_fp8 and page_size % block_n == 0
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -591,18 +591,26 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                T.access_ptr(kv_cache[page, p % page_size, col0 + c], "r", vec), vec)
 
     @T.macro
+    def fill_part(kv_cache, page_table, pt0, pos0, kv_len, dst, col0, g, part, k_ready, k_free, t):
+        """seesaw producer: tile ``part`` of block g's buffer, once its last reader has released it; a whole block's
+        tile by TMA (expect_tx by one thread), a partial block's by the cp.async gather."""
+        T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
+        if tma_kv and pos0 + block_n <= kv_len:
+            slot0 = pos0 % page_size
+            T.tma_copy(kv_cache[page_table[pt0 + pos0 // page_size], slot0:slot0 + block_n, col0:col0 + dst.shape[1]],
+                       dst, barrier=k_ready[part_barrier(g, part)])
+            T.barrier_arrive(k_ready[part_barrier(g, part)])
+        else:
+            load_part(kv_cache, page_table, pt0, pos0, kv_len, dst, col0, t)
+            T.cp_async_barrier_noinc(k_ready[part_barrier(g, part)])
+
+    @T.macro
     def load_parts(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, g, k_ready, k_free, t):
         """seesaw producer, block g: each tile of its buffer (rope, left, right) is refilled as soon as its last
         reader has released it (``k_free[part_barrier(g, part)]``) and signalled on its own ``k_ready``."""
-        T.barrier_wait(k_free[part_barrier(g, PART_T)], kv_free_parity(g))
-        load_part(kv_cache, page_table, pt0, pos0, kv_len, k_t, KV_LORA_RANK, t)
-        T.cp_async_barrier_noinc(k_ready[part_barrier(g, PART_T)])
-        T.barrier_wait(k_free[part_barrier(g, PART_L)], kv_free_parity(g))
-        load_part(kv_cache, page_table, pt0, pos0, kv_len, kv_l, 0, t)
-        T.cp_async_barrier_noinc(k_ready[part_barrier(g, PART_L)])
-        T.barrier_wait(k_free[part_barrier(g, PART_R)], kv_free_parity(g))
-        load_part(kv_cache, page_table, pt0, pos0, kv_len, kv_r, HALF, t)
-        T.cp_async_barrier_noinc(k_ready[part_barrier(g, PART_R)])
+        fill_part(kv_cache, page_table, pt0, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
+        fill_part(kv_cache, page_table, pt0, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
+        fill_part(kv_cache, page_table, pt0, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
 
     @T.macro
     def prefetch_block(kv_cache, page_table, pt0, pos0, kv_len, t):
@@ -1343,9 +1351,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     if pw == 0 and seg > 0:
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
                 elif seesaw and part_hi > part_lo:
-                    # Tail: as below; the right tile is each block's last cp.async
+                    # Tail: as below; the right tile is each block's last copy (with TMA blocks, as for ws below)
+                    if tma_kv and part_hi - part_lo > 1:
+                        T.barrier_wait(k_ready[part_barrier(part_hi - part_lo - 2, PART_R)],
+                                       kv_ready_parity(part_hi - part_lo - 2))
                     T.barrier_wait(k_ready[part_barrier(part_hi - part_lo - 1, PART_R)],
                                    kv_ready_parity(part_hi - part_lo - 1))
+                    if tma_kv:
+                        T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
                 elif tma_kv and part_hi > part_lo:
                     # Tail: as below, but a TMA block's phase does not wait for this thread's earlier cp.async: the
                     # part's last two blocks (either may be a gather) and the last segment's Q have landed.
