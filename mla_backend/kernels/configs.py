@@ -14,7 +14,7 @@ class KernelConfig:
     threads: int
     num_stages: int
     kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py), "ws", "seesaw" or "tws" (mla_decode_ws.py)
-    tma_kv: bool = False  # ws / tws, 16-bit cache, page size a multiple of block_n: whole blocks arrive by TMA
+    tma_kv: bool = False  # ws / tws / seesaw, 16-bit cache, page size a multiple of block_n: whole blocks by TMA
 
 
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
