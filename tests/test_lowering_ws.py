@@ -461,20 +461,38 @@ class MBarrier:
     expected: int
     pending: int = 0
     completions: int = 0
+    tx: int = 0  # transaction bytes still expected in this phase (TMA: expect_tx, then complete_tx)
 
     def __post_init__(self):
         self.pending = self.expected
 
-    def arrive(self, threads: int, meant_for: int):
+    def _check_phase(self, meant_for: int, what: str):
         if meant_for != self.completions:
-            raise ProtocolError(f"{self.name}: arrival meant for completion {meant_for} lands in phase "
+            raise ProtocolError(f"{self.name}: {what} meant for completion {meant_for} lands in phase "
                                 f"{self.completions}")
+
+    def _complete_if_done(self):
+        if self.pending == 0 and self.tx == 0:
+            self.completions += 1
+            self.pending = self.expected
+
+    def arrive(self, threads: int, meant_for: int):
+        self._check_phase(meant_for, "arrival")
         self.pending -= threads
         if self.pending < 0:
             raise ProtocolError(f"{self.name}: too many arrivals in phase {self.completions}")
+        self._complete_if_done()
+
+    def expect_tx(self, nbytes: int, meant_for: int):
+        self._check_phase(meant_for, "expect_tx")
         if self.pending == 0:
-            self.completions += 1
-            self.pending = self.expected
+            raise ProtocolError(f"{self.name}: expect_tx after the phase's last arrival")
+        self.tx += nbytes
+
+    def complete_tx(self, nbytes: int, meant_for: int):
+        self._check_phase(meant_for, "complete_tx")
+        self.tx -= nbytes
+        self._complete_if_done()
 
     def passes(self, parity: int, waits_for: int) -> bool:
         """``waits_for``: the completion (0-based) the waiter needs; -1 for 'none yet' (fresh barrier)."""
@@ -560,9 +578,11 @@ def part_segments(cu, width, part, begin, end):
     return segs
 
 
-def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_steps=5_000_000):
+def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_steps=5_000_000, kv_lens=None):
     """Runs the 12 warps of one program (``producers`` > 1: tws fp8's producer warpgroups, taking blocks in
-    turn) over its segments with a random schedule.
+    turn) over its segments with a random schedule. ``kv_lens`` (a 16-bit cache with TMA, one length per request):
+    a whole block is one TMA copy (warp 0 sets expect_tx and issues it, every warp arrives), a request's partial
+    last block stays a cp.async gather.
 
     The warps follow the kernel's code (same order of waits, arrivals, reads and writes, with the
     kernel's parity functions); what each wait and arrival *should* target is computed here from
@@ -582,7 +602,8 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
     per_segment = []
     fills = [0, 0]
     run = 0
-    for s, (_, blk_lo, blk_hi, g0) in enumerate(segs):
+    tma_block = []  # per running index: a whole block of a TMA kernel
+    for s, (req, blk_lo, blk_hi, g0) in enumerate(segs):
         blks = []
         for blk in range(blk_hi - blk_lo):
             g = g0 + blk
@@ -590,6 +611,7 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                 g = blk  # the bug the running counter avoids: phases restart at every request
             b = ws.kv_buffer(g)
             blks.append((blk, g, b, fills[b], run))
+            tma_block.append(kv_lens is not None and (blk_lo + blk + 1) * 64 <= kv_lens[req])
             fills[b] += 1
             run += 1
         per_segment.append((s, blks))
@@ -670,7 +692,11 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                     continue
                 if mutation != "producer_skips_free_wait":
                     yield ("wait", f"k_free{b}", ws.kv_free_parity(g), fill - 1)
-                if producers > 1:  # rr: convert and store (no barrier among the warps), hand over
+                if tma_block[r]:
+                    if w == 0:  # the elected thread: expect_tx, then the nine boxes (one copy here)
+                        yield ("tma", f"kv{b}", r, f"k_ready{b}", fill)
+                    yield ("arrive", f"k_ready{b}", fill)
+                elif producers > 1:  # rr: convert and store (no barrier among the warps), hand over
                     yield ("wbegin", f"kv{b}", w)
                     yield ("wend", f"kv{b}", w, r)
                     yield ("arrive", f"k_ready{b}", fill)  # after fence.proxy.async
@@ -690,9 +716,17 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
             if pw == 0 and seg > 0:
                 yield ("wait", "q_ready", ws.seg_ready_parity(seg - 1), seg - 1)
         elif n_blocks:  # the tail: wait for the part's last k_ready phase (the kernel's g = part_hi - part_lo - 1)
+            # with TMA blocks also the block before, and with TMA or fp8 blocks the last Q (their phases do not
+            # wait for the thread's earlier cp.async)
+            tma_tail = kv_lens is not None and mutation != "tma_tail_last_only"
             g_last = n_blocks - 1
+            if tma_tail and n_blocks > 1:
+                b = ws.kv_buffer(g_last - 1)
+                yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g_last - 1), fills[b] - 1)
             b = ws.kv_buffer(g_last)
             yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g_last), fills[b] - 1)
+            if tma_tail or (fp8 and mutation != "fp8_tail_last_only"):
+                yield ("wait", "q_ready", ws.seg_ready_parity(seg - 1), seg - 1)
 
     warps = [("wg0", w, wg0(w)) for w in range(4)] + [("wg1", w, wg1(w)) for w in range(4)] + \
             [("producer", (pw, w), producer(pw, w)) for pw in range(producers) for w in range(4)]
@@ -704,6 +738,9 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
     return n_blocks
 
 
+TMA_TILE_BYTES = 64 * 576 * 2  # one whole 16-bit block (the kernel's expect_tx per buffer)
+
+
 def run_warps(warps, bars, bufs, rng, max_steps):
     """Random schedule of the warps' op generators (``(role, id, generator)``) until all are done; raises
     ProtocolError / Deadlock. cp.async copies complete at random later steps, and a noinc arrival fires once
@@ -711,6 +748,8 @@ def run_warps(warps, bars, bufs, rng, max_steps):
     nxt = [next(gen, None) for _, _, gen in warps]
     arrived_at_sync = {}  # (group, n) -> warps that reached that named barrier
     jobs = {}  # id -> (warp, buffer, slice, tag): cp.async in flight
+    tma_jobs = {}  # id -> (buffer, tag, barrier, meant_for): a TMA copy of a whole tile in flight
+    job_weight = {}  # id -> how likely it completes at a step: some copies are slow (a cache miss, a busy bank)
     noincs = []  # (barrier, meant_for, ids of the warp's copies it waits for)
     next_job = 0
     speed = [rng.choice((0.1, 1.0, 10.0)) for _ in warps]  # skew: some warps run ahead, some lag
@@ -728,7 +767,10 @@ def run_warps(warps, bars, bufs, rng, max_steps):
             weights.append(speed[i])
         for j in jobs:
             enabled.append(("job", j))
-            weights.append(1.0)
+            weights.append(job_weight[j])
+        for j in tma_jobs:
+            enabled.append(("tma_done", j))
+            weights.append(job_weight[j])
         for k, (_, _, deps) in enumerate(noincs):
             if not deps & jobs.keys():
                 enabled.append(("noinc", k))
@@ -748,6 +790,12 @@ def run_warps(warps, bars, bufs, rng, max_steps):
             bar, meant_for, _ = noincs.pop(i)
             bars[bar].arrive(32, meant_for)
             continue
+        if what == "tma_done":
+            buf, tag, bar, meant_for = tma_jobs.pop(i)
+            for sl in range(4):
+                bufs[buf].write_end(sl, tag)
+            bars[bar].complete_tx(TMA_TILE_BYTES, meant_for)
+            continue
         op = nxt[i]
         kind = op[0]
         if kind == "arrive":
@@ -763,9 +811,17 @@ def run_warps(warps, bars, bufs, rng, max_steps):
         elif kind == "copy":
             bufs[op[1]].write_begin(op[2])
             jobs[next_job] = (i, op[1], op[2], op[3])
+            job_weight[next_job] = rng.choice((1.0, 1.0, 0.01))
             next_job += 1
         elif kind == "noinc":
             noincs.append((op[1], op[2], {j for j, job in jobs.items() if job[0] == i}))
+        elif kind == "tma":  # ("tma", buffer, tag, barrier, meant_for): expect_tx, then the copy
+            bars[op[3]].expect_tx(TMA_TILE_BYTES, op[4])
+            for sl in range(4):
+                bufs[op[1]].write_begin(sl)
+            tma_jobs[next_job] = (op[1], op[2], op[3], op[4])
+            job_weight[next_job] = rng.choice((1.0, 1.0, 0.01))
+            next_job += 1
         elif kind == "sync":
             key = (op[1], op[2])
             arrived_at_sync[key] = arrived_at_sync.get(key, 0) + 1
@@ -777,7 +833,7 @@ def run_warps(warps, bars, bufs, rng, max_steps):
     else:
         raise AssertionError("simulation did not finish")
 
-    assert not jobs and not noincs
+    assert not jobs and not noincs and not tma_jobs
     for b in bars.values():
         assert b.pending == b.expected, f"{b.name}: {b.expected - b.pending} stray arrivals left at the end"
     assert all(buf.readers == 0 for buf in bufs.values())
@@ -995,6 +1051,17 @@ def test_protocol_edge_cases(case, fp8, producers):
             simulate_part(segs, fp8=fp8, producers=producers, seed=seed)
 
 
+@pytest.mark.parametrize("case", list(EDGE_CASES), ids=list(EDGE_CASES))
+def test_protocol_edge_cases_tma(case):
+    """16-bit cache, page size >= 64: whole blocks by TMA, partial last blocks by cp.async, in one part."""
+    lens, width, num_parts = EDGE_CASES[case]
+    cu, begin, end = plan_parts(lens, width, num_parts)
+    for part in range(num_parts):
+        segs = part_segments(cu, width, part, begin, end)
+        for seed in range(20):
+            simulate_part(segs, seed=seed, kv_lens=lens)
+
+
 def test_protocol_three_producers_alias_k_free():
     """Why tws fp8 has at most 2 producer warpgroups: with 3 taking blocks in turn over 2 buffers, a producer
     can wait for k_free's completion f - 1 while it is at f - 3 (its earlier fills of that buffer were another
@@ -1024,6 +1091,8 @@ def test_protocol_random_plans():
         for part in range(num_parts):
             segs = part_segments(cu, width, part, begin, end)
             simulate_part(segs, fp8=trial % 3 != 1, producers=1 + (trial % 3 == 2), seed=trial * 31 + part)
+            if trial % 3 == 1:  # the 16-bit cache's kernel, also with TMA blocks
+                simulate_part(segs, seed=trial * 31 + part, kv_lens=lens)
             runs += 1
     assert runs > 150
 
@@ -1045,7 +1114,8 @@ def test_protocol_with_the_real_planner():
         assert (cu, begin, end) == plan_parts(lens, width, plan.num_parts)
         for part in range(plan.num_parts):
             simulate_part(part_segments(cu, width, part, begin, end), seed=trial, fp8=trial % 2 == 1,
-                          producers=ws.TWS_FP8_PRODUCERS if trial % 4 == 1 else 1)
+                          producers=ws.TWS_FP8_PRODUCERS if trial % 4 == 1 else 1,
+                          kv_lens=lens if trial % 4 == 2 else None)
 
 
 @pytest.mark.parametrize("mutation,error", [
@@ -1055,17 +1125,23 @@ def test_protocol_with_the_real_planner():
     ("producer_skips_free_wait", ProtocolError),
     ("producer_no_tail", ProtocolError),
     ("rr_same_turn", (ProtocolError, Deadlock)),
+    ("tma_tail_last_only", ProtocolError),
+    ("fp8_tail_last_only", ProtocolError),
 ])
 def test_protocol_simulation_catches_broken_protocols(mutation, error):
     """The simulation has teeth: each of these bugs is caught on some plan and schedule."""
     lens, width, num_parts = [64 * 3, 0, 64 * 2 + 1, 64 * 3], 16, 1
+    if mutation.endswith("_tail_last_only"):  # a gather (a partial last block), then a one-block last segment
+        lens = [64 * 2 + 1, 64]
     cu, begin, end = plan_parts(lens, width, num_parts)
     segs = part_segments(cu, width, 0, begin, end)
     producers = 2 if mutation.startswith("rr_") else 1
     caught = 0
     for seed in range(30):
         try:
-            simulate_part(segs, seed=seed, mutation=mutation, fp8=producers > 1, producers=producers)
+            simulate_part(segs, seed=seed, mutation=mutation, fp8=producers > 1 or mutation.startswith("fp8_"),
+                          producers=producers,
+                          kv_lens=lens if mutation.startswith("tma_") else None)
         except error:
             caught += 1
     assert caught > 0, f"{mutation} went unnoticed in 30 schedules"

@@ -1359,19 +1359,18 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                    kv_ready_parity(part_hi - part_lo - 1))
                     if tma_kv:
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
-                elif tma_kv and part_hi > part_lo:
-                    # Tail: as below, but a TMA block's phase does not wait for this thread's earlier cp.async: the
-                    # part's last two blocks (either may be a gather) and the last segment's Q have landed.
-                    if part_hi - part_lo > 1:
+                elif part_hi > part_lo:
+                    # Tail: no producer thread exits with cp.async in flight. With only cp.async gathers the part's
+                    # last k_ready phase is enough: it completes once all 128 producer threads' copies have landed
+                    # (a noinc arrival waits for all of its thread's earlier cp.async, Q included). A TMA block's
+                    # phase (bytes + plain arrivals) or an fp8 block's (registers, plain arrivals) waits for none of
+                    # them: then also the block before (a gather, maybe) and the last segment's Q. (cp.async.wait_group
+                    # would make TileLang add a named barrier whose id collides with WG0's.)
+                    if tma_kv and part_hi - part_lo > 1:
                         T.barrier_wait(k_ready[kv_buffer(part_hi - part_lo - 2)], kv_ready_parity(part_hi - part_lo - 2))
                     T.barrier_wait(k_ready[kv_buffer(part_hi - part_lo - 1)], kv_ready_parity(part_hi - part_lo - 1))
-                    T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
-                elif part_hi > part_lo:
-                    # Tail: no producer thread exits with cp.async in flight. The part's last k_ready phase
-                    # completes once all 128 producer threads' copies have landed (a noinc arrival waits
-                    # for all of its thread's earlier cp.async, Q included). (cp.async.wait_group would
-                    # make TileLang add a named barrier whose id collides with WG0's.)
-                    T.barrier_wait(k_ready[kv_buffer(part_hi - part_lo - 1)], kv_ready_parity(part_hi - part_lo - 1))
+                    if tma_kv or is_fp8:
+                        T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
 
     return mla_decode_split
 
