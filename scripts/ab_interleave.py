@@ -8,6 +8,7 @@ back-to-back replays (mean). Prints the median over rounds.
 import os
 import statistics
 import sys
+from unittest import mock
 
 import torch
 
@@ -34,11 +35,8 @@ def main() -> int:
     for b, s, h, sq, ps in shapes:
         steps = {}
         for name, env in settings:
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            steps[name] = decode_step(b, s, h, sq, ps)  # keeps the inputs the graph reads alive
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            with mock.patch.dict(os.environ, env):
+                steps[name] = decode_step(b, s, h, sq, ps)  # keeps the inputs the graph reads alive
         flops = steps[settings[0][0]][2][1]
         res = {name: ([], []) for name, _ in settings}
         for _ in range(rounds):

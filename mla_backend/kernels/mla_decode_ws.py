@@ -404,11 +404,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                      for k in range(HALF // TWS_TILE)]
     # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
     vec = 8  # dtype elements per 16-byte cp.async
-    # ws, fp8 cache: the producer keeps one row's loads in flight while it converts the other (next block's
-    # row 0 during this block's row 1)
-    stream_fp8 = is_fp8
-    # tws, fp8 cache: a whole block ahead, in two sets of two rows (set g & 1 holds block g's rows)
-    ahead_fp8 = stream_fp8 and transposed
+    # fp8 cache, ws: the producer keeps one row's loads in flight while it converts the other (next block's row 0
+    # during this block's row 1); tws: a whole block ahead, in two sets of two rows (set g & 1 holds block g's rows)
+    ahead_fp8 = is_fp8 and transposed
     # tws, fp8 cache, several producer warpgroups: block g is converted by producer g % n_producers, from one set
     threads = kernel_threads(is_fp8, transposed)
     n_producers = threads // 128 - 2
@@ -417,7 +415,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # ws with an fp8 cache computes in fp16 (shared tiles, P): e4m3 -> fp16 is one instruction per pair
     # (bf16 takes five), exact, and fp16 holds P and the e4m3 values with more precision than bf16. A bf16
     # q is converted in shared memory, times 2^-Q_F16_SHIFT (undone in the softmax scale).
-    cdtype = "float16" if stream_fp8 else dtype
+    cdtype = "float16" if is_fp8 else dtype
     q_to_f16 = cdtype != dtype
     convert = "mla_e4m3x16_store<true>" if cdtype == "bfloat16" else "mla_e4m3x16_store<false>"
     regs_wg0, regs_wg1, regs_producer = register_budget(is_fp8, seesaw, transposed)
@@ -425,6 +423,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # thread issues them; the tensor map views the cache as [num_pages, page_size, 576]). A request's last,
     # partial block keeps the cp.async gather, which re-reads its last row instead of stale slots.
     tma_kv = cfg.tma_kv and not is_fp8 and page_size % block_n == 0
+
+    def last_copy_barrier(g):
+        """The k_ready barrier of block g's last copy (seesaw: its right tile)."""
+        return part_barrier(g, PART_R) if seesaw else kv_buffer(g)
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -643,7 +645,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             fp8_issue_block(kv_cache, pages, blk_lo * block_n, kv_len, raw, g0, t)
             if blk_lo + 1 < blk_hi:
                 fp8_pages(page_table, pt0, (blk_lo + 1) * block_n, kv_len, pages, t)
-        elif stream_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
+        elif is_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
             fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
             fp8_issue_row(kv_cache, pages[0], blk_lo * block_n, kv_len, raw, 0, 0, t)
         T.barrier_wait(q_free[0], seg_free_parity(seg))
@@ -654,7 +656,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             pos0 = (blk_lo + blk) * block_n
             if is_fp8 and not ahead_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
                 prefetch_block(kv_cache, page_table, pt0, pos0 + FP8_PREFETCH_AHEAD * block_n, kv_len, t)
-            if stream_fp8 and not ahead_fp8:  # loads go to registers: issue them before the buffer is free
+            if is_fp8 and not ahead_fp8:  # loads go to registers: issue them before the buffer is free
                 fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
                 if blk + 1 < blk_hi - blk_lo:
                     fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
@@ -673,7 +675,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     else:
                         fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
                                           pages, raw, 1, kv1_l, kv1_r, k1_t, t)
-                elif stream_fp8:
+                elif is_fp8:
                     if kv_buffer(g) == 0:
                         fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
                                   kv0_l, kv0_r, k0_t, t)
@@ -917,7 +919,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
             # fp8 producer: pages of its 2 rows of the next block (only then: TileLang 0.1.11's CUDA codegen was
             # seen to crash with it unused)
-            pages = T.alloc_local([2], "int32") if stream_fp8 else None
+            pages = T.alloc_local([2], "int32") if is_fp8 else None
             if seesaw:  # WG1's own S / P / softmax state, and the row maxima / sums the consumers swap
                 acc_s_r = T.alloc_fragment([block_rows, block_n], accum)
                 p_frag_l = T.alloc_fragment([block_rows, block_n], cdtype)
@@ -1350,25 +1352,19 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     # last k_ready as below: a producer done early may be two fills ahead of that barrier.
                     if pw == 0 and seg > 0:
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
-                elif seesaw and part_hi > part_lo:
-                    # Tail: as below; the right tile is each block's last copy (with TMA blocks, as for ws below)
-                    if tma_kv and part_hi - part_lo > 1:
-                        T.barrier_wait(k_ready[part_barrier(part_hi - part_lo - 2, PART_R)],
-                                       kv_ready_parity(part_hi - part_lo - 2))
-                    T.barrier_wait(k_ready[part_barrier(part_hi - part_lo - 1, PART_R)],
-                                   kv_ready_parity(part_hi - part_lo - 1))
-                    if tma_kv:
-                        T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
                 elif part_hi > part_lo:
                     # Tail: no producer thread exits with cp.async in flight. With only cp.async gathers the part's
-                    # last k_ready phase is enough: it completes once all 128 producer threads' copies have landed
-                    # (a noinc arrival waits for all of its thread's earlier cp.async, Q included). A TMA block's
-                    # phase (bytes + plain arrivals) or an fp8 block's (registers, plain arrivals) waits for none of
-                    # them: then also the block before (a gather, maybe) and the last segment's Q. (cp.async.wait_group
-                    # would make TileLang add a named barrier whose id collides with WG0's.)
+                    # last copy's k_ready phase is enough (seesaw: the last block's right tile): it completes once all
+                    # 128 producer threads' copies have landed (a noinc arrival waits for all of its thread's earlier
+                    # cp.async, Q included). A TMA block's phase (bytes + plain arrivals) or an fp8 block's
+                    # (registers, plain arrivals) waits for none of them: then also the block before (a gather,
+                    # maybe) and the last segment's Q. (cp.async.wait_group would make TileLang add a named barrier
+                    # whose id collides with WG0's.)
                     if tma_kv and part_hi - part_lo > 1:
-                        T.barrier_wait(k_ready[kv_buffer(part_hi - part_lo - 2)], kv_ready_parity(part_hi - part_lo - 2))
-                    T.barrier_wait(k_ready[kv_buffer(part_hi - part_lo - 1)], kv_ready_parity(part_hi - part_lo - 1))
+                        T.barrier_wait(k_ready[last_copy_barrier(part_hi - part_lo - 2)],
+                                       kv_ready_parity(part_hi - part_lo - 2))
+                    T.barrier_wait(k_ready[last_copy_barrier(part_hi - part_lo - 1)],
+                                   kv_ready_parity(part_hi - part_lo - 1))
                     if tma_kv or is_fp8:
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
 
