@@ -179,7 +179,7 @@ def test_ws_kernel_lowers(lowered, variant):
     for mark in _role_marks(variant).values():
         assert mark in src
 
-    budget = ws.smem_budget()
+    budget = ws.smem_budget(rs_pv=ws.SM90_WS.rs_pv)
     # Exactly the sum of the buffers: TileLang merged no two of them (its liveness analysis is
     # sequential and would not know that the roles run concurrently).
     assert smem == budget["dynamic"], f"dynamic shared memory {smem} B, the budget says {budget}"
@@ -268,6 +268,22 @@ def test_whole_blocks_arrive_by_tma(lowered):
         assert "tma_load(kv_cache_desc" not in lowered[variant][0], variant
 
 
+def test_wg0_multiplies_p_from_registers(lowered):
+    """rs_pv (default): WG0's P V is an RS WGMMA; P goes to shared memory by mla_store_p64, which writes the
+    128-byte-swizzled K-major tile that WG1's descriptor for that address names (layout type 1), and WG0's block
+    loop has no named barrier (only the segment's start and epilogue do: 2 instead of 5)."""
+    variant = (128, 1, 64, "bfloat16", "bfloat16")
+    sections = _role_sections(lowered[variant][0], variant)
+    wg0, wg1 = sections["wg0"], sections["wg1"]
+    assert "tl::wgmma_rs<" in wg0 and "tl::wgmma_rs<" not in wg1
+    stores = set(re.findall(r"mla_store_p64\(\(&\(\(\(\w+\*\)buf_dyn_shmem\)\[(\d+)\]\)\), p_frag\)", wg0))
+    assert len(stores) == 1, stores
+    assert re.search(rf"initialize_wgmma_descriptor<1, 1, 64>\(desc_\w+, \(&\(\(\(\w+\*\)buf_dyn_shmem\)"
+                     rf"\[{stores.pop()}\]\)\)\)", wg1), "WG1 does not read P as the 128-byte-swizzled tile"
+    assert "mla_store_rows64(" in wg0
+    assert len(list(named_barriers(wg0))) == 2
+
+
 def test_seesaw_tiles_arrive_by_tma():
     """seesaw, page 64: each tile (rope, left, right) of a whole block is its own TMA copy on its own k_ready."""
     ctx = multiprocessing.get_context("spawn")
@@ -276,6 +292,18 @@ def test_seesaw_tiles_arrive_by_tma():
     assert src.count("tl::tma_load(kv_cache_desc") == 18
     expected = sorted(int(n) for n in re.findall(r"k_ready\[[^\n]*?\]\.expect_transaction\((\d+)\)", src))
     assert expected == sorted([64 * 64 * 2] * 2 + [64 * 256 * 2] * 4), expected
+
+
+def test_rs_pv_setting_off_gives_the_shared_p_kernel(monkeypatch):
+    from mla_backend.kernels import configs
+
+    monkeypatch.setenv(configs.SM90_RSPV_ENV, "0")
+    cfg = configs.config_for("sm90")
+    assert not cfg.rs_pv and cfg.tma_kv and cfg.kernel == configs.DEFAULT_SM90_KERNEL
+    assert "mla_store_p64" not in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16", cfg=cfg).script()
+    monkeypatch.setenv(configs.SM90_RSPV_ENV, "2")
+    with pytest.raises(ValueError, match="MLA_BACKEND_SM90_RSPV"):
+        configs.config_for("sm90")
 
 
 def test_tma_setting_off_gives_the_cp_async_kernel(monkeypatch):
@@ -578,7 +606,8 @@ def part_segments(cu, width, part, begin, end):
     return segs
 
 
-def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_steps=5_000_000, kv_lens=None):
+def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_steps=5_000_000, kv_lens=None,
+                  rs_pv=True):
     """Runs the 12 warps of one program (``producers`` > 1: tws fp8's producer warpgroups, taking blocks in
     turn) over its segments with a random schedule. ``kv_lens`` (a 16-bit cache with TMA, one length per request):
     a whole block is one TMA copy (warp 0 sets expect_tx and issues it, every warp arrives), a request's partial
@@ -588,6 +617,8 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
     kernel's parity functions); what each wait and arrival *should* target is computed here from
     running counts, independently of the kernel's closed forms. cp.async copies complete at random
     later steps, and their noinc arrivals fire after the issuing warp's earlier copies completed.
+    ``rs_pv`` (the default kernel): WG0 stores alpha in its slot before it waits for p_free and multiplies its
+    P V from registers (reading only the KV buffer); otherwise alpha is part of P's shared tile.
     Returns the number of blocks the program processed.
     """
     rng = random.Random(seed)
@@ -596,7 +627,7 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
             "q_ready": MBarrier("q_ready", 128), "q_free": MBarrier("q_free", 128),
             "p_ready": MBarrier("p_ready", 128), "p_free": MBarrier("p_free", 128),
             "l_ready": MBarrier("l_ready", 128), "l_free": MBarrier("l_free", 128)}
-    bufs = {n: Buffer(n) for n in ("q", "kv0", "kv1", "p", "l")}
+    bufs = {n: Buffer(n) for n in ("q", "kv0", "kv1", "p", "l", "alpha0", "alpha1")}
 
     # independent bookkeeping: each block's running index and the fill number of its buffer
     per_segment = []
@@ -636,18 +667,31 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                 yield ("rend", f"kv{b}", r)
                 if blk == len(blks) - 1 and mutation != "no_q_free":
                     yield ("arrive", "q_free", s)
-                yield ("wait", "p_free", ws.p_free_parity(g), r - 1)
-                nsync += 1
-                yield ("sync", "wg0", nsync)  # TileLang's barrier before the alpha / P stores
-                yield ("wbegin", "p", w)
-                yield ("wend", "p", w, r)
-                yield ("arrive", "p_ready", r)  # after fence.proxy.async
-                nsync += 1
-                yield ("sync", "wg0", nsync)  # P @ V[:, :256]
-                yield ("rbegin", "p", r)
-                yield ("rbegin", f"kv{b}", r)
-                yield ("rend", "p", r)
-                yield ("rend", f"kv{b}", r)
+                if rs_pv:
+                    slot = 0 if mutation == "one_alpha_slot" else ws.alpha_slot(g)
+                    yield ("wbegin", f"alpha{slot}", w)
+                    yield ("wend", f"alpha{slot}", w, r)
+                    yield ("wait", "p_free", ws.p_free_parity(g), r - 1)
+                    yield ("wbegin", "p", w)
+                    yield ("wend", "p", w, r)
+                    nsync += 1
+                    yield ("sync", "wg0", nsync)  # P @ V[:, :256], P from registers: issued, then p_ready
+                    yield ("rbegin", f"kv{b}", r)
+                    yield ("arrive", "p_ready", r)  # after fence.proxy.async
+                    yield ("rend", f"kv{b}", r)  # wait_wgmma(0)
+                else:
+                    yield ("wait", "p_free", ws.p_free_parity(g), r - 1)
+                    nsync += 1
+                    yield ("sync", "wg0", nsync)  # TileLang's barrier before the alpha / P stores
+                    yield ("wbegin", "p", w)
+                    yield ("wend", "p", w, r)
+                    yield ("arrive", "p_ready", r)  # after fence.proxy.async
+                    nsync += 1
+                    yield ("sync", "wg0", nsync)  # P @ V[:, :256]
+                    yield ("rbegin", "p", r)
+                    yield ("rbegin", f"kv{b}", r)
+                    yield ("rend", "p", r)
+                    yield ("rend", f"kv{b}", r)
                 yield ("arrive", f"k_free{b}", fill)
             yield ("wait", "l_free", ws.seg_free_parity(seg), s - 1)
             nsync += 1
@@ -664,7 +708,11 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
             for (blk, g, b, fill, r) in blks:
                 yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g), fill)
                 yield ("wait", "p_ready", ws.p_ready_parity(g), r)
-                yield ("rbegin", "p", r)  # alpha, then P in the GEMM
+                if rs_pv:  # alpha from its slot (into registers), then P in the GEMM
+                    slot = 0 if mutation == "one_alpha_slot" else ws.alpha_slot(g)
+                    yield ("rbegin", f"alpha{slot}", r)
+                    yield ("rend", f"alpha{slot}", r)
+                yield ("rbegin", "p", r)  # (without rs_pv: alpha, then) P in the GEMM
                 nsync += 1
                 yield ("sync", "wg1", nsync)  # P @ V[:, 256:]
                 yield ("rbegin", f"kv{b}", r)
@@ -1048,7 +1096,8 @@ def test_protocol_edge_cases(case, fp8, producers):
     for part in range(num_parts):
         segs = part_segments(cu, width, part, begin, end)
         for seed in range(20):
-            simulate_part(segs, fp8=fp8, producers=producers, seed=seed)
+            # tws fp8 (the producers > 1 variant) has transposed consumers: no rs_pv there
+            simulate_part(segs, fp8=fp8, producers=producers, seed=seed, rs_pv=producers == 1 and seed % 2 == 0)
 
 
 @pytest.mark.parametrize("case", list(EDGE_CASES), ids=list(EDGE_CASES))
@@ -1090,9 +1139,10 @@ def test_protocol_random_plans():
         cu, begin, end = plan_parts(lens, width, num_parts)
         for part in range(num_parts):
             segs = part_segments(cu, width, part, begin, end)
-            simulate_part(segs, fp8=trial % 3 != 1, producers=1 + (trial % 3 == 2), seed=trial * 31 + part)
+            simulate_part(segs, fp8=trial % 3 != 1, producers=1 + (trial % 3 == 2), seed=trial * 31 + part,
+                          rs_pv=trial % 3 != 2 and trial % 2 == 0)
             if trial % 3 == 1:  # the 16-bit cache's kernel, also with TMA blocks
-                simulate_part(segs, seed=trial * 31 + part, kv_lens=lens)
+                simulate_part(segs, seed=trial * 31 + part, kv_lens=lens, rs_pv=trial % 2 == 1)
             runs += 1
     assert runs > 150
 
@@ -1113,9 +1163,9 @@ def test_protocol_with_the_real_planner():
         begin, end = plan.part_begin_req.tolist(), plan.part_end_req.tolist()
         assert (cu, begin, end) == plan_parts(lens, width, plan.num_parts)
         for part in range(plan.num_parts):
+            producers = ws.TWS_FP8_PRODUCERS if trial % 4 == 1 else 1
             simulate_part(part_segments(cu, width, part, begin, end), seed=trial, fp8=trial % 2 == 1,
-                          producers=ws.TWS_FP8_PRODUCERS if trial % 4 == 1 else 1,
-                          kv_lens=lens if trial % 4 == 2 else None)
+                          producers=producers, kv_lens=lens if trial % 4 == 2 else None, rs_pv=producers == 1)
 
 
 @pytest.mark.parametrize("mutation,error", [
@@ -1127,6 +1177,7 @@ def test_protocol_with_the_real_planner():
     ("rr_same_turn", (ProtocolError, Deadlock)),
     ("tma_tail_last_only", ProtocolError),
     ("fp8_tail_last_only", ProtocolError),
+    ("one_alpha_slot", ProtocolError),
 ])
 def test_protocol_simulation_catches_broken_protocols(mutation, error):
     """The simulation has teeth: each of these bugs is caught on some plan and schedule."""

@@ -15,6 +15,7 @@ class KernelConfig:
     num_stages: int
     kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py), "ws", "seesaw" or "tws" (mla_decode_ws.py)
     tma_kv: bool = False  # ws / tws / seesaw, 16-bit cache, page size a multiple of block_n: whole blocks by TMA
+    rs_pv: bool = False  # ws / tws beyond 16 rows: WG0's P V from P in registers, P and alpha stored without a barrier
 
 
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
@@ -22,7 +23,7 @@ class KernelConfig:
 # so 32-token blocks with 3 stages (108 KB, more bytes in flight).
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
-SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True)
+SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
@@ -32,7 +33,10 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # 1.79x since session 10, 1.84x with its two producer warpgroups since session 11), bf16 level with ws; 37/37 GPU tests under TileLang 0.1.9 and 0.1.11 (session 11; benchmarks/RESULTS.md).
 # Since session 14 whole blocks of a 16-bit cache with page size a multiple of 64 arrive by TMA (tma_kv): 2.5-3.7%
 # faster at h=128 on the H100, level elsewhere (benchmarks/RESULTS.md); MLA_BACKEND_SM90_TMA=0 keeps cp.async.
-SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True)
+# Since session 15 the ws consumers' WG0 multiplies P V from P in registers (rs_pv): 3.4% faster at h=128 s_q=1;
+# MLA_BACKEND_SM90_RSPV=0 keeps P V from shared memory.
+SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
+                        rs_pv=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
@@ -43,6 +47,7 @@ SM90_KERNELS = {"pipelined": SM90, "ws": SM90_WS, "seesaw": SM90_SEESAW, "tws": 
 SM90_KERNEL_ENV = "MLA_BACKEND_SM90_KERNEL"
 DEFAULT_SM90_KERNEL = "tws"
 SM90_TMA_ENV = "MLA_BACKEND_SM90_TMA"  # "0": KV blocks by cp.async only (the kernels before session 14)
+SM90_RSPV_ENV = "MLA_BACKEND_SM90_RSPV"  # "0": WG0's P V from P in shared memory (the kernels before session 15)
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -52,11 +57,14 @@ def config_for(arch: str) -> KernelConfig:
     name = os.environ.get(SM90_KERNEL_ENV, DEFAULT_SM90_KERNEL)
     if name not in SM90_KERNELS:
         raise ValueError(f"{SM90_KERNEL_ENV}={name!r} is not supported; expected one of {tuple(SM90_KERNELS)}")
-    tma = os.environ.get(SM90_TMA_ENV, "1")
-    if tma not in ("0", "1"):
-        raise ValueError(f"{SM90_TMA_ENV}={tma!r} is not supported; expected 0 or 1")
     cfg = SM90_KERNELS[name]
-    return dataclasses.replace(cfg, tma_kv=False) if tma == "0" and cfg.tma_kv else cfg
+    for env, field in ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv")):
+        value = os.environ.get(env, "1")
+        if value not in ("0", "1"):
+            raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
+        if value == "0" and getattr(cfg, field):
+            cfg = dataclasses.replace(cfg, **{field: False})
+    return cfg
 
 # What the kernels accept (the op validates against these before launching).
 SUPPORTED_DTYPES = ("float16", "bfloat16")

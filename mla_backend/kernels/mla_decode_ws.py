@@ -14,7 +14,8 @@ producer warpgroups taking blocks in turn, ``TWS_FP8_PRODUCERS``):
 
 * WG0 (threads 0..127, 240 regs), consumer 0: ``S = Q K^T`` over 576 dims (WGMMA, async + wait),
   length / causal mask, online softmax (log2 domain, -inf safe), P (bf16/fp16) and the per-row
-  rescale ``alpha`` to shared memory, then ``O[:, :256] += P V[:, :256]``.
+  rescale ``alpha`` to shared memory, then ``O[:, :256] += P V[:, :256]`` (``rs_pv``, the default: P from
+  registers, the GEMM issued before P's shared copy is handed to WG1; alpha in one of two slots).
 * WG1 (threads 128..255, 168 regs), consumer 1: ``O[:, 256:] = alpha * O[:, 256:] + P V[:, 256:]``
   from P in shared memory.
 * WG2 (threads 256..383, 80 regs), producer: gathers each 64-token KV block through the page table
@@ -26,11 +27,11 @@ Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + d
     Q          64 x 576 x 2             73728
     KV x 2     2 x 64 x 576 x 2        147456
     P          64 x 64 x 2               8192
-    alpha, l   2 x 64 x 4                 512
-    dynamic                            229888   (TileLang's dyn_shared_memory_buf)
+    alpha x 2, l  3 x 64 x 4              768   (rs_pv; without it one alpha: 512)
+    dynamic                            230144   (TileLang's dyn_shared_memory_buf)
     mbarriers  10 x 8, static            1024   (nvcc pads static shared to the 1 KiB alignment
                                                  of the dynamic buffer)
-    total                              230912   (1536 B to spare)
+    total                              231168   (1280 B to spare)
 
 There is no room for a separate fp8 staging tile (64 x 576 x 1 = 36864 B), so for an fp8 cache the
 producer loads with plain loads and converts in registers; the per-tensor ``k_scale`` is applied to S
@@ -62,6 +63,7 @@ included); ``s`` counts the non-empty request segments the program has started. 
     q_free          128   WG0 after segment s's last S    WG2 before loading Q of segment s: (s & 1) ^ 1
     p_ready         128   WG0 after writing P, alpha(g)   WG1 for block g: g & 1
     p_free          128   WG1 after reading P, alpha(g)   WG0 before writing P(g): (g & 1) ^ 1
+                                                          (rs_pv: alpha(g) goes to slot g & 1 before that wait)
     l_ready         128   WG0 after writing l (segment s) WG1 at the end of segment s: s & 1
     l_free          128   WG1 after reading l (segment s) WG0 before writing l(s): (s & 1) ^ 1
 
@@ -201,6 +203,34 @@ __device__ __forceinline__ void mla_e4m3x4_f16(unsigned word, unsigned& lo, unsi
                "cvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
                : "=r"(lo), "=r"(hi) : "r"(word));
 }
+// ws WG0 (rs_pv): stores by plain address, so TileLang's thread-sync pass adds no barrier around them.
+// The m64 accumulator layout gives thread t of the warpgroup rows (t / 32) * 16 + (t % 32) / 4 and that + 8:
+// one thread of each quad stores its two row values (alpha) at dst.
+__device__ __forceinline__ void mla_store_rows64(float* dst, const float* v) {
+  const int t = threadIdx.x & 127;
+  if ((t & 3) == 0) {
+    const int r = (t >> 5) * 16 + ((t & 31) >> 2);
+    dst[r] = v[0];
+    dst[r + 8] = v[1];
+  }
+}
+// P [64 rows, 64 tokens], 16-bit, from the m64n64 accumulator layout (16 pairs per thread) into the K-major tile
+// with the 128-byte swizzle that WG1's WGMMA reads: element (r, c) at r * 64 + ((c / 8) ^ (r % 8)) * 8 + c % 8.
+// stmatrix x4 number i stores columns 16 i .. 16 i + 15 of the warp's 16 rows as four 8 x 8 matrices (rows + 0 / + 8,
+// columns + 0 / + 8); lane l names row l % 8 of matrix l / 8.
+__device__ __forceinline__ void mla_store_p64(void* p, const void* frag) {
+  const int t = threadIdx.x & 127;
+  const unsigned* f = reinterpret_cast<const unsigned*>(frag);
+  unsigned short* base = reinterpret_cast<unsigned short*>(p);
+  const int row = (t >> 5) * 16 + ((t >> 3) & 1) * 8 + (t & 7);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int chunk = (2 * i + ((t >> 4) & 1)) ^ (t & 7);
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(base + row * 64 + chunk * 8));
+    asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(f[i * 4]), "r"(f[i * 4 + 1]), "r"(f[i * 4 + 2]), "r"(f[i * 4 + 3]) : "memory");
+  }
+}
 // ws consumers: whether this thread's rows of O need rescaling. alpha holds the thread's n row factors (2 in the
 // m64 accumulator layout); each is exactly 1 when its row's running max did not change, as in most blocks once
 // the max has settled, and the 128-register multiply is then skipped (exact either way).
@@ -245,20 +275,22 @@ __device__ __forceinline__ void mla_e4m3x16_store(const void* src, void* lo, voi
 FP8_PREFETCH_AHEAD = 2
 
 
-def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, transposed: bool = False) -> dict:
+def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, transposed: bool = False,
+                rs_pv: bool = False) -> dict:
     """Shared-memory bytes of the warp-specialised kernel (the docstring's table).
 
     ``dynamic`` is what TileLang allocates (``dyn_shared_memory_buf``); the mbarriers are static
     ``__shared__`` arrays, which nvcc pads to 1024 B so that the 1024-aligned dynamic buffer follows.
     ``transposed`` (tws): Q and P have TWS_COLS rows, plus 128 floats each for the column max exchange
-    (``mla_colmax4``, two halves by block parity) and TileLang's scratch for the column sums.
+    (``mla_colmax4``, two halves by block parity) and TileLang's scratch for the column sums. ``rs_pv``: two
+    alpha slots instead of one.
     """
     q_rows = TWS_COLS if transposed else block_rows
     parts = {
         "q": q_rows * HEAD_DIM * elem_bytes,
         "kv": 2 * block_n * HEAD_DIM * elem_bytes,
         "p": q_rows * block_n * elem_bytes,
-        "alpha_l": 2 * q_rows * 4,
+        "alpha_l": (3 if rs_pv and not transposed else 2) * q_rows * 4,
     }
     if transposed:
         parts["reduce"] = 2 * 128 * 4
@@ -288,6 +320,11 @@ def kv_ready_parity(g):
 def kv_free_parity(g):
     """The producer, before filling block g, waits for completion (g >> 1) - 1 of k_free[g & 1]."""
     return ((g >> 1) & 1) ^ 1
+
+
+def alpha_slot(g):
+    """rs_pv: the shared slot (of two) WG0 stores block g's alpha in, before it waits for p_free."""
+    return g & 1
 
 
 def p_ready_parity(g):
@@ -423,6 +460,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # thread issues them; the tensor map views the cache as [num_pages, page_size, 576]). A request's last,
     # partial block keeps the cp.async gather, which re-reads its last row instead of stale slots.
     tma_kv = cfg.tma_kv and not is_fp8 and page_size % block_n == 0
+    # ws WG0 multiplies its half of P V from P in registers (as FlashAttention-3's first consumer does for
+    # head_dim_v 512): the GEMM is issued before WG0 waits for P's shared copy to be free, and alpha goes to a
+    # slot per block parity, so WG0 stores it without waiting for WG1 and without a barrier of its own.
+    rs_pv = cfg.rs_pv and not transposed and not seesaw
 
     def last_copy_barrier(g):
         """The k_ready barrier of block g's last copy (seesaw: its right tile)."""
@@ -893,6 +934,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             p_shared = T.alloc_shared([q_rows, block_n], cdtype)
             colmax_s = T.alloc_shared([128], accum)  # tws WG0: the column-max exchange, 2 x 64
             alpha_shared = T.alloc_shared([q_rows], accum)
+            alpha_slots = T.alloc_shared([2 * block_rows], accum) if rs_pv else None  # rs_pv: alpha, by alpha_slot
+            p_frag = T.alloc_fragment([block_rows, block_n], cdtype) if rs_pv else None
             l_shared = T.alloc_shared([q_rows], accum)
 
             # S (rows x tokens) and O (rows x dims); tws: S^T and O^T
@@ -1227,17 +1270,40 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 T.reduce_sum(acc_s, row_sum, dim=1)
                                 for i in T.Parallel(block_rows):
                                     l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                                # WG1 has finished with P / alpha of block g - 1
-                                T.barrier_wait(p_free[0], p_free_parity(g))
-                                for i in T.Parallel(block_rows):
-                                    alpha_shared[i] = alpha[i]
-                                T.copy(acc_s, p_shared)
-                                T.fence_proxy_async()  # P: generic stores, read by WGMMA (async proxy)
-                                T.barrier_arrive(p_ready[0])
-                                if rescale_needed(alpha):
-                                    for i, d in T.Parallel(block_rows, HALF):
-                                        acc_o_l[i, d] *= alpha[i]
-                                pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
+                                if rs_pv:
+                                    T.copy(acc_s, p_frag)
+                                    if rescale_needed(alpha):
+                                        for i, d in T.Parallel(block_rows, HALF):
+                                            acc_o_l[i, d] *= alpha[i]
+                                    # alpha's slot was last read by WG1 for block g - 2, before the p_free arrival
+                                    # WG0 waited for at block g - 1. Plain-address stores: TileLang's thread-sync
+                                    # pass would put a barrier of the warpgroup around each of them.
+                                    T.evaluate(T.call_extern("handle", "mla_store_rows64",
+                                                             T.address_of(alpha_slots[alpha_slot(g) * block_rows]), alpha.data))
+                                    # WG1 has finished with P of block g - 1
+                                    T.barrier_wait(p_free[0], p_free_parity(g))
+                                    T.evaluate(T.call_extern("handle", "mla_store_p64", T.address_of(p_shared[0, 0]),
+                                                             p_frag.data))
+                                    if kv_buffer(g) == 0:
+                                        T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
+                                    else:
+                                        T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
+                                    T.fence_proxy_async()  # P: generic stores, read by WG1's WGMMA (async proxy)
+                                    T.barrier_arrive(p_ready[0])
+                                    T.wait_wgmma(0)
+                                    T.warpgroup_fence_operand(acc_o_l, num_regs=block_rows * HALF // 128)
+                                else:
+                                    # WG1 has finished with P / alpha of block g - 1
+                                    T.barrier_wait(p_free[0], p_free_parity(g))
+                                    for i in T.Parallel(block_rows):
+                                        alpha_shared[i] = alpha[i]
+                                    T.copy(acc_s, p_shared)
+                                    T.fence_proxy_async()  # P: generic stores, read by WGMMA (async proxy)
+                                    T.barrier_arrive(p_ready[0])
+                                    if rescale_needed(alpha):
+                                        for i, d in T.Parallel(block_rows, HALF):
+                                            acc_o_l[i, d] *= alpha[i]
+                                    pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
                                 T.barrier_arrive(k_free[kv_buffer(g)])
 
                             # epilogue: hand l to WG1, write O[:, :256] and the LSE
@@ -1313,7 +1379,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
                                 T.barrier_wait(p_ready[0], p_ready_parity(g))
                                 for i in T.Parallel(block_rows):
-                                    alpha_r[i] = alpha_shared[i]
+                                    alpha_r[i] = alpha_slots[alpha_slot(g) * block_rows + i] if rs_pv else alpha_shared[i]
                                 if rescale_needed(alpha_r):
                                     for i, d in T.Parallel(block_rows, HALF):
                                         acc_o_r[i, d] *= alpha_r[i]
