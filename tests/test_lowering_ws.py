@@ -712,6 +712,8 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                     slot = 0 if mutation == "one_alpha_slot" else ws.alpha_slot(g)
                     yield ("rbegin", f"alpha{slot}", r)
                     yield ("rend", f"alpha{slot}", r)
+                if mutation == "wg1_frees_early":
+                    yield ("arrive", f"k_free{b}", fill)
                 yield ("rbegin", "p", r)  # (without rs_pv: alpha, then) P in the GEMM
                 nsync += 1
                 yield ("sync", "wg1", nsync)  # P @ V[:, 256:]
@@ -720,7 +722,8 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                 yield ("rend", "p", r)
                 if mutation != "wg1_no_p_free":
                     yield ("arrive", "p_free", r)
-                yield ("arrive", f"k_free{b}", fill)
+                if mutation != "wg1_frees_early":
+                    yield ("arrive", f"k_free{b}", fill)
             yield ("wait", "l_ready", ws.seg_ready_parity(seg), s)
             yield ("rbegin", "l", s)
             yield ("rend", "l", s)
@@ -1178,6 +1181,7 @@ def test_protocol_with_the_real_planner():
     ("tma_tail_last_only", ProtocolError),
     ("fp8_tail_last_only", ProtocolError),
     ("one_alpha_slot", ProtocolError),
+    ("wg1_frees_early", ProtocolError),
 ])
 def test_protocol_simulation_catches_broken_protocols(mutation, error):
     """The simulation has teeth: each of these bugs is caught on some plan and schedule."""
