@@ -1,5 +1,5 @@
 """Small decode cases for compute-sanitizer (memcheck / racecheck): every kernel the op launches
-(split planner, ws decode bf16 / fp8 / s_q=2 causal, combine) on ragged lengths incl. 0, 1, 63, 65,
+(split planner, ws decode bf16 / fp8 / s_q=2 causal / TMA blocks at page 64, combine) on ragged lengths incl. 0, 1, 63, 65,
 pages in random order, page sizes 1 / 16 / 64, and one long request beside short ones (split into more than 8
 parts: the combine's block-wide LSE reduction). Run once plain (compiles into TILELANG_CACHE_DIR),
 then under the sanitizer, which then only loads the cached kernels. Exits 1 on a wrong result."""
@@ -12,7 +12,8 @@ from mla_backend import MLADecodeMetadata, mla_decode, mla_decode_reference
 SHORT = (0, 1, 63, 65, 700, 130)
 LONG = (20000, 1, 65, 3)
 CASES = [  # (page_size, heads, q_len, fp8, kv lens)
-    (64, 16, 1, False, SHORT), (1, 16, 1, False, SHORT), (16, 128, 2, False, SHORT), (64, 16, 1, True, SHORT),
+    (64, 16, 1, False, SHORT), (1, 16, 1, False, SHORT), (16, 128, 2, False, SHORT), (64, 128, 1, False, SHORT),
+    (64, 16, 1, True, SHORT),
     (16, 32, 2, True, SHORT), (64, 16, 1, False, LONG), (64, 16, 1, True, LONG)]
 
 
