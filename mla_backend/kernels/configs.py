@@ -33,8 +33,8 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # 1.79x since session 10, 1.84x with its two producer warpgroups since session 11), bf16 level with ws; 37/37 GPU tests under TileLang 0.1.9 and 0.1.11 (session 11; benchmarks/RESULTS.md).
 # Since session 14 whole blocks of a 16-bit cache with page size a multiple of 64 arrive by TMA (tma_kv): 2.5-3.7%
 # faster at h=128 on the H100, level elsewhere (benchmarks/RESULTS.md); MLA_BACKEND_SM90_TMA=0 keeps cp.async.
-# Since session 15 the ws consumers' WG0 multiplies P V from P in registers (rs_pv): 3.4% faster at h=128 s_q=1;
-# MLA_BACKEND_SM90_RSPV=0 keeps P V from shared memory.
+# Since session 15 the ws consumers' WG0 multiplies P V from P in registers (rs_pv): 6% faster at h=128 s_q=2 in the
+# A/B, 1.13 -> 1.08 of the faster anchor side by side; MLA_BACKEND_SM90_RSPV=0 keeps P V from shared memory.
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads

@@ -461,8 +461,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # partial block keeps the cp.async gather, which re-reads its last row instead of stale slots.
     tma_kv = cfg.tma_kv and not is_fp8 and page_size % block_n == 0
     # ws WG0 multiplies its half of P V from P in registers (as FlashAttention-3's first consumer does for
-    # head_dim_v 512): the GEMM is issued before WG0 waits for P's shared copy to be free, and alpha goes to a
-    # slot per block parity, so WG0 stores it without waiting for WG1 and without a barrier of its own.
+    # head_dim_v 512): no WGMMA of WG0 reads P's shared tile (WG1's copy), so WG0 stores P and alpha without a
+    # barrier of its own and issues its GEMM before handing P to WG1; alpha goes to a slot per block parity, so
+    # it is stored before WG0 waits for WG1 to be done with the previous P.
     rs_pv = cfg.rs_pv and not transposed and not seesaw
 
     def last_copy_barrier(g):
@@ -1279,7 +1280,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     # WG0 waited for at block g - 1. Plain-address stores: TileLang's thread-sync
                                     # pass would put a barrier of the warpgroup around each of them.
                                     T.evaluate(T.call_extern("handle", "mla_store_rows64",
-                                                             T.address_of(alpha_slots[alpha_slot(g) * block_rows]), alpha.data))
+                                                             T.address_of(alpha_slots[alpha_slot(g) * block_rows]),
+                                                             alpha.data))
                                     # WG1 has finished with P of block g - 1
                                     T.barrier_wait(p_free[0], p_free_parity(g))
                                     T.evaluate(T.call_extern("handle", "mla_store_p64", T.address_of(p_shared[0, 0]),
@@ -1379,7 +1381,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
                                 T.barrier_wait(p_ready[0], p_ready_parity(g))
                                 for i in T.Parallel(block_rows):
-                                    alpha_r[i] = alpha_slots[alpha_slot(g) * block_rows + i] if rs_pv else alpha_shared[i]
+                                    alpha_r[i] = (alpha_slots[alpha_slot(g) * block_rows + i] if rs_pv
+                                                  else alpha_shared[i])
                                 if rescale_needed(alpha_r):
                                     for i, d in T.Parallel(block_rows, HALF):
                                         acc_o_r[i, d] *= alpha_r[i]
