@@ -162,8 +162,10 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
     q_nope, q_pe = _rows_aligned(q_nope), _rows_aligned(q_pe)
     kernels.split(q_nope, q_pe, kv_cache, k_scale_t, metadata.page_table, metadata.page_table_start, metadata.kv_lens,
           metadata.qo_indptr, cu_blocks, plan.part_begin_req, plan.part_end_req, plan.blocks_per_part,
-          _scalar(softmax_scale, device), out, lse, plan.out_partial, plan.lse_partial)
-    # a short batch's requests have many parts each: the wide combine keeps all their partial rows in flight
+          _scalar(softmax_scale, device), out, lse, plan.out_partial, plan.lse_partial, plan.merge_count)
+    # a short batch's requests have many parts each: the wide combine keeps all their partial rows in flight. The
+    # combine runs whatever the split kernel merged itself: it writes empty requests and merges the requests with
+    # more parts than that (the host does not know the lengths).
     combine = kernels.combine_wide if use_wide_combine(batch, plan.rows, plan.num_parts) else kernels.combine
     combine(metadata.qo_indptr, cu_blocks, plan.blocks_per_part, plan.out_partial, plan.lse_partial, out, lse)
     return out, lse

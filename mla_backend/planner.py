@@ -22,6 +22,7 @@ from .metadata import INDEX_DTYPE, MLADecodeMetadata
 # spreading a short batch over every SM wins (b=1, s=4096, h=16: 64 one-block parts instead of 16 of four).
 MIN_BLOCKS_PER_PART = 1
 KV_LORA_RANK = 512
+MIN_BLOCK_ROWS = 16  # the fewest rows of any kernel config's tile: merge counters for every kernel's row blocks
 
 
 @dataclass
@@ -33,6 +34,8 @@ class SplitPlan:
         (``end < begin`` for an empty part).
     blocks_per_part: int32 ``[1]``.
     out_partial: fp32 ``[num_parts + max_batch, rows, 512]``; lse_partial: fp32 ``[.., rows]`` (log2).
+    merge_count: int32 ``[max_batch * ceil(rows / 16)]`` zeros: per (request, row block), the split kernel's
+        count of finished parts (kernels that merge in their epilogue; the last program resets it to 0).
     """
 
     cu_blocks: torch.Tensor
@@ -41,6 +44,7 @@ class SplitPlan:
     blocks_per_part: torch.Tensor
     out_partial: torch.Tensor
     lse_partial: torch.Tensor
+    merge_count: torch.Tensor
     num_parts: int
     rows: int
     block_n: int  # KV tokens per block of work: the kernel checks it equals its own block_n
@@ -84,6 +88,7 @@ class SplitPlanner:
             blocks_per_part=torch.ones(1, **i32),
             out_partial=torch.empty(self.num_parts + max_batch, rows, KV_LORA_RANK, dtype=torch.float32, device=device),
             lse_partial=torch.empty(self.num_parts + max_batch, rows, dtype=torch.float32, device=device),
+            merge_count=torch.zeros(max_batch * -(-rows // MIN_BLOCK_ROWS), **i32),
             num_parts=self.num_parts,
             rows=rows,
             block_n=self.block_n,

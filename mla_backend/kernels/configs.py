@@ -16,6 +16,9 @@ class KernelConfig:
     kernel: str = "pipelined"  # kernel source: "pipelined" (mla_decode.py), "ws", "seesaw" or "tws" (mla_decode_ws.py)
     tma_kv: bool = False  # ws / tws / seesaw, 16-bit cache, page size a multiple of block_n: whole blocks by TMA
     rs_pv: bool = False  # ws / tws beyond 16 rows: WG0's P V from P in registers, P and alpha stored without a barrier
+    # ws / tws: a request split into two parts is merged by the second of its programs to finish (in its epilogue,
+    # from the other's partial) instead of by the combine kernel
+    merge_pairs: bool = False
 
 
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
@@ -23,7 +26,8 @@ class KernelConfig:
 # so 32-token blocks with 3 stages (108 KB, more bytes in flight).
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
-SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True)
+SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True,
+                     merge_pairs=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
@@ -35,8 +39,10 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # faster at h=128 on the H100, level elsewhere (benchmarks/RESULTS.md); MLA_BACKEND_SM90_TMA=0 keeps cp.async.
 # Since session 15 the ws consumers' WG0 multiplies P V from P in registers (rs_pv): 6% faster at h=128 s_q=2 in the
 # A/B, 1.13 -> 1.08 of the faster anchor side by side; MLA_BACKEND_SM90_RSPV=0 keeps P V from shared memory.
+# Since session 16 a request split into two parts is merged in the split kernel (merge_pairs; MLA_BACKEND_SM90_MERGE=0
+# leaves it to the combine kernel).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
-                        rs_pv=True)
+                        rs_pv=True, merge_pairs=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
@@ -48,6 +54,7 @@ SM90_KERNEL_ENV = "MLA_BACKEND_SM90_KERNEL"
 DEFAULT_SM90_KERNEL = "tws"
 SM90_TMA_ENV = "MLA_BACKEND_SM90_TMA"  # "0": KV blocks by cp.async only (the kernels before session 14)
 SM90_RSPV_ENV = "MLA_BACKEND_SM90_RSPV"  # "0": WG0's P V from P in shared memory (the kernels before session 15)
+SM90_MERGE_ENV = "MLA_BACKEND_SM90_MERGE"  # "0": the combine kernel merges every split request (before session 16)
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -58,13 +65,20 @@ def config_for(arch: str) -> KernelConfig:
     if name not in SM90_KERNELS:
         raise ValueError(f"{SM90_KERNEL_ENV}={name!r} is not supported; expected one of {tuple(SM90_KERNELS)}")
     cfg = SM90_KERNELS[name]
-    for env, field in ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv")):
+    for env, field in ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv"), (SM90_MERGE_ENV, "merge_pairs")):
         value = os.environ.get(env, "1")
         if value not in ("0", "1"):
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
         if value == "0" and getattr(cfg, field):
             cfg = dataclasses.replace(cfg, **{field: False})
     return cfg
+
+
+def merged_parts(cfg: KernelConfig, kv_dtype: str) -> int:
+    """Parts of a request the split kernel of ``cfg`` merges itself: 2 (``merge_pairs``) or 0; the combine takes the
+    other split requests (the seesaw and pipelined kernels merge none)."""
+    return 2 if cfg.merge_pairs and cfg.kernel in ("ws", "tws") else 0
+
 
 # What the kernels accept (the op validates against these before launching).
 SUPPORTED_DTYPES = ("float16", "bfloat16")

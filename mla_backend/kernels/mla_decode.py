@@ -14,6 +14,7 @@ compile per (dtype, num_heads, q_len, page_size, arch, config) serves every batc
 """
 
 import inspect
+from typing import Any, NamedTuple
 
 import tilelang.language as T
 
@@ -44,8 +45,17 @@ def num_row_blocks(num_heads: int, q_len: int, block_rows: int) -> int:
     return -(-num_heads * q_len // block_rows)
 
 
+class SegmentStore(NamedTuple):
+    """A segment epilogue's macros: ``normalize`` (acc by l and the fp8 scale, one factor per row), ``write`` (the
+    normalised tile to ``out`` / ``lse`` or to a partial slot) and ``store`` (both, dividing each element)."""
+
+    normalize: Any
+    write: Any
+    store: Any
+
+
 def make_store_rows(num_heads: int, q_len: int, block_rows: int, ncols: int, col0: int = 0,
-                    with_lse: bool = True):
+                    with_lse: bool = True) -> SegmentStore:
     """Segment epilogue shared by the decode kernels: normalise ``acc`` (columns ``col0 .. col0 + ncols``
     of 512) by ``l_sum`` and the fp8 scale, then write the tile's rows to ``out`` / ``lse`` when the part
     holds the whole request (``direct``), else to partial slot ``slot`` (log2-domain LSE). Rows past
@@ -55,9 +65,15 @@ def make_store_rows(num_heads: int, q_len: int, block_rows: int, ncols: int, col
     accum = "float32"
 
     @T.macro
-    def store_rows(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, row0, out, lse, out_partial, lse_partial):
+    def normalize(acc, l_sum, kv_scale, factor):
+        """acc *= kv_scale / l_sum per row (0 where l_sum is 0), through the row vector ``factor``."""
+        for i in T.Parallel(block_rows):
+            factor[i] = T.if_then_else(l_sum[i] > 0, kv_scale / l_sum[i], 0)
         for i, d in T.Parallel(block_rows, ncols):
-            acc[i, d] = T.if_then_else(l_sum[i] > 0, acc[i, d] * kv_scale / l_sum[i], 0)
+            acc[i, d] *= factor[i]
+
+    @T.macro
+    def write(acc, l_sum, m_cur, direct, slot, tok0, row0, out, lse, out_partial, lse_partial):
         if direct:
             for i, d in T.Parallel(block_rows, ncols):
                 if row0 + i < rows:
@@ -74,10 +90,20 @@ def make_store_rows(num_heads: int, q_len: int, block_rows: int, ncols: int, col
             if with_lse:
                 for i in T.Parallel(block_rows):
                     if row0 + i < rows:
-                        lse_partial[slot, row0 + i] = T.if_then_else(
-                            l_sum[i] > 0, T.log2(l_sum[i]) + m_cur[i], -T.infinity(accum))
+                        lse_partial[slot, row0 + i] = partial_lse(l_sum[i], m_cur[i])
 
-    return store_rows
+    @T.macro
+    def store(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, row0, out, lse, out_partial, lse_partial):
+        for i, d in T.Parallel(block_rows, ncols):
+            acc[i, d] = T.if_then_else(l_sum[i] > 0, acc[i, d] * kv_scale / l_sum[i], 0)
+        write(acc, l_sum, m_cur, direct, slot, tok0, row0, out, lse, out_partial, lse_partial)
+
+    return SegmentStore(normalize, write, store)
+
+
+def partial_lse(l_sum, m_cur):
+    """A part's log2-domain LSE of a row (its partial slot's): -inf where the row saw nothing."""
+    return T.if_then_else(l_sum > 0, T.log2(l_sum) + m_cur, -T.infinity("float32"))
 
 
 def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
@@ -91,7 +117,8 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
         qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]``;
         part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``;
         out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
-        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2).
+        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2);
+        merge_count int32 ``[num_counts]`` (the kernels that merge splits themselves count parts there; not read here).
     """
     block_rows, block_n = cfg.block_rows, cfg.block_n
     rows = num_heads * q_len
@@ -105,11 +132,12 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     num_entries = T.dynamic("num_entries")
     num_parts = T.dynamic("num_parts")
     num_slots = T.dynamic("num_slots")
+    num_counts = T.dynamic("num_counts")
     # q halves are read in place from whatever views the engine hands over (vLLM's q_nope is a
     # transposed bmm output, a 576-wide q gives two strided slices): strides are runtime values.
     q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
     q_pe_stride = (T.dynamic("q_pe_stride_t"), T.dynamic("q_pe_stride_h"), 1)
-    store_rows = make_store_rows(num_heads, q_len, block_rows, KV_LORA_RANK)
+    store_rows = make_store_rows(num_heads, q_len, block_rows, KV_LORA_RANK).store
 
     @T.macro
     def load_block(kv_cache, page_table, pt0, pos0, kv_len, kv_dst, pe_dst):
@@ -177,6 +205,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
         lse: T.Tensor([num_tokens, num_heads], accum),
         out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
         lse_partial: T.Tensor([num_slots, rows], accum),
+        merge_count: T.Tensor([num_counts], "int32"),
     ):
         with T.Kernel(num_parts, n_row_blocks, threads=cfg.threads) as (part, row_block):
             q_shared = T.alloc_shared([block_rows, KV_LORA_RANK], dtype)
@@ -269,11 +298,12 @@ def use_wide_combine(batch: int, rows: int, num_parts: int) -> bool:
     return batch * rows <= COMBINE_WIDE_MAX_PROGRAMS and num_parts >= COMBINE_WIDE_MIN_PARTS * batch
 
 
-def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False):
+def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False, merged: int = 0):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
 
     One program per (request, row), or with ``wide`` per (request, row, 128-dim chunk); requests whose single
-    part wrote the output directly return. The request's partial LSEs become merge weights in shared memory:
+    part wrote the output directly return, and so do those of up to ``merged`` parts, which the split kernel
+    merged itself (``configs.merged_parts``). The request's partial LSEs become merge weights in shared memory:
     more than ``COMBINE_SERIAL_LSE`` parts (up to ``MAX_PARTS``, two per thread) are reduced across the block
     (max, then the sum of exp2), fewer are walked serially by every thread (no block barrier). The 512-wide rows
     are summed ``COMBINE_UNROLL`` at a time, then ``COMBINE_TAIL`` at a time from clamped indices (no branch
@@ -329,7 +359,7 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
                     out[tok, head, d0 + d] = T.cast(0, dtype)
                 if chunk == 0:
                     lse[tok, head] = -T.infinity(accum)
-            elif n_read > 1:
+            elif n_read > max(1, merged):
                 if wide:
                     tx = T.get_thread_binding()
                     grp = tx // lanes

@@ -73,8 +73,9 @@ that touches several requests); tests/test_lowering_ws.py simulates them for ran
 
 import tilelang.language as T
 
-from .configs import SM90_WS, KernelConfig
-from .mla_decode import HEAD_DIM, KV_LORA_RANK, LN2, LOG2E, ROPE_DIM, make_store_rows, num_row_blocks
+from .configs import SM90_WS, KernelConfig, merged_parts
+from .mla_decode import (HEAD_DIM, KV_LORA_RANK, LN2, LOG2E, ROPE_DIM, SegmentStore, make_store_rows, num_row_blocks,
+                         partial_lse)
 
 HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 
@@ -137,6 +138,12 @@ def grows(count: int, threads: int = 384) -> int:
 # Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range
 # (its cross-warp reductions, tws only, use 1 and 2).
 WG0_NAMED_BARRIER = 15
+# Named barrier of both consumer warpgroups (threads 0..255) in the epilogue of a request merged in the kernel.
+MERGE_NAMED_BARRIER = 13
+# A request's merge counter: tickets in the low 16 bits, partials stored (1 << MERGE_DONE_SHIFT each) above.
+MERGE_DONE_SHIFT = 16
+# 8-byte loads of a partial in flight per thread of a merging warpgroup (WG1 holds 128 accumulator registers of 168)
+MERGE_LOADS = 8
 
 # tws ("transposed"): where the rows (h x q_len) fit in TWS_COLS, the consumers compute S^T = K Q^T with the 64
 # KV tokens as WGMMA's M and the rows as N (m64n16), and O^T = V^T P^T, instead of padding the rows to M = 64:
@@ -269,7 +276,130 @@ __device__ __forceinline__ void mla_e4m3x16_store(const void* src, void* lo, voi
   *reinterpret_cast<uint4*>(lo) = a;
   *reinterpret_cast<uint4*>(hi) = b;
 }
-'''.replace("MLA_Q_F16_SCALE", f"{2.0 ** -Q_F16_SHIFT!r}f")
+// In-kernel merge of a request split into two parts (KernelConfig.merge_pairs), both consumer warpgroups. A program
+// done with its segment of the request takes a ticket (the counter's low 16 bits). The first stores its partial and
+// adds 1 << 16; the second waits for that, merges the two and resets the counter for the next launch. It only waits
+// for a program that already holds a ticket: resident, with nothing left to wait for before its stores, so the
+// wait ends. The merge is symmetric in the two parts (same rounding whichever finishes second): deterministic.
+// counts + index: the request's counter; slots + slot: shared memory that hands thread 0's ticket to the others.
+__device__ __forceinline__ int mla_merge_ticket(int* counts, int index, int* slots, int slot) {
+  volatile int* ticket = slots + slot;
+  if (threadIdx.x == 0) *ticket = atomicAdd(counts + index, 1);
+  asm volatile("bar.sync MLA_MERGE_BARRIER, 256;" ::: "memory");
+  return *ticket;
+}
+__device__ __forceinline__ void mla_merge_done(int* counts, int index) {
+  int* count = counts + index;
+  __threadfence();  // this thread's partial stores, ordered before the count that publishes them
+  asm volatile("bar.sync MLA_MERGE_BARRIER, 256;" ::: "memory");
+  if (threadIdx.x == 0)
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(count), "r"(1 << MLA_MERGE_DONE_SHIFT) : "memory");
+}
+__device__ __forceinline__ void mla_merge_wait(int* counts, int index) {
+  int* count = counts + index;
+  if (threadIdx.x == 0) {
+    const int target = (1 << MLA_MERGE_DONE_SHIFT) | 2;  // both tickets taken, the first partial stored
+    int seen;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+    while (seen != target) {
+      __nanosleep(32);
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+    }
+    *reinterpret_cast<volatile int*>(count) = 0;  // nothing else touches it in this launch
+  }
+  asm volatile("bar.sync MLA_MERGE_BARRIER, 256;" ::: "memory");
+  __threadfence();  // the other part's partial is read after this
+}
+// The merging program reads the other part's partial with these helpers, in the consumers' accumulator layouts.
+// Loads are volatile (they stay in program order, MLA_MERGE_LOADS in flight, not all hoisted ahead of the adds) and
+// from L2 (.cg: another SM wrote them); the thread index is read by volatile asm too, so that no address is hoisted
+// out of the block loop into a register held across it. Products and sums round separately (no FMA contraction),
+// so swapping the parts gives the same bits.
+__device__ __forceinline__ float2 mla_ldcg2(const float* p) {
+  float2 v;
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float mla_ldcg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ int mla_wg_thread() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t & 127;
+}
+// Row of a thread's row value h: ws (m64 accumulator, h < 2) and tws (the 16 columns of m64n16, h < 4).
+__device__ __forceinline__ int mla_row_ws(int t, int h) { return (t >> 5) * 16 + ((t & 31) >> 2) + h * 8; }
+__device__ __forceinline__ int mla_row_tws(int t, int h) { return (h >> 1) * 8 + 2 * (t & 3) + (h & 1); }
+// Per row of the thread: w_own holds this part's log2 LSE and becomes its weight, w_other the other part's weight
+// (its LSE at lse + row; rows from rows_left on are padding), m the larger LSE (0 if both are -inf), l the sum.
+template <bool kTws>
+__device__ __forceinline__ void mla_merge2_weights(float* w_own, float* w_other, float* m, float* l, const float* lse,
+                                                   int rows_left) {
+  const int t = mla_wg_thread();
+#pragma unroll
+  for (int h = 0; h < (kTws ? 4 : 2); ++h) {
+    const int r = kTws ? mla_row_tws(t, h) : mla_row_ws(t, h);
+    const float other = r < rows_left ? mla_ldcg(lse + r) : -INFINITY;
+    float top = fmaxf(w_own[h], other);
+    top = top == -INFINITY ? 0.f : top;
+    w_own[h] = exp2f(w_own[h] - top);
+    w_other[h] = exp2f(other - top);
+    m[h] = top;
+    l[h] = __fadd_rn(w_own[h], w_other[h]);
+  }
+}
+__device__ __forceinline__ float mla_merge2(float w_own, float own, float w_other, float other) {
+  return __fadd_rn(__fmul_rn(w_own, own), __fmul_rn(w_other, other));
+}
+// ws: acc (the [64 rows, 256] accumulator, float pair q: row mla_row_ws(t, q % 2), columns (q / 2) * 8 + 2 (t % 4) +
+// 0, 1) = w_own acc + w_other partial; src: the partial at the tile's first row and the warpgroup's first column.
+__device__ __forceinline__ void mla_merge2_add_rows(float* acc, const float* w_own, const float* w_other,
+                                                    const float* src, int rows_left) {
+  const int t = mla_wg_thread();
+  const float* p = src + mla_row_ws(t, 0) * 512 + 2 * (t & 3);
+  const bool ok[2] = {mla_row_ws(t, 0) < rows_left, mla_row_ws(t, 1) < rows_left};
+#pragma unroll
+  for (int c = 0; c < 64; c += MLA_MERGE_LOADS) {
+    float2 v[MLA_MERGE_LOADS];
+#pragma unroll
+    for (int q = 0; q < MLA_MERGE_LOADS; ++q)
+      v[q] = ok[q & 1] ? mla_ldcg2(p + (q & 1) * 8 * 512 + ((c + q) >> 1) * 8) : make_float2(0.f, 0.f);
+#pragma unroll
+    for (int q = 0; q < MLA_MERGE_LOADS; ++q) {
+      acc[2 * (c + q)] = mla_merge2(w_own[q & 1], acc[2 * (c + q)], w_other[q & 1], v[q].x);
+      acc[2 * (c + q) + 1] = mla_merge2(w_own[q & 1], acc[2 * (c + q) + 1], w_other[q & 1], v[q].y);
+    }
+  }
+}
+// tws: the same for kTiles m64n16 tiles of O^T [64 dims, 16 rows] (element e of tile k: dim k * 64 + (t / 32) * 16 +
+// ((e % 4) / 2) * 8 + (t % 32) / 4, row mla_row_tws(t, (e / 4) * 2 + e % 2)); src: the partial at its first row and
+// the tiles' first dim.
+template <int kTiles>
+__device__ __forceinline__ void mla_merge2_add_cols(float* acc, const float* w_own, const float* w_other,
+                                                    const float* src, int rows_left) {
+  const int t = mla_wg_thread();
+  const float* p = src + (t >> 5) * 16 + ((t & 31) >> 2);
+#pragma unroll
+  for (int k0 = 0; k0 < kTiles; k0 += 2) {
+    float v[16];
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      const int k = k0 + e / 8, r = mla_row_tws(t, ((e & 7) >> 2) * 2 + (e & 1));
+      v[e] = k < kTiles && r < rows_left ? mla_ldcg(p + r * 512 + k * 64 + ((e & 3) >> 1) * 8) : 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      const int h = ((e & 7) >> 2) * 2 + (e & 1);
+      if (k0 + e / 8 < kTiles) acc[k0 * 8 + e] = mla_merge2(w_own[h], acc[k0 * 8 + e], w_other[h], v[e]);
+    }
+  }
+}
+'''.replace("MLA_Q_F16_SCALE", f"{2.0 ** -Q_F16_SHIFT!r}f").replace(
+    "MLA_MERGE_BARRIER", str(MERGE_NAMED_BARRIER)).replace("MLA_MERGE_DONE_SHIFT", str(MERGE_DONE_SHIFT)).replace(
+    "MLA_MERGE_LOADS", str(MERGE_LOADS))
 
 # Blocks ahead of the one being loaded whose rows the fp8 producer asks L2 for.
 FP8_PREFETCH_AHEAD = 2
@@ -373,16 +503,21 @@ def segment_first_block(part_lo, req_lo, blk_lo):
     return req_lo + blk_lo - part_lo
 
 
-def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_lse: bool = True):
+def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_lse: bool = True) -> SegmentStore:
     """tws segment epilogue: ``make_store_rows`` for a transposed accumulator ``acc [ndims, TWS_COLS]`` (dims
     ``col0 .. col0 + ndims`` of 512 x rows; one row block). Columns past ``num_heads * q_len`` are padding."""
     rows = num_heads * q_len
     accum = "float32"
 
     @T.macro
-    def store_cols(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, out, lse, out_partial, lse_partial):
+    def normalize(acc, l_sum, kv_scale, factor):
+        for i in T.Parallel(TWS_COLS):
+            factor[i] = T.if_then_else(l_sum[i] > 0, kv_scale / l_sum[i], 0)
         for d, i in T.Parallel(ndims, TWS_COLS):
-            acc[d, i] = T.if_then_else(l_sum[i] > 0, acc[d, i] * kv_scale / l_sum[i], 0)
+            acc[d, i] *= factor[i]
+
+    @T.macro
+    def write(acc, l_sum, m_cur, direct, slot, tok0, out, lse, out_partial, lse_partial):
         if direct:
             for d, i in T.Parallel(ndims, TWS_COLS):
                 if i < rows:
@@ -399,10 +534,15 @@ def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_
             if with_lse:
                 for i in T.Parallel(TWS_COLS):
                     if i < rows:
-                        lse_partial[slot, i] = T.if_then_else(l_sum[i] > 0, T.log2(l_sum[i]) + m_cur[i],
-                                                              -T.infinity(accum))
+                        lse_partial[slot, i] = partial_lse(l_sum[i], m_cur[i])
 
-    return store_cols
+    @T.macro
+    def store(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, out, lse, out_partial, lse_partial):
+        for d, i in T.Parallel(ndims, TWS_COLS):
+            acc[d, i] = T.if_then_else(l_sum[i] > 0, acc[d, i] * kv_scale / l_sum[i], 0)
+        write(acc, l_sum, m_cur, direct, slot, tok0, out, lse, out_partial, lse_partial)
+
+    return SegmentStore(normalize, write, store)
 
 
 def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
@@ -465,6 +605,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # barrier of its own and issues its GEMM before handing P to WG1; alpha goes to a slot per block parity, so
     # it is stored before WG0 waits for WG1 to be done with the previous P.
     rs_pv = cfg.rs_pv and not transposed and not seesaw
+    # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
+    # combine kernel
+    in_merge = merged_parts(cfg, kv_dtype) == 2
 
     def last_copy_barrier(g):
         """The k_ready barrier of block g's last copy (seesaw: its right tile)."""
@@ -476,6 +619,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     num_entries = T.dynamic("num_entries")
     num_parts = T.dynamic("num_parts")
     num_slots = T.dynamic("num_slots")
+    num_counts = T.dynamic("num_counts")
     # q is read through runtime (token, head) strides, as in mla_decode (the op guarantees 16-byte
     # aligned rows for cp.async).
     q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
@@ -886,6 +1030,51 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         T.fence_proxy_async()
         T.sync_threads(WG0_NAMED_BARRIER, 128)
 
+    @T.macro
+    def merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state):
+        """Both consumers, end of a segment of a request of ``n_parts``: with two parts take this program's
+        ticket; the second one waits for the other part's partial (``merge_state[1] = 1``: this program merges)."""
+        merge_state[1] = 0
+        if n_parts == 2:
+            merge_state[0] = T.call_extern("int32", "mla_merge_ticket", T.access_ptr(merge_count[0], "rw", 1),
+                                           req * n_row_blocks + row_block, T.access_ptr(merge_ticket[0], "rw", 2),
+                                           seg % 2)
+            if merge_state[0] % (1 << MERGE_DONE_SHIFT) == 1:
+                T.evaluate(T.call_extern("handle", "mla_merge_wait", T.access_ptr(merge_count[0], "rw", 1),
+                                         req * n_row_blocks + row_block))
+                merge_state[1] = 1
+
+    @T.macro
+    def merge_end(merge_count, req, row_block, n_parts, merge_state):
+        """Both consumers, after the segment's stores: the first part of two to finish counts its partial."""
+        if n_parts == 2 and merge_state[1] == 0:
+            T.evaluate(T.call_extern("handle", "mla_merge_done", T.access_ptr(merge_count[0], "rw", 1),
+                                     req * n_row_blocks + row_block))
+
+    @T.macro
+    def merge_weights(l, m, w_own, w_other, other, row0, lse_partial):
+        """The merging program, per row: this part's and the other part's weights (w_own, w_other); m becomes the
+        larger log2 LSE (the offset) and l the merged sum. The own LSE is ``partial_lse``, what the other part's
+        program would have stored for this one."""
+        for i in T.Parallel(q_rows):
+            w_own[i] = partial_lse(l[i], m[i])
+        T.evaluate(T.call_extern("handle", f"mla_merge2_weights<{'true' if transposed else 'false'}>", w_own.data,
+                                 w_other.data, m.data, l.data, T.access_ptr(lse_partial[other, row0], "r"), rows - row0))
+
+    def merge_add(acc, w_own, w_other, other, row0, col0, out_partial, tiles: int = 0):
+        """acc = w_own acc + w_other (the other part's partial), for columns col0 .. of 512 (tws: ``tiles`` tiles)."""
+        fn = f"mla_merge2_add_cols<{tiles}>" if transposed else "mla_merge2_add_rows"
+        return T.evaluate(T.call_extern("handle", fn, acc.data, w_own.data, w_other.data,
+                                        T.access_ptr(out_partial[other, row0, col0], "r"), rows - row0))
+
+    def merge_other(first, part, req):
+        """The partial slot of a two-part request's other part."""
+        return T.if_then_else(part == first, first + 1, first) + req
+
+    def store_direct(n_parts, merge_state):
+        """A segment's store goes to out / lse: the request lies in this part, or this program merged it."""
+        return T.Or(n_parts == 1, merge_state[1] == 1) if in_merge else n_parts == 1
+
     def rescale_needed(alpha_frag):
         """ws consumers: some row of this thread has alpha != 1 (the m64 accumulator layout gives a thread 2 rows)."""
         return T.call_extern("int32", "mla_rescale_needed", alpha_frag.data, 2) != 0
@@ -921,6 +1110,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         lse: T.Tensor([num_tokens, num_heads], accum),
         out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
         lse_partial: T.Tensor([num_slots, rows], accum),
+        merge_count: T.Tensor([num_counts], "int32"),
     ):
         with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=PRELUDE) as (part, row_block):
             q_l = T.alloc_shared([q_rows, HALF], cdtype)
@@ -937,7 +1127,15 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             alpha_shared = T.alloc_shared([q_rows], accum)
             alpha_slots = T.alloc_shared([2 * block_rows], accum) if rs_pv else None  # rs_pv: alpha, by alpha_slot
             p_frag = T.alloc_fragment([block_rows, block_n], cdtype) if rs_pv else None
-            l_shared = T.alloc_shared([q_rows], accum)
+            # l of WG0's rows for WG1 (with in_merge also m, after it)
+            l_shared = T.alloc_shared([2 * q_rows if in_merge else q_rows], accum)
+            if in_merge:
+                merge_ticket = T.alloc_shared([2], "int32")  # a program's ticket for WG1, by segment parity
+                merge_state = T.alloc_local([2], "int32")  # [ticket, 1 when this program merges the request]
+                m_r = T.alloc_fragment([q_rows], accum)  # WG1: WG0's row max
+                w_r = T.alloc_local([4], accum)  # WG1: the other part's merge weights (only the PRELUDE helpers index it)
+            else:
+                merge_ticket = merge_state = m_r = w_r = None
 
             # S (rows x tokens) and O (rows x dims); tws: S^T and O^T
             acc_s = T.alloc_fragment([block_n, q_rows] if transposed else [block_rows, block_n], accum)
@@ -1086,7 +1284,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 T.barrier_arrive(k_free[part_barrier(gb, PART_L)])
                             pc = pc + 1
                         exchange_l(l_sum, l_shared, l_r_shared, l_ready, l_free, seg)
-                        store_left(acc_o_l, l_sum, m_prev, kv_scale, req_lo // width == (req_hi - 1) // width,
+                        store_left.store(acc_o_l, l_sum, m_prev, kv_scale, req_lo // width == (req_hi - 1) // width,
                                    part + req, tok0, row0, out, lse, out_partial, lse_partial)
                         seg = seg + 1
             elif seesaw and tx < 256:
@@ -1164,7 +1362,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 T.barrier_arrive(k_free[part_barrier(gb, PART_R)])
                             pc = pc + 1
                         exchange_l(l_r, l_r_shared, l_shared, l_ready, l_free, seg)
-                        store_right(acc_o_r, l_r, l_r, kv_scale, req_lo // width == (req_hi - 1) // width,
+                        store_right.store(acc_o_r, l_r, l_r, kv_scale, req_lo // width == (req_hi - 1) // width,
                                     part + req, tok0, row0, out, lse, out_partial, lse_partial)
                         seg = seg + 1
             elif tx < 128:
@@ -1225,9 +1423,24 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_wait(l_free[0], seg_free_parity(seg))
                             for i in T.Parallel(q_rows):
                                 l_shared[i] = l_sum[i]
+                            if in_merge:
+                                for i in T.Parallel(q_rows):
+                                    l_shared[q_rows + i] = m_cur[i]
                             T.barrier_arrive(l_ready[0])
-                            store_left_t(acc_o_l, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width,
-                                         part + req, tok0, out, lse, out_partial, lse_partial)
+                            first = req_lo // width
+                            n_parts = (req_hi - 1) // width - first + 1
+                            store_left_t.normalize(acc_o_l, l_sum, kv_scale, m_prev)
+                            if in_merge:
+                                merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state)
+                                if merge_state[1] == 1:
+                                    other = merge_other(first, part, req)
+                                    merge_weights(l_sum, m_cur, alpha, m_prev, other, row0, lse_partial)
+                                    merge_add(acc_o_l, alpha, m_prev, other, row0, 0, out_partial, HALF // TWS_TILE)
+                                    store_left_t.normalize(acc_o_l, l_sum, T.float32(1), m_prev)
+                            store_left_t.write(acc_o_l, l_sum, m_cur, store_direct(n_parts, merge_state), part + req,
+                                               tok0, out, lse, out_partial, lse_partial)
+                            if in_merge:
+                                merge_end(merge_count, req, row_block, n_parts, merge_state)
                             seg = seg + 1
                 else:
                     # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
@@ -1308,13 +1521,29 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
                                 T.barrier_arrive(k_free[kv_buffer(g)])
 
-                            # epilogue: hand l to WG1, write O[:, :256] and the LSE
+                            # epilogue: hand l (and m) to WG1, merge the request's parts if this program is the last
+                            # of a few, write O[:, :256] and the LSE
                             T.barrier_wait(l_free[0], seg_free_parity(seg))
                             for i in T.Parallel(block_rows):
                                 l_shared[i] = l_sum[i]
+                            if in_merge:
+                                for i in T.Parallel(block_rows):
+                                    l_shared[block_rows + i] = m_cur[i]
                             T.barrier_arrive(l_ready[0])
-                            store_left(acc_o_l, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width,
-                                       part + req, tok0, row0, out, lse, out_partial, lse_partial)
+                            first = req_lo // width
+                            n_parts = (req_hi - 1) // width - first + 1
+                            store_left.normalize(acc_o_l, l_sum, kv_scale, m_prev)
+                            if in_merge:
+                                merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state)
+                                if merge_state[1] == 1:
+                                    other = merge_other(first, part, req)
+                                    merge_weights(l_sum, m_cur, alpha, m_prev, other, row0, lse_partial)
+                                    merge_add(acc_o_l, alpha, m_prev, other, row0, 0, out_partial)
+                                    store_left.normalize(acc_o_l, l_sum, T.float32(1), m_prev)
+                            store_left.write(acc_o_l, l_sum, m_cur, store_direct(n_parts, merge_state), part + req, tok0,
+                                             row0, out, lse, out_partial, lse_partial)
+                            if in_merge:
+                                merge_end(merge_count, req, row_block, n_parts, merge_state)
                             seg = seg + 1
             elif tx < 256:
                 if transposed:
@@ -1353,16 +1582,40 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_wait(l_ready[0], seg_ready_parity(seg))
                             for i in T.Parallel(q_rows):
                                 l_r[i] = l_shared[i]
+                            if in_merge:
+                                for i in T.Parallel(q_rows):
+                                    m_r[i] = l_shared[q_rows + i]
                             T.barrier_arrive(l_free[0])
-                            direct = req_lo // width == (req_hi - 1) // width
-                            store_right_t[0](acc_o_r0, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
-                                             out_partial, lse_partial)
-                            store_right_t[1](acc_o_r1, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
-                                             out_partial, lse_partial)
-                            store_right_t[2](acc_o_r2, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
-                                             out_partial, lse_partial)
-                            store_right_t[3](acc_o_r3, l_r, l_r, kv_scale, direct, part + req, tok0, out, lse,
-                                             out_partial, lse_partial)
+                            first = req_lo // width
+                            n_parts = (req_hi - 1) // width - first + 1
+                            store_right_t[0].normalize(acc_o_r0, l_r, kv_scale, alpha_r)
+                            store_right_t[1].normalize(acc_o_r1, l_r, kv_scale, alpha_r)
+                            store_right_t[2].normalize(acc_o_r2, l_r, kv_scale, alpha_r)
+                            store_right_t[3].normalize(acc_o_r3, l_r, kv_scale, alpha_r)
+                            if in_merge:
+                                merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state)
+                                if merge_state[1] == 1:
+                                    other = merge_other(first, part, req)
+                                    merge_weights(l_r, m_r, alpha_r, w_r, other, row0, lse_partial)
+                                    merge_add(acc_o_r0, alpha_r, w_r, other, row0, HALF, out_partial, 1)
+                                    merge_add(acc_o_r1, alpha_r, w_r, other, row0, HALF + TWS_TILE, out_partial, 1)
+                                    merge_add(acc_o_r2, alpha_r, w_r, other, row0, HALF + 2 * TWS_TILE, out_partial, 1)
+                                    merge_add(acc_o_r3, alpha_r, w_r, other, row0, HALF + 3 * TWS_TILE, out_partial, 1)
+                                    store_right_t[0].normalize(acc_o_r0, l_r, T.float32(1), alpha_r)
+                                    store_right_t[1].normalize(acc_o_r1, l_r, T.float32(1), alpha_r)
+                                    store_right_t[2].normalize(acc_o_r2, l_r, T.float32(1), alpha_r)
+                                    store_right_t[3].normalize(acc_o_r3, l_r, T.float32(1), alpha_r)
+                            direct = store_direct(n_parts, merge_state)
+                            store_right_t[0].write(acc_o_r0, l_r, l_r, direct, part + req, tok0, out, lse, out_partial,
+                                                   lse_partial)
+                            store_right_t[1].write(acc_o_r1, l_r, l_r, direct, part + req, tok0, out, lse, out_partial,
+                                                   lse_partial)
+                            store_right_t[2].write(acc_o_r2, l_r, l_r, direct, part + req, tok0, out, lse, out_partial,
+                                                   lse_partial)
+                            store_right_t[3].write(acc_o_r3, l_r, l_r, direct, part + req, tok0, out, lse, out_partial,
+                                                   lse_partial)
+                            if in_merge:
+                                merge_end(merge_count, req, row_block, n_parts, merge_state)
                             seg = seg + 1
                 else:
                     # ------------------------------------------------ WG1: O[:, 256:]
@@ -1393,9 +1646,24 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_wait(l_ready[0], seg_ready_parity(seg))
                             for i in T.Parallel(block_rows):
                                 l_r[i] = l_shared[i]
+                            if in_merge:
+                                for i in T.Parallel(block_rows):
+                                    m_r[i] = l_shared[block_rows + i]
                             T.barrier_arrive(l_free[0])
-                            store_right(acc_o_r, l_r, l_r, kv_scale, req_lo // width == (req_hi - 1) // width,
-                                        part + req, tok0, row0, out, lse, out_partial, lse_partial)
+                            first = req_lo // width
+                            n_parts = (req_hi - 1) // width - first + 1
+                            store_right.normalize(acc_o_r, l_r, kv_scale, alpha_r)
+                            if in_merge:
+                                merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state)
+                                if merge_state[1] == 1:
+                                    other = merge_other(first, part, req)
+                                    merge_weights(l_r, m_r, alpha_r, w_r, other, row0, lse_partial)
+                                    merge_add(acc_o_r, alpha_r, w_r, other, row0, HALF, out_partial)
+                                    store_right.normalize(acc_o_r, l_r, T.float32(1), alpha_r)
+                            store_right.write(acc_o_r, l_r, l_r, store_direct(n_parts, merge_state), part + req, tok0,
+                                              row0, out, lse, out_partial, lse_partial)
+                            if in_merge:
+                                merge_end(merge_count, req, row_block, n_parts, merge_state)
                             seg = seg + 1
             else:
                 # ------------------------------------------------ WG2: producer

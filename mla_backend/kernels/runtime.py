@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .configs import compat_pass_configs, config_for, target_for_arch
+from .configs import compat_pass_configs, config_for, merged_parts, target_for_arch
 
 logger = logging.getLogger("mla_backend")
 
@@ -78,8 +78,10 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         split = tilelang.compile(
             build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
             target=target, pass_configs=pass_configs)
-        combine, combine_wide = (tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide),
-                                                  target=target, pass_configs=pass_configs) for wide in (False, True))
+        merged = merged_parts(cfg, tl_dtype(kv_dtype))  # requests the split kernel merges: the combine skips them
+        combine, combine_wide = (
+            tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged),
+                             target=target, pass_configs=pass_configs) for wide in (False, True))
         seconds = time.perf_counter() - start
         STATS.compiled += 1
         STATS.seconds += seconds
