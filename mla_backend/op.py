@@ -128,7 +128,7 @@ def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
 
 def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, softmax_scale, k_scale, out):
     from .kernels.configs import config_for
-    from .kernels.mla_decode import use_wide_combine
+    from .kernels.mla_decode import use_grouped_combine, use_wide_combine
     from .kernels.runtime import get_kernels
 
     num_tokens, num_heads, _ = q_nope.shape
@@ -166,6 +166,11 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
     # a short batch's requests have many parts each: the wide combine keeps all their partial rows in flight. The
     # combine runs whatever the split kernel merged itself: it writes empty requests and merges the requests with
     # more parts than that (the host does not know the lengths).
-    combine = kernels.combine_wide if use_wide_combine(batch, plan.rows, plan.num_parts) else kernels.combine
+    if use_wide_combine(batch, plan.rows, plan.num_parts):
+        combine = kernels.combine_wide
+    elif use_grouped_combine(batch, plan.rows, kernels.merged):
+        combine = kernels.combine_grouped
+    else:
+        combine = kernels.combine
     combine(metadata.qo_indptr, cu_blocks, plan.blocks_per_part, plan.out_partial, plan.lse_partial, out, lse)
     return out, lse

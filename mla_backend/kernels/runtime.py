@@ -36,6 +36,9 @@ class Kernels(NamedTuple):
     split: Any
     combine: Any  # one program per (request, row)
     combine_wide: Any  # per (request, row, 128 dims): short batches with many parts per request
+    combine_grouped: Any  # per (request, COMBINE_GROUP_ROWS rows): large batches whose two-part requests ``split``
+    # merged itself (None where it merges none)
+    merged: int  # parts of a request the split kernel merges itself (configs.merged_parts)
 
 
 STATS = CompileStats()
@@ -79,9 +82,11 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
             build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
             target=target, pass_configs=pass_configs)
         merged = merged_parts(cfg, tl_dtype(kv_dtype))  # requests the split kernel merges: the combine skips them
-        combine, combine_wide = (
-            tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged),
-                             target=target, pass_configs=pass_configs) for wide in (False, True))
+        combine, combine_wide, combine_grouped = (
+            tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged,
+                                                  rows_per_program=group), target=target, pass_configs=pass_configs)
+            if group else None
+            for wide, group in ((False, 1), (True, 1), (False, mla_decode.COMBINE_GROUP_ROWS if merged else 0)))
         seconds = time.perf_counter() - start
         STATS.compiled += 1
         STATS.seconds += seconds
@@ -89,7 +94,7 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         # A disk-cache hit takes well under a second; a real compile takes several.
         logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s (%s) ready in %.2fs (%s)", num_heads, q_len,
                     page_size, dtype, kv_dtype, arch, cfg.kernel, seconds, "disk cache hit" if seconds < 1.5 else "compiled")
-        _KERNELS[key] = kernels = Kernels(split, combine, combine_wide)
+        _KERNELS[key] = kernels = Kernels(split, combine, combine_wide, combine_grouped, merged)
         return kernels
 
 
