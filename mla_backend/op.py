@@ -168,7 +168,7 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
     # more parts than that (the host does not know the lengths).
     if use_wide_combine(batch, plan.rows, plan.num_parts):
         combine = kernels.combine_wide
-    elif use_grouped_combine(batch, plan.rows, kernels.merged):
+    elif use_grouped_combine(batch, plan.rows, plan.num_parts, kernels.merged):
         combine = kernels.combine_grouped
     else:
         combine = kernels.combine

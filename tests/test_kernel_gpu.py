@@ -117,17 +117,22 @@ def test_fp16():
     check(*make_problem(RAGGED, 16, 1, 64, torch.float16, seed=5), torch.float16)
 
 
-@pytest.mark.parametrize("lens,heads,wide", [([20000], 16, True), ([9000, 0], 16, True), ([5000], 128, False),
-                                             ([0, 1, 63, 65, 3000, 8192] * 7, 16, False)])
-def test_combine_paths(lens, heads, wide):
-    """Short batches take the wide combine (b=1: over 64 parts, so past its first loads too), others the per-row
-    combine; both against the reference (LSE included, an empty request too)."""
-    _kernel_or_skip(heads=heads)
-    from mla_backend.kernels.mla_decode import use_wide_combine
+@pytest.mark.parametrize("lens,heads,q_len,kind", [([20000], 16, 1, "wide"), ([9000, 0], 16, 1, "wide"),
+                                                    ([5000], 128, 1, "row"), ([0, 1, 63, 65, 3000, 8192] * 7, 16, 1, "row"),
+                                                    ([0, 1, 63, 65, 3000, 8192] * 6 + [20000, 5, 100, 7], 128, 2,
+                                                     "grouped")])
+def test_combine_paths(lens, heads, q_len, kind):
+    """Short batches take the wide combine (b=1: over 64 parts, so past its first loads too), large ones whose
+    two-part requests the split kernel merges the grouped combine (16 rows per program: here the long request's
+    many parts and the empty requests), others the per-row combine; all against the reference (LSE included)."""
+    _kernel_or_skip(heads=heads, q_len=q_len)
+    from mla_backend.kernels.mla_decode import use_grouped_combine, use_wide_combine
 
-    q, kv_cache, md, k_scale = make_problem(lens, heads, 1, 64, BF16, seed=21)
-    md.plan = SplitPlanner(len(lens), heads, 1, "cuda").plan(md.kv_lens)
-    assert use_wide_combine(len(lens), heads, md.plan.num_parts) == wide
+    q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, 64, BF16, seed=21)
+    md.plan = SplitPlanner(len(lens), heads, q_len, "cuda").plan(md.kv_lens)
+    wide = use_wide_combine(len(lens), heads * q_len, md.plan.num_parts)
+    grouped = use_grouped_combine(len(lens), heads * q_len, md.plan.num_parts, 2)
+    assert (wide, grouped and not wide) == (kind == "wide", kind == "grouped")
     check(q, kv_cache, md, k_scale, BF16)
 
 

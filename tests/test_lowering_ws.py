@@ -20,6 +20,7 @@ Each lowering takes ~20-35 s on 2 cores; the variants are lowered in 2 processes
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -294,29 +295,43 @@ def test_seesaw_tiles_arrive_by_tma():
     assert expected == sorted([64 * 64 * 2] * 2 + [64 * 256 * 2] * 4), expected
 
 
-def test_rs_pv_setting_off_gives_the_shared_p_kernel(monkeypatch):
+@pytest.mark.parametrize("env,field,marker", [("MLA_BACKEND_SM90_TMA", "tma_kv", "tma_copy"),
+                                              ("MLA_BACKEND_SM90_RSPV", "rs_pv", "mla_store_p64"),
+                                              ("MLA_BACKEND_SM90_MERGE", "merge_pairs", "mla_merge_ticket")])
+def test_setting_off_gives_the_earlier_kernel(monkeypatch, env, field, marker):
+    """Each later change to the default kernel has an env switch back (0): KV blocks by TMA (session 14), WG0's P V
+    from registers (15), two-part requests merged in the split kernel (16). Other values are refused."""
     from mla_backend.kernels import configs
 
-    monkeypatch.setenv(configs.SM90_RSPV_ENV, "0")
+    monkeypatch.setenv(env, "0")
     cfg = configs.config_for("sm90")
-    assert not cfg.rs_pv and cfg.tma_kv and cfg.kernel == configs.DEFAULT_SM90_KERNEL
-    assert "mla_store_p64" not in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16", cfg=cfg).script()
-    monkeypatch.setenv(configs.SM90_RSPV_ENV, "2")
-    with pytest.raises(ValueError, match="MLA_BACKEND_SM90_RSPV"):
+    default = configs.SM90_KERNELS[configs.DEFAULT_SM90_KERNEL]
+    assert cfg == dataclasses.replace(default, **{field: False}) and getattr(default, field)
+    assert marker not in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16", cfg=cfg).script()
+    assert marker in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16", cfg=default).script()
+    monkeypatch.setenv(env, "2")
+    with pytest.raises(ValueError, match=env):
         configs.config_for("sm90")
 
 
-def test_tma_setting_off_gives_the_cp_async_kernel(monkeypatch):
+def test_two_part_requests_are_merged_by_both_consumers(lowered):
+    """merge_pairs (default): both consumer warpgroups take the program's ticket (named barrier 13 over their 256
+    threads), merge their half of O from the other part's partial, and count a stored partial; the producer does
+    none of it. The combine then skips two-part requests (``merged=2``), and the seesaw kernel merges nothing."""
     from mla_backend.kernels import configs
+    from mla_backend.kernels.mla_decode import build_combine_kernel
 
-    monkeypatch.setenv(configs.SM90_TMA_ENV, "0")
-    cfg = configs.config_for("sm90")
-    assert not cfg.tma_kv and cfg.kernel == configs.DEFAULT_SM90_KERNEL
-    assert "tma_copy" not in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16", cfg=cfg).script()
-    assert "tma_copy" in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16", cfg=configs.SM90_TWS).script()
-    monkeypatch.setenv(configs.SM90_TMA_ENV, "yes")
-    with pytest.raises(ValueError, match="MLA_BACKEND_SM90_TMA"):
-        configs.config_for("sm90")
+    variant = (128, 1, 64, "bfloat16", "bfloat16")
+    sections = _role_sections(lowered[variant][0], variant)
+    for role, add in (("wg0", "mla_merge2_add_rows("), ("wg1", "mla_merge2_add_rows(")):
+        for call in ("mla_merge_ticket(", "mla_merge_wait(", "mla_merge_done(", "mla_merge2_weights<false>(", add):
+            assert call in sections[role], (role, call)
+    assert "mla_merge" not in sections["producer"]
+    assert f"bar.sync {ws.MERGE_NAMED_BARRIER}, 256" in lowered[variant][0]
+    assert configs.merged_parts(configs.SM90_SEESAW, "bfloat16") == 0 == configs.merged_parts(configs.SM90, "bfloat16")
+    assert "mla_merge" not in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16",
+                                                       cfg=configs.SM90_SEESAW).script()
+    assert "2 < n_read" in build_combine_kernel(16, 1, "bfloat16", merged=2).script()
 
 
 @pytest.mark.parametrize("variant", TWS_VARIANTS, ids=_vid)

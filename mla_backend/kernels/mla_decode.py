@@ -293,16 +293,18 @@ COMBINE_WIDE_MAX_PROGRAMS = 32
 COMBINE_WIDE_MIN_PARTS = 8
 
 
-# Where the split kernel merges two-part requests itself, a large batch's combine has little to do but still launches a
-# program per (request, row) (b=64 x 256 rows: 11.5 us on the H100 for nothing); from COMBINE_GROUPED_MIN_PROGRAMS
-# of those, a program walks COMBINE_GROUP_ROWS rows of its request instead.
+# Where the split kernel merges two-part requests itself and parts are no more than requests (each part as long as
+# an average request: most split requests have two parts), a large batch's combine has little to do but still
+# launches a program per (request, row): b=64 x 256 rows, 11.5 us on the H100 for nothing. From
+# COMBINE_GROUPED_MIN_PROGRAMS of those, a program walks COMBINE_GROUP_ROWS rows of its request instead (5.2 us).
+# With more parts than requests (b=64 h=64: 132 parts, requests of three) it has real work, and is slower (22 vs 12).
 COMBINE_GROUP_ROWS = 16
 COMBINE_GROUPED_MIN_PROGRAMS = 4096
 
 
-def use_grouped_combine(batch: int, rows: int, merged: int) -> bool:
+def use_grouped_combine(batch: int, rows: int, num_parts: int, merged: int) -> bool:
     """Whether ``mla_decode`` merges with the grouped combine (``merged``: parts the split kernel merges itself)."""
-    return merged >= 2 and batch * rows >= COMBINE_GROUPED_MIN_PROGRAMS
+    return merged >= 2 and num_parts <= batch and batch * rows >= COMBINE_GROUPED_MIN_PROGRAMS
 
 
 def use_wide_combine(batch: int, rows: int, num_parts: int) -> bool:
