@@ -28,10 +28,11 @@ Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + d
     KV x 2     2 x 64 x 576 x 2        147456
     P          64 x 64 x 2               8192
     alpha x 2, l  3 x 64 x 4              768   (rs_pv; without it one alpha: 512)
-    dynamic                            230144   (TileLang's dyn_shared_memory_buf)
+    m, ticket  64 x 4 + 16                272   (merge_pairs: WG0's row max for WG1, the merge ticket)
+    dynamic                            230416   (TileLang's dyn_shared_memory_buf)
     mbarriers  10 x 8, static            1024   (nvcc pads static shared to the 1 KiB alignment
                                                  of the dynamic buffer)
-    total                              231168   (1280 B to spare)
+    total                              231440   (1008 B to spare)
 
 There is no room for a separate fp8 staging tile (64 x 576 x 1 = 36864 B), so for an fp8 cache the
 producer loads with plain loads and converts in registers; the per-tensor ``k_scale`` is applied to S
@@ -66,6 +67,12 @@ included); ``s`` counts the non-empty request segments the program has started. 
                                                           (rs_pv: alpha(g) goes to slot g & 1 before that wait)
     l_ready         128   WG0 after writing l (segment s) WG1 at the end of segment s: s & 1
     l_free          128   WG1 after reading l (segment s) WG0 before writing l(s): (s & 1) ^ 1
+
+A request the plan cuts into two parts (``merge_pairs``, the default) is merged by the second of its two programs to
+finish, per row block: at the segment's end both consumers meet at named barrier 13 (256 threads) after thread 0 took
+a ticket from the request's counter (``plan.merge_count``); the first stores its partial and adds 1 << 16, the second
+waits for that (``ld.acquire``), adds the other partial to its own normalised O by LSE (the same rounding either way
+round), writes out / lse and resets the counter. Requests of more parts and empty ones are left to the combine.
 
 docs/kernel-ws.md walks through the phases (request boundary, odd block count, empty segment, a part
 that touches several requests); tests/test_lowering_ws.py simulates them for random plans.
@@ -406,14 +413,15 @@ FP8_PREFETCH_AHEAD = 2
 
 
 def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, transposed: bool = False,
-                rs_pv: bool = False) -> dict:
+                rs_pv: bool = False, merge: bool = False) -> dict:
     """Shared-memory bytes of the warp-specialised kernel (the docstring's table).
 
     ``dynamic`` is what TileLang allocates (``dyn_shared_memory_buf``); the mbarriers are static
     ``__shared__`` arrays, which nvcc pads to 1024 B so that the 1024-aligned dynamic buffer follows.
     ``transposed`` (tws): Q and P have TWS_COLS rows, plus 128 floats each for the column max exchange
     (``mla_colmax4``, two halves by block parity) and TileLang's scratch for the column sums. ``rs_pv``: two
-    alpha slots instead of one.
+    alpha slots instead of one. ``merge`` (merge_pairs): WG0 hands WG1 its row maxima beside l, and the merge
+    ticket's two slots (16 B with TileLang's alignment).
     """
     q_rows = TWS_COLS if transposed else block_rows
     parts = {
@@ -422,6 +430,9 @@ def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, tr
         "p": q_rows * block_n * elem_bytes,
         "alpha_l": (3 if rs_pv and not transposed else 2) * q_rows * 4,
     }
+    if merge:
+        parts["alpha_l"] += q_rows * 4
+        parts["merge_ticket"] = 16
     if transposed:
         parts["reduce"] = 2 * 128 * 4
     parts["dynamic"] = sum(parts.values())
