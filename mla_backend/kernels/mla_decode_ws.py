@@ -528,7 +528,8 @@ def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_
             acc[d, i] *= factor[i]
 
     @T.macro
-    def write(acc, l_sum, m_cur, direct, slot, tok0, out, lse, out_partial, lse_partial):
+    def write(acc, l_sum, m_cur, direct, slot, tok0, row0, out, lse, out_partial, lse_partial):
+        """As make_store_rows' write; ``row0`` is 0 (one row block), there for the same signature."""
         if direct:
             for d, i in T.Parallel(ndims, TWS_COLS):
                 if i < rows:
@@ -551,7 +552,7 @@ def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_
     def store(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, out, lse, out_partial, lse_partial):
         for d, i in T.Parallel(ndims, TWS_COLS):
             acc[d, i] = T.if_then_else(l_sum[i] > 0, acc[d, i] * kv_scale / l_sum[i], 0)
-        write(acc, l_sum, m_cur, direct, slot, tok0, out, lse, out_partial, lse_partial)
+        write(acc, l_sum, m_cur, direct, slot, tok0, 0, out, lse, out_partial, lse_partial)
 
     return SegmentStore(normalize, write, store)
 
@@ -1086,6 +1087,32 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         """A segment's store goes to out / lse: the request lies in this part, or this program merged it."""
         return T.Or(n_parts == 1, merge_state[1] == 1) if in_merge else n_parts == 1
 
+    def make_store_segment(store: SegmentStore, col0: int, tiles: int = 0):
+        """A consumer's segment end after the l (and m) hand-off, for ``store``'s columns ``col0 ..``: normalise O,
+        merge a two-part request if this program finishes second, write. ``factor`` is scratch; ``w_own`` and
+        ``w_other`` hold the merge weights (either may be ``factor``)."""
+
+        @T.macro
+        def store_segment(acc, l, m, w_own, w_other, factor, kv_scale, first, n_parts, part, req, row_block, row0, seg,
+                          tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial, lse_partial):
+            store.normalize(acc, l, kv_scale, factor)
+            if in_merge:
+                merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state)
+                if merge_state[1] == 1:
+                    other = merge_other(first, part, req)
+                    merge_weights(l, m, w_own, w_other, other, row0, lse_partial)
+                    merge_add(acc, w_own, w_other, other, row0, col0, out_partial, tiles)
+                    store.normalize(acc, l, T.float32(1), factor)
+            store.write(acc, l, m, store_direct(n_parts, merge_state), part + req, tok0, row0, out, lse, out_partial,
+                        lse_partial)
+            if in_merge:
+                merge_end(merge_count, req, row_block, n_parts, merge_state)
+
+        return store_segment
+
+    wg0_store_segment = make_store_segment(store_left_t if transposed else store_left, 0, HALF // TWS_TILE)
+    wg1_store_segment = make_store_segment(store_right, HALF)
+
     def rescale_needed(alpha_frag):
         """ws consumers: some row of this thread has alpha != 1 (the m64 accumulator layout gives a thread 2 rows)."""
         return T.call_extern("int32", "mla_rescale_needed", alpha_frag.data, 2) != 0
@@ -1440,18 +1467,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_arrive(l_ready[0])
                             first = req_lo // width
                             n_parts = (req_hi - 1) // width - first + 1
-                            store_left_t.normalize(acc_o_l, l_sum, kv_scale, m_prev)
-                            if in_merge:
-                                merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state)
-                                if merge_state[1] == 1:
-                                    other = merge_other(first, part, req)
-                                    merge_weights(l_sum, m_cur, alpha, m_prev, other, row0, lse_partial)
-                                    merge_add(acc_o_l, alpha, m_prev, other, row0, 0, out_partial, HALF // TWS_TILE)
-                                    store_left_t.normalize(acc_o_l, l_sum, T.float32(1), m_prev)
-                            store_left_t.write(acc_o_l, l_sum, m_cur, store_direct(n_parts, merge_state), part + req,
-                                               tok0, out, lse, out_partial, lse_partial)
-                            if in_merge:
-                                merge_end(merge_count, req, row_block, n_parts, merge_state)
+                            wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
+                                              part, req, row_block, row0, seg, tok0, merge_count, merge_ticket,
+                                              merge_state, out, lse, out_partial, lse_partial)
                             seg = seg + 1
                 else:
                     # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
@@ -1543,18 +1561,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_arrive(l_ready[0])
                             first = req_lo // width
                             n_parts = (req_hi - 1) // width - first + 1
-                            store_left.normalize(acc_o_l, l_sum, kv_scale, m_prev)
-                            if in_merge:
-                                merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state)
-                                if merge_state[1] == 1:
-                                    other = merge_other(first, part, req)
-                                    merge_weights(l_sum, m_cur, alpha, m_prev, other, row0, lse_partial)
-                                    merge_add(acc_o_l, alpha, m_prev, other, row0, 0, out_partial)
-                                    store_left.normalize(acc_o_l, l_sum, T.float32(1), m_prev)
-                            store_left.write(acc_o_l, l_sum, m_cur, store_direct(n_parts, merge_state), part + req, tok0,
-                                             row0, out, lse, out_partial, lse_partial)
-                            if in_merge:
-                                merge_end(merge_count, req, row_block, n_parts, merge_state)
+                            wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
+                                              part, req, row_block, row0, seg, tok0, merge_count, merge_ticket,
+                                              merge_state, out, lse, out_partial, lse_partial)
                             seg = seg + 1
             elif tx < 256:
                 if transposed:
@@ -1617,14 +1626,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     store_right_t[2].normalize(acc_o_r2, l_r, T.float32(1), alpha_r)
                                     store_right_t[3].normalize(acc_o_r3, l_r, T.float32(1), alpha_r)
                             direct = store_direct(n_parts, merge_state)
-                            store_right_t[0].write(acc_o_r0, l_r, l_r, direct, part + req, tok0, out, lse, out_partial,
-                                                   lse_partial)
-                            store_right_t[1].write(acc_o_r1, l_r, l_r, direct, part + req, tok0, out, lse, out_partial,
-                                                   lse_partial)
-                            store_right_t[2].write(acc_o_r2, l_r, l_r, direct, part + req, tok0, out, lse, out_partial,
-                                                   lse_partial)
-                            store_right_t[3].write(acc_o_r3, l_r, l_r, direct, part + req, tok0, out, lse, out_partial,
-                                                   lse_partial)
+                            store_right_t[0].write(acc_o_r0, l_r, l_r, direct, part + req, tok0, row0, out, lse,
+                                                   out_partial, lse_partial)
+                            store_right_t[1].write(acc_o_r1, l_r, l_r, direct, part + req, tok0, row0, out, lse,
+                                                   out_partial, lse_partial)
+                            store_right_t[2].write(acc_o_r2, l_r, l_r, direct, part + req, tok0, row0, out, lse,
+                                                   out_partial, lse_partial)
+                            store_right_t[3].write(acc_o_r3, l_r, l_r, direct, part + req, tok0, row0, out, lse,
+                                                   out_partial, lse_partial)
                             if in_merge:
                                 merge_end(merge_count, req, row_block, n_parts, merge_state)
                             seg = seg + 1
@@ -1663,18 +1672,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_arrive(l_free[0])
                             first = req_lo // width
                             n_parts = (req_hi - 1) // width - first + 1
-                            store_right.normalize(acc_o_r, l_r, kv_scale, alpha_r)
-                            if in_merge:
-                                merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state)
-                                if merge_state[1] == 1:
-                                    other = merge_other(first, part, req)
-                                    merge_weights(l_r, m_r, alpha_r, w_r, other, row0, lse_partial)
-                                    merge_add(acc_o_r, alpha_r, w_r, other, row0, HALF, out_partial)
-                                    store_right.normalize(acc_o_r, l_r, T.float32(1), alpha_r)
-                            store_right.write(acc_o_r, l_r, l_r, store_direct(n_parts, merge_state), part + req, tok0,
-                                              row0, out, lse, out_partial, lse_partial)
-                            if in_merge:
-                                merge_end(merge_count, req, row_block, n_parts, merge_state)
+                            wg1_store_segment(acc_o_r, l_r, m_r, alpha_r, w_r, alpha_r, kv_scale, first, n_parts, part,
+                                              req, row_block, row0, seg, tok0, merge_count, merge_ticket, merge_state,
+                                              out, lse, out_partial, lse_partial)
                             seg = seg + 1
             else:
                 # ------------------------------------------------ WG2: producer
