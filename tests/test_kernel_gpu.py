@@ -152,7 +152,7 @@ def test_two_part_requests_merged_in_kernel(heads, q_len, kv_dtype):
     cu, width = md.plan.cu_blocks.cpu(), int(md.plan.blocks_per_part)
     parts = [(int(cu[r + 1]) - 1) // width - int(cu[r]) // width + 1 for r in range(len(lens)) if cu[r + 1] > cu[r]]
     assert 1 in parts and 2 in parts and max(parts) > 2, parts
-    assert merged_parts(config_for("sm90"), "bfloat16") == 2
+    assert merged_parts(config_for("sm90")) == 2
     check(q, kv_cache, md, k_scale, BF16, rel_tol=2e-2 if kv_dtype == FP8 else 1e-2)
     first = mla_decode(q, kv_cache, md, SCALE, k_scale=k_scale if kv_dtype == FP8 else None)
     for _ in range(5):

@@ -329,7 +329,7 @@ def test_two_part_requests_are_merged_by_both_consumers(lowered):
             assert call in sections[role], (role, call)
     assert "mla_merge" not in sections["producer"]
     assert f"bar.sync {ws.MERGE_NAMED_BARRIER}, 256" in lowered[variant][0]
-    assert configs.merged_parts(configs.SM90_SEESAW, "bfloat16") == 0 == configs.merged_parts(configs.SM90, "bfloat16")
+    assert configs.merged_parts(configs.SM90_SEESAW) == 0 == configs.merged_parts(configs.SM90)
     assert "mla_merge" not in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16",
                                                        cfg=configs.SM90_SEESAW).script()
     assert "if n_read[0] > 2:" in build_combine_kernel(16, 1, "bfloat16", merged=2).script()

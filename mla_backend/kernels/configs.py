@@ -74,7 +74,7 @@ def config_for(arch: str) -> KernelConfig:
     return cfg
 
 
-def merged_parts(cfg: KernelConfig, kv_dtype: str) -> int:
+def merged_parts(cfg: KernelConfig) -> int:
     """Parts of a request the split kernel of ``cfg`` merges itself: 2 (``merge_pairs``) or 0; the combine takes the
     other split requests (the seesaw and pipelined kernels merge none)."""
     return 2 if cfg.merge_pairs and cfg.kernel in ("ws", "tws") else 0

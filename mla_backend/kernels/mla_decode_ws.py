@@ -619,7 +619,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     rs_pv = cfg.rs_pv and not transposed and not seesaw
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
-    in_merge = merged_parts(cfg, kv_dtype) == 2
+    in_merge = merged_parts(cfg) == 2
 
     def last_copy_barrier(g):
         """The k_ready barrier of block g's last copy (seesaw: its right tile)."""

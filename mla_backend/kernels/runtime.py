@@ -81,7 +81,7 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         split = tilelang.compile(
             build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
             target=target, pass_configs=pass_configs)
-        merged = merged_parts(cfg, tl_dtype(kv_dtype))  # requests the split kernel merges: the combine skips them
+        merged = merged_parts(cfg)  # requests the split kernel merges: the combine skips them
         combine, combine_wide, combine_grouped = (
             tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged,
                                                   rows_per_program=group), target=target, pass_configs=pass_configs)
