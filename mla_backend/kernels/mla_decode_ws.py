@@ -509,6 +509,13 @@ def pair_free_parity(pc):
     return (pc & 1) ^ 1
 
 
+def request_parts(req_lo, req_hi, width):
+    """(first part, number of parts) of a request covering flat blocks ``[req_lo, req_hi)`` with ``width``-block
+    parts (the planner's cut); its partial from part ``p`` is in slot ``p + req``."""
+    first = req_lo // width
+    return first, (req_hi - 1) // width - first + 1
+
+
 def segment_first_block(part_lo, req_lo, blk_lo):
     """g of a request segment's first block: its flat block index minus the part's first one."""
     return req_lo + blk_lo - part_lo
@@ -1465,8 +1472,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 for i in T.Parallel(q_rows):
                                     l_shared[q_rows + i] = m_cur[i]
                             T.barrier_arrive(l_ready[0])
-                            first = req_lo // width
-                            n_parts = (req_hi - 1) // width - first + 1
+                            first, n_parts = request_parts(req_lo, req_hi, width)
                             wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
                                               part, req, row_block, row0, seg, tok0, merge_count, merge_ticket,
                                               merge_state, out, lse, out_partial, lse_partial)
@@ -1559,8 +1565,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 for i in T.Parallel(block_rows):
                                     l_shared[block_rows + i] = m_cur[i]
                             T.barrier_arrive(l_ready[0])
-                            first = req_lo // width
-                            n_parts = (req_hi - 1) // width - first + 1
+                            first, n_parts = request_parts(req_lo, req_hi, width)
                             wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
                                               part, req, row_block, row0, seg, tok0, merge_count, merge_ticket,
                                               merge_state, out, lse, out_partial, lse_partial)
@@ -1606,8 +1611,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 for i in T.Parallel(q_rows):
                                     m_r[i] = l_shared[q_rows + i]
                             T.barrier_arrive(l_free[0])
-                            first = req_lo // width
-                            n_parts = (req_hi - 1) // width - first + 1
+                            first, n_parts = request_parts(req_lo, req_hi, width)
                             store_right_t[0].normalize(acc_o_r0, l_r, kv_scale, alpha_r)
                             store_right_t[1].normalize(acc_o_r1, l_r, kv_scale, alpha_r)
                             store_right_t[2].normalize(acc_o_r2, l_r, kv_scale, alpha_r)
@@ -1670,8 +1674,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 for i in T.Parallel(block_rows):
                                     m_r[i] = l_shared[block_rows + i]
                             T.barrier_arrive(l_free[0])
-                            first = req_lo // width
-                            n_parts = (req_hi - 1) // width - first + 1
+                            first, n_parts = request_parts(req_lo, req_hi, width)
                             wg1_store_segment(acc_o_r, l_r, m_r, alpha_r, w_r, alpha_r, kv_scale, first, n_parts, part,
                                               req, row_block, row0, seg, tok0, merge_count, merge_ticket, merge_state,
                                               out, lse, out_partial, lse_partial)
