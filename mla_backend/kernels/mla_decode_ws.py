@@ -754,8 +754,15 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         fp8_convert_row(raw, slot + 1, 1, kv_l, kv_r, k_t, t)
 
     @T.macro
-    def load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, t):
-        """Gathers KV rows pos0 .. pos0 + 63 of one request into one buffer (3 tiles: 256 | 256 | 64 dims).
+    def kv_pages(page_table, pt0, pos0, kv_len, pages, t):
+        """pages[r]: the page of row r * 16 + t // 8 of the block at pos0, tail rows clamped (16-bit cache)."""
+        for r in T.unroll(block_n // 16):
+            pages[r] = page_table[pt0 + T.min(pos0 + r * 16 + t // 8, kv_len - 1) // page_size]
+
+    @T.macro
+    def load_kv(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, t):
+        """Gathers KV rows pos0 .. pos0 + 63 of one request into one buffer (3 tiles: 256 | 256 | 64 dims), from the
+        pages ``kv_pages`` read.
 
         Rows past kv_len re-read row kv_len - 1 (their probabilities are 0): no page outside the
         request is touched and no stale (possibly NaN) cache slot can reach P @ V.
@@ -763,7 +770,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         for r in T.serial(block_n // 16):
             j = r * 16 + t // 8
             p = T.min(pos0 + j, kv_len - 1)
-            page = page_table[pt0 + p // page_size]
+            page = pages[r]
             slot = p % page_size
             for u in T.serial(HALF // (8 * vec)):
                 c = u * 8 * vec + (t % 8) * vec
@@ -775,10 +782,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                            T.access_ptr(kv_cache[page, slot, KV_LORA_RANK + (t % 8) * vec], "r", vec), vec)
 
     @T.macro
-    def load_kv_tma(kv_cache, page_table, pt0, pos0, kv_l, kv_r, k_t, k_ready, buf):
-        """load_kv of a whole block (pos0 + 64 <= kv_len) by TMA, completing on ``k_ready[buf]`` (one thread's
-        expect_tx)."""
-        page = page_table[pt0 + pos0 // page_size]
+    def load_kv_tma(kv_cache, page, pos0, kv_l, kv_r, k_t, k_ready, buf):
+        """load_kv of a whole block (pos0 + 64 <= kv_len, all in ``page``) by TMA, completing on ``k_ready[buf]``
+        (one thread's expect_tx)."""
         slot0 = pos0 % page_size
         T.tma_copy(kv_cache[page, slot0:slot0 + block_n, 0:HALF], kv_l, barrier=k_ready[buf])
         T.tma_copy(kv_cache[page, slot0:slot0 + block_n, HALF:KV_LORA_RANK], kv_r, barrier=k_ready[buf])
@@ -871,8 +877,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 else:
                     load_parts(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, g, k_ready, k_free, t)
             else:
+                # 16-bit cache: the block's pages are read before the wait for its buffer, so that the page table's
+                # latency overlaps the wait instead of delaying the copies (pages_ahead; else after it)
+                if not is_fp8 and cfg.pages_ahead:
+                    kv_pages(page_table, pt0, pos0, kv_len, pages, t)
                 # both consumers are done with the block that used this buffer before (g - 2)
                 T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
+                if not is_fp8 and not cfg.pages_ahead:
+                    kv_pages(page_table, pt0, pos0, kv_len, pages, t)
                 if ahead_fp8:  # (tws: the next block's loads are issued in there)
                     if kv_buffer(g) == 0:
                         fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
@@ -889,13 +901,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                   kv1_l, kv1_r, k1_t, t)
                 elif tma_kv and pos0 + block_n <= kv_len:
                     if kv_buffer(g) == 0:
-                        load_kv_tma(kv_cache, page_table, pt0, pos0, kv0_l, kv0_r, k0_t, k_ready, 0)
+                        load_kv_tma(kv_cache, pages[0], pos0, kv0_l, kv0_r, k0_t, k_ready, 0)
                     else:
-                        load_kv_tma(kv_cache, page_table, pt0, pos0, kv1_l, kv1_r, k1_t, k_ready, 1)
+                        load_kv_tma(kv_cache, pages[0], pos0, kv1_l, kv1_r, k1_t, k_ready, 1)
                 elif kv_buffer(g) == 0:
-                    load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, t)
+                    load_kv(kv_cache, pages, pos0, kv_len, kv0_l, kv0_r, k0_t, t)
                 else:
-                    load_kv(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, t)
+                    load_kv(kv_cache, pages, pos0, kv_len, kv1_l, kv1_r, k1_t, t)
                 if is_fp8:
                     T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
                     T.barrier_arrive(k_ready[kv_buffer(g)])
@@ -1204,9 +1216,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             l_r = T.alloc_fragment([q_rows], accum)
             alpha_r = T.alloc_fragment([q_rows], accum)
             raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
-            # fp8 producer: pages of its 2 rows of the next block (only then: TileLang 0.1.11's CUDA codegen was
-            # seen to crash with it unused)
-            pages = T.alloc_local([2], "int32") if is_fp8 else None
+            # producer: the pages of its rows of a block (fp8: 2 rows of the next block; 16-bit, not seesaw: 4 rows)
+            pages = T.alloc_local([2 if is_fp8 else block_n // 16], "int32") if is_fp8 or not seesaw else None
             if seesaw:  # WG1's own S / P / softmax state, and the row maxima / sums the consumers swap
                 acc_s_r = T.alloc_fragment([block_rows, block_n], accum)
                 p_frag_l = T.alloc_fragment([block_rows, block_n], cdtype)
