@@ -19,7 +19,7 @@ class KernelConfig:
     # ws / tws: a request split into two parts is merged by the second of its programs to finish (in its epilogue,
     # from the other's partial) instead of by the combine kernel
     merge_pairs: bool = False
-    # ws / tws, 16-bit cache: the producer reads a block's page ids before it waits for the block's buffer
+    # ws / tws / seesaw, 16-bit cache: the producer reads a block's page ids before it waits for the block's buffer
     pages_ahead: bool = False
 
 
@@ -32,7 +32,8 @@ SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, ker
                      merge_pairs=True, pages_ahead=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
-SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
+SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True,
+                         pages_ahead=True)
 # Hopper, warp-specialised with transposed consumers where h x q_len <= 16 (S^T = K Q^T: tokens are WGMMA's M,
 # so 16 rows are not padded to 64), the "ws" kernel for other shapes. The default since session 7: on the H100
 # its fp8 producer (a whole block of loads in flight) makes the e4m3 cache 1.68x faster than bf16 (ws: 1.37x;

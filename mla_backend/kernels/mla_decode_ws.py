@@ -791,39 +791,39 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         T.tma_copy(kv_cache[page, slot0:slot0 + block_n, KV_LORA_RANK:HEAD_DIM], k_t, barrier=k_ready[buf])
 
     @T.macro
-    def load_part(kv_cache, page_table, pt0, pos0, kv_len, dst, col0, t):
+    def load_part(kv_cache, pages, pos0, kv_len, dst, col0, t):
         """load_kv for one tile of a buffer: cache dims col0 .. col0 + width of rows pos0 .. pos0 + 63 into
-        ``dst`` [64, width] (width 256 or 64; 8 lanes per row, 16 rows per pass)."""
+        ``dst`` [64, width] (width 256 or 64; 8 lanes per row, 16 rows per pass), from the pages ``kv_pages`` read."""
         for r in T.serial(block_n // 16):
             j = r * 16 + t // 8
             p = T.min(pos0 + j, kv_len - 1)
-            page = page_table[pt0 + p // page_size]
+            page = pages[r]
             for u in T.serial(dst.shape[1] // (8 * vec)):
                 c = u * 8 * vec + (t % 8) * vec
                 T.ptx_cp_async(T.access_ptr(dst[j, c], "w", vec),
                                T.access_ptr(kv_cache[page, p % page_size, col0 + c], "r", vec), vec)
 
     @T.macro
-    def fill_part(kv_cache, page_table, pt0, pos0, kv_len, dst, col0, g, part, k_ready, k_free, t):
+    def fill_part(kv_cache, pages, pos0, kv_len, dst, col0, g, part, k_ready, k_free, t):
         """seesaw producer: tile ``part`` of block g's buffer, once its last reader has released it; a whole block's
         tile by TMA (expect_tx by one thread), a partial block's by the cp.async gather."""
         T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
         if tma_kv and pos0 + block_n <= kv_len:
             slot0 = pos0 % page_size
-            T.tma_copy(kv_cache[page_table[pt0 + pos0 // page_size], slot0:slot0 + block_n, col0:col0 + dst.shape[1]],
+            T.tma_copy(kv_cache[pages[0], slot0:slot0 + block_n, col0:col0 + dst.shape[1]],
                        dst, barrier=k_ready[part_barrier(g, part)])
             T.barrier_arrive(k_ready[part_barrier(g, part)])
         else:
-            load_part(kv_cache, page_table, pt0, pos0, kv_len, dst, col0, t)
+            load_part(kv_cache, pages, pos0, kv_len, dst, col0, t)
             T.cp_async_barrier_noinc(k_ready[part_barrier(g, part)])
 
     @T.macro
-    def load_parts(kv_cache, page_table, pt0, pos0, kv_len, kv_l, kv_r, k_t, g, k_ready, k_free, t):
+    def load_parts(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, k_ready, k_free, t):
         """seesaw producer, block g: each tile of its buffer (rope, left, right) is refilled as soon as its last
         reader has released it (``k_free[part_barrier(g, part)]``) and signalled on its own ``k_ready``."""
-        fill_part(kv_cache, page_table, pt0, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
-        fill_part(kv_cache, page_table, pt0, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
-        fill_part(kv_cache, page_table, pt0, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
+        fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
+        fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
+        fill_part(kv_cache, pages, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
 
     @T.macro
     def prefetch_block(kv_cache, page_table, pt0, pos0, kv_len, t):
@@ -871,16 +871,18 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
                 if blk + 1 < blk_hi - blk_lo:
                     fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
+            # 16-bit cache: the block's pages are read before the wait for its buffer, so that the page table's
+            # latency overlaps the wait instead of delaying the copies (pages_ahead; else after it)
+            if not is_fp8 and cfg.pages_ahead:
+                kv_pages(page_table, pt0, pos0, kv_len, pages, t)
             if seesaw:  # per tile: waits for its release, signals its arrival
-                if kv_buffer(g) == 0:
-                    load_parts(kv_cache, page_table, pt0, pos0, kv_len, kv0_l, kv0_r, k0_t, g, k_ready, k_free, t)
-                else:
-                    load_parts(kv_cache, page_table, pt0, pos0, kv_len, kv1_l, kv1_r, k1_t, g, k_ready, k_free, t)
-            else:
-                # 16-bit cache: the block's pages are read before the wait for its buffer, so that the page table's
-                # latency overlaps the wait instead of delaying the copies (pages_ahead; else after it)
-                if not is_fp8 and cfg.pages_ahead:
+                if not cfg.pages_ahead:
                     kv_pages(page_table, pt0, pos0, kv_len, pages, t)
+                if kv_buffer(g) == 0:
+                    load_parts(kv_cache, pages, pos0, kv_len, kv0_l, kv0_r, k0_t, g, k_ready, k_free, t)
+                else:
+                    load_parts(kv_cache, pages, pos0, kv_len, kv1_l, kv1_r, k1_t, g, k_ready, k_free, t)
+            else:
                 # both consumers are done with the block that used this buffer before (g - 2)
                 T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
                 if not is_fp8 and not cfg.pages_ahead:
@@ -1216,8 +1218,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             l_r = T.alloc_fragment([q_rows], accum)
             alpha_r = T.alloc_fragment([q_rows], accum)
             raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
-            # producer: the pages of its rows of a block (fp8: 2 rows of the next block; 16-bit, not seesaw: 4 rows)
-            pages = T.alloc_local([2 if is_fp8 else block_n // 16], "int32") if is_fp8 or not seesaw else None
+            # producer: the pages of its rows of a block (fp8: 2 rows of the next block; 16-bit: 4 rows)
+            pages = T.alloc_local([2 if is_fp8 else block_n // 16], "int32")
             if seesaw:  # WG1's own S / P / softmax state, and the row maxima / sums the consumers swap
                 acc_s_r = T.alloc_fragment([block_rows, block_n], accum)
                 p_frag_l = T.alloc_fragment([block_rows, block_n], cdtype)
