@@ -21,6 +21,8 @@ class KernelConfig:
     merge_pairs: bool = False
     # ws / tws / seesaw, 16-bit cache: the producer reads a block's page ids before it waits for the block's buffer
     pages_ahead: bool = False
+    # rs_pv: WG0 issues P V as soon as P is made; row sums and P's copy for WG1 are made while it runs
+    pv_first: bool = False
 
 
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
@@ -29,7 +31,7 @@ class KernelConfig:
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True,
-                     merge_pairs=True, pages_ahead=True)
+                     merge_pairs=True, pages_ahead=True, pv_first=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True,
@@ -45,7 +47,7 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # Since session 16 a request split into two parts is merged in the split kernel (merge_pairs; MLA_BACKEND_SM90_MERGE=0
 # leaves it to the combine kernel).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
-                        rs_pv=True, merge_pairs=True, pages_ahead=True)
+                        rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
@@ -59,6 +61,7 @@ SM90_TMA_ENV = "MLA_BACKEND_SM90_TMA"  # "0": KV blocks by cp.async only (the ke
 SM90_RSPV_ENV = "MLA_BACKEND_SM90_RSPV"  # "0": WG0's P V from P in shared memory (the kernels before session 15)
 SM90_MERGE_ENV = "MLA_BACKEND_SM90_MERGE"  # "0": the combine kernel merges every split request (before session 16)
 SM90_PAGES_ENV = "MLA_BACKEND_SM90_PAGES"  # "0": page ids read after the wait for the buffer (before session 17)
+SM90_PVFIRST_ENV = "MLA_BACKEND_SM90_PVFIRST"  # "0": WG0's row sums and P's copy before its P V (before session 17)
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -70,7 +73,7 @@ def config_for(arch: str) -> KernelConfig:
         raise ValueError(f"{SM90_KERNEL_ENV}={name!r} is not supported; expected one of {tuple(SM90_KERNELS)}")
     cfg = SM90_KERNELS[name]
     for env, field in ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv"), (SM90_MERGE_ENV, "merge_pairs"),
-                       (SM90_PAGES_ENV, "pages_ahead")):
+                       (SM90_PAGES_ENV, "pages_ahead"), (SM90_PVFIRST_ENV, "pv_first")):
         value = os.environ.get(env, "1")
         if value not in ("0", "1"):
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")

@@ -228,6 +228,26 @@ __device__ __forceinline__ void mla_store_rows64(float* dst, const float* v) {
     dst[r + 8] = v[1];
   }
 }
+// This thread's share of the row sums of a 64 x 64 m64n64 accumulator tile (its rows lane / 4 and lane / 4 + 8, 16
+// columns each); the quad's other three threads hold the rest, added once per segment by mla_quad_sum2.
+__device__ __forceinline__ void mla_row_sum_part(const float* s, float* out) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float a = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 16; ++c) a += s[(c & 7) * 4 + i * 2 + (c >> 3)];
+    out[i] = a;
+  }
+}
+// v[0..1] summed over the quad (lanes 4k .. 4k + 3 share the rows); every lane ends with the same bits, as
+// (a + b) + (c + d) is formed the same way on each.
+__device__ __forceinline__ void mla_quad_sum2(float* v) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    v[i] += __shfl_xor_sync(0xffffffffu, v[i], 1);
+    v[i] += __shfl_xor_sync(0xffffffffu, v[i], 2);
+  }
+}
 // P [64 rows, 64 tokens], 16-bit, from the m64n64 accumulator layout (16 pairs per thread) into the K-major tile
 // with the 128-byte swizzle that WG1's WGMMA reads: element (r, c) at r * 64 + ((c / 8) ^ (r % 8)) * 8 + c % 8.
 // stmatrix x4 number i stores columns 16 i .. 16 i + 15 of the warp's 16 rows as four 8 x 8 matrices (rows + 0 / + 8,
@@ -624,6 +644,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # barrier of its own and issues its GEMM before handing P to WG1; alpha goes to a slot per block parity, so
     # it is stored before WG0 waits for WG1 to be done with the previous P.
     rs_pv = cfg.rs_pv and not transposed and not seesaw
+    # rs_pv: WG0 issues P V right after P is made; its row sums (per thread, the quad's added once per segment),
+    # alpha's and P's stores for WG1 follow while the GEMM runs
+    pv_first = rs_pv and cfg.pv_first
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -1529,10 +1552,35 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 for i, j in T.Parallel(block_rows, block_n):
                                     acc_s[i, j] = T.exp2(acc_s[i, j]
                                                          - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
-                                T.reduce_sum(acc_s, row_sum, dim=1)
-                                for i in T.Parallel(block_rows):
-                                    l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                                if rs_pv:
+                                if not pv_first:
+                                    T.reduce_sum(acc_s, row_sum, dim=1)
+                                    for i in T.Parallel(block_rows):
+                                        l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                                if pv_first:
+                                    # P V goes first: the row sums (this thread's share) and P's copy for WG1 are
+                                    # made while the tensor cores run it
+                                    T.copy(acc_s, p_frag)
+                                    if rescale_needed(alpha):
+                                        for i, d in T.Parallel(block_rows, HALF):
+                                            acc_o_l[i, d] *= alpha[i]
+                                    if kv_buffer(g) == 0:
+                                        T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
+                                    else:
+                                        T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
+                                    T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data, row_sum.data))
+                                    for i in T.Parallel(block_rows):
+                                        l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                                    T.evaluate(T.call_extern("handle", "mla_store_rows64",
+                                                             T.address_of(alpha_slots[alpha_slot(g) * block_rows]),
+                                                             alpha.data))
+                                    T.barrier_wait(p_free[0], p_free_parity(g))
+                                    T.evaluate(T.call_extern("handle", "mla_store_p64", T.address_of(p_shared[0, 0]),
+                                                             p_frag.data))
+                                    T.fence_proxy_async()
+                                    T.barrier_arrive(p_ready[0])
+                                    T.wait_wgmma(0)
+                                    T.warpgroup_fence_operand(acc_o_l, num_regs=block_rows * HALF // 128)
+                                elif rs_pv:
                                     T.copy(acc_s, p_frag)
                                     if rescale_needed(alpha):
                                         for i, d in T.Parallel(block_rows, HALF):
@@ -1569,6 +1617,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
                                 T.barrier_arrive(k_free[kv_buffer(g)])
 
+                            if pv_first:  # each thread held its share of the row sums
+                                T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
                             # epilogue: hand l (and m) to WG1, merge the request's parts if this program is the last
                             # of a few, write O[:, :256] and the LSE
                             T.barrier_wait(l_free[0], seg_free_parity(seg))
