@@ -644,8 +644,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # barrier of its own and issues its GEMM before handing P to WG1; alpha goes to a slot per block parity, so
     # it is stored before WG0 waits for WG1 to be done with the previous P.
     rs_pv = cfg.rs_pv and not transposed and not seesaw
-    # rs_pv: WG0 issues P V right after P is made; its row sums (per thread, the quad's added once per segment),
-    # alpha's and P's stores for WG1 follow while the GEMM runs
+    # rs_pv: WG0 hands P to WG1 and issues its P V right after P is made; its row sums (per thread, the quad's added
+    # once per segment) follow while the GEMMs run
     pv_first = rs_pv and cfg.pv_first
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
@@ -1557,9 +1557,17 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     for i in T.Parallel(block_rows):
                                         l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
                                 if pv_first:
-                                    # P V goes first: the row sums (this thread's share) and P's copy for WG1 are
-                                    # made while the tensor cores run it
+                                    # P goes to WG1 and into WG0's P V first; the row sums (this thread's share) are
+                                    # made while the tensor cores run them
                                     T.copy(acc_s, p_frag)
+                                    T.evaluate(T.call_extern("handle", "mla_store_rows64",
+                                                             T.address_of(alpha_slots[alpha_slot(g) * block_rows]),
+                                                             alpha.data))
+                                    T.barrier_wait(p_free[0], p_free_parity(g))
+                                    T.evaluate(T.call_extern("handle", "mla_store_p64", T.address_of(p_shared[0, 0]),
+                                                             p_frag.data))
+                                    T.fence_proxy_async()
+                                    T.barrier_arrive(p_ready[0])
                                     if rescale_needed(alpha):
                                         for i, d in T.Parallel(block_rows, HALF):
                                             acc_o_l[i, d] *= alpha[i]
@@ -1570,14 +1578,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data, row_sum.data))
                                     for i in T.Parallel(block_rows):
                                         l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                                    T.evaluate(T.call_extern("handle", "mla_store_rows64",
-                                                             T.address_of(alpha_slots[alpha_slot(g) * block_rows]),
-                                                             alpha.data))
-                                    T.barrier_wait(p_free[0], p_free_parity(g))
-                                    T.evaluate(T.call_extern("handle", "mla_store_p64", T.address_of(p_shared[0, 0]),
-                                                             p_frag.data))
-                                    T.fence_proxy_async()
-                                    T.barrier_arrive(p_ready[0])
                                     T.wait_wgmma(0)
                                     T.warpgroup_fence_operand(acc_o_l, num_regs=block_rows * HALF // 128)
                                 elif rs_pv:
