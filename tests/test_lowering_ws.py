@@ -209,14 +209,24 @@ def test_seesaw_kernel_lowers():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_16bit_cache_kernel_has_no_fp8_only_buffers(dtype):
-    """A 16-bit cache's kernel allocates none of the fp8 producer's page registers: on the H100, TileLang
-    0.1.11's CUDA codegen (SGLang's pin) segfaulted on the bf16 kernel whose only difference from the
-    working one was that unused local buffer."""
-    script = ws.build_decode_kernel_ws(16, 1, 64, dtype, dtype).script()
-    page_registers = re.compile(r"\bpages = T\.")
-    assert not page_registers.search(script)
-    assert page_registers.search(ws.build_decode_kernel_ws(16, 1, 64, dtype, "float8_e4m3fn").script())
+@pytest.mark.parametrize("pages_ahead", [True, False])
+def test_producer_reads_page_ids_around_the_buffer_wait(monkeypatch, dtype, pages_ahead):
+    """pages_ahead (default since session 17): a 16-bit cache's producer reads a block's page ids into its page
+    registers before it waits for the block's buffer (k_free), so that the page table's latency overlaps the wait
+    instead of delaying the copies; MLA_BACKEND_SM90_PAGES=0 reads them after the wait, as before. Either way the
+    registers are read by the copies: TileLang 0.1.11's CUDA codegen crashed on an unused local buffer."""
+    from mla_backend.kernels import configs
+
+    if not pages_ahead:
+        monkeypatch.setenv(configs.SM90_PAGES_ENV, "0")
+    cfg = configs.config_for("sm90")
+    assert cfg.pages_ahead is pages_ahead
+    for page_size in (64, 16):
+        script = ws.build_decode_kernel_ws(16, 1, page_size, dtype, dtype, cfg=cfg).script()
+        loop = script[script.index("pages[r] = page_table[") - 400:]
+        read, wait = loop.index("pages[r] = page_table["), loop.index("T.mbarrier_wait_parity(k_free")
+        assert (read < wait) is pages_ahead, page_size
+        assert ("pages[0]" if page_size == 64 else "pages[r]") in loop[wait:], page_size
 
 
 def check_named_barriers_role_local(src: str, variant, kernel: str = "ws") -> dict[str, str]:
@@ -298,10 +308,13 @@ def test_seesaw_tiles_arrive_by_tma():
 
 @pytest.mark.parametrize("env,field,marker", [("MLA_BACKEND_SM90_TMA", "tma_kv", "tma_copy"),
                                               ("MLA_BACKEND_SM90_RSPV", "rs_pv", "mla_store_p64"),
-                                              ("MLA_BACKEND_SM90_MERGE", "merge_pairs", "mla_merge_ticket")])
+                                              ("MLA_BACKEND_SM90_MERGE", "merge_pairs", "mla_merge_ticket"),
+                                              ("MLA_BACKEND_SM90_PVFIRST", "pv_first", "mla_row_sum_part")])
 def test_setting_off_gives_the_earlier_kernel(monkeypatch, env, field, marker):
     """Each later change to the default kernel has an env switch back (0): KV blocks by TMA (session 14), WG0's P V
-    from registers (15), two-part requests merged in the split kernel (16). Other values are refused."""
+    from registers (15), two-part requests merged in the split kernel (16), WG0's row sums behind its P V (17; the
+    page ids read ahead, also 17, in test_producer_reads_page_ids_around_the_buffer_wait). Other values are
+    refused."""
     from mla_backend.kernels import configs
 
     monkeypatch.setenv(env, "0")
