@@ -1087,14 +1087,16 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         T.sync_threads(WG0_NAMED_BARRIER, 128)
 
     @T.macro
-    def merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state):
+    def merge_begin(merge_count, merge_ticket, req, row_block, first, part, n_parts, merge_state):
         """Both consumers, end of a segment of a request of ``n_parts``: with two parts take this program's
-        ticket; the second one waits for the other part's partial (``merge_state[1] = 1``: this program merges)."""
+        ticket; the second one waits for the other part's partial (``merge_state[1] = 1``: this program merges).
+        Only a part's first and last segments can be cut, so each has its own ticket slot (the request's first part:
+        this part's last segment, slot 1), written once per program."""
         merge_state[1] = 0
         if n_parts == 2:
             merge_state[0] = T.call_extern("int32", "mla_merge_ticket", T.access_ptr(merge_count[0], "rw", 1),
                                            req * n_row_blocks + row_block, T.access_ptr(merge_ticket[0], "rw", 2),
-                                           seg % 2)
+                                           T.if_then_else(part == first, 1, 0))
             if merge_state[0] % (1 << MERGE_DONE_SHIFT) == 1:
                 T.evaluate(T.call_extern("handle", "mla_merge_wait", T.access_ptr(merge_count[0], "rw", 1),
                                          req * n_row_blocks + row_block))
@@ -1141,7 +1143,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                           tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial, lse_partial):
             store.normalize(acc, l, kv_scale, factor)
             if in_merge:
-                merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state)
+                merge_begin(merge_count, merge_ticket, req, row_block, first, part, n_parts, merge_state)
                 if merge_state[1] == 1:
                     other = merge_other(first, part, req)
                     merge_weights(l, m, w_own, w_other, other, row0, lse_partial)
@@ -1212,7 +1214,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             # l of WG0's rows for WG1 (with in_merge also m, after it)
             l_shared = T.alloc_shared([2 * q_rows if in_merge else q_rows], accum)
             if in_merge:
-                merge_ticket = T.alloc_shared([2], "int32")  # a program's ticket for WG1, by segment parity
+                merge_ticket = T.alloc_shared([2], "int32")  # a program's tickets: its first / last segment's
                 merge_state = T.alloc_local([2], "int32")  # [ticket, 1 when this program merges the request]
                 m_r = T.alloc_fragment([q_rows], accum)  # WG1: WG0's row max
                 w_r = T.alloc_local([4], accum)  # WG1: the other part's merge weights (only the PRELUDE helpers index it)
@@ -1680,7 +1682,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             store_right_t[2].normalize(acc_o_r2, l_r, kv_scale, alpha_r)
                             store_right_t[3].normalize(acc_o_r3, l_r, kv_scale, alpha_r)
                             if in_merge:
-                                merge_begin(merge_count, merge_ticket, req, row_block, seg, n_parts, merge_state)
+                                merge_begin(merge_count, merge_ticket, req, row_block, first, part, n_parts, merge_state)
                                 if merge_state[1] == 1:
                                     other = merge_other(first, part, req)
                                     merge_weights(l_r, m_r, alpha_r, w_r, other, row0, lse_partial)
