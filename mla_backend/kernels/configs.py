@@ -45,7 +45,9 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # Since session 15 the ws consumers' WG0 multiplies P V from P in registers (rs_pv): 6% faster at h=128 s_q=2 in the
 # A/B, 1.13 -> 1.08 of the faster anchor side by side; MLA_BACKEND_SM90_RSPV=0 keeps P V from shared memory.
 # Since session 16 a request split into two parts is merged in the split kernel (merge_pairs; MLA_BACKEND_SM90_MERGE=0
-# leaves it to the combine kernel).
+# leaves it to the combine kernel). Since session 17 the producer reads a block's page ids before it waits for the
+# block's buffer (pages_ahead: 3.5-3.8% at h=128 in the A/B, MLA_BACKEND_SM90_PAGES=0 reads them after it) and WG0 adds
+# its row sums while its P V runs (pv_first: 1.7-2.6% at h=128 s_q=2, MLA_BACKEND_SM90_PVFIRST=0).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
