@@ -1558,33 +1558,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.reduce_sum(acc_s, row_sum, dim=1)
                                     for i in T.Parallel(block_rows):
                                         l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                                if pv_first:
-                                    # P goes to WG1 and into WG0's P V first; the row sums (this thread's share) are
-                                    # made while the tensor cores run them
+                                if rs_pv:
                                     T.copy(acc_s, p_frag)
-                                    T.evaluate(T.call_extern("handle", "mla_store_rows64",
-                                                             T.address_of(alpha_slots[alpha_slot(g) * block_rows]),
-                                                             alpha.data))
-                                    T.barrier_wait(p_free[0], p_free_parity(g))
-                                    T.evaluate(T.call_extern("handle", "mla_store_p64", T.address_of(p_shared[0, 0]),
-                                                             p_frag.data))
-                                    T.fence_proxy_async()
-                                    T.barrier_arrive(p_ready[0])
-                                    if rescale_needed(alpha):
-                                        for i, d in T.Parallel(block_rows, HALF):
-                                            acc_o_l[i, d] *= alpha[i]
-                                    if kv_buffer(g) == 0:
-                                        T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
-                                    else:
-                                        T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
-                                    T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data, row_sum.data))
-                                    for i in T.Parallel(block_rows):
-                                        l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                                    T.wait_wgmma(0)
-                                    T.warpgroup_fence_operand(acc_o_l, num_regs=block_rows * HALF // 128)
-                                elif rs_pv:
-                                    T.copy(acc_s, p_frag)
-                                    if rescale_needed(alpha):
+                                    if not pv_first and rescale_needed(alpha):
                                         for i, d in T.Parallel(block_rows, HALF):
                                             acc_o_l[i, d] *= alpha[i]
                                     # alpha's slot was last read by WG1 for block g - 2, before the p_free arrival
@@ -1597,12 +1573,24 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.barrier_wait(p_free[0], p_free_parity(g))
                                     T.evaluate(T.call_extern("handle", "mla_store_p64", T.address_of(p_shared[0, 0]),
                                                              p_frag.data))
+                                    if pv_first:  # P goes to WG1 before WG0's own P V is issued
+                                        T.fence_proxy_async()
+                                        T.barrier_arrive(p_ready[0])
+                                        if rescale_needed(alpha):
+                                            for i, d in T.Parallel(block_rows, HALF):
+                                                acc_o_l[i, d] *= alpha[i]
                                     if kv_buffer(g) == 0:
                                         T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
                                     else:
                                         T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
-                                    T.fence_proxy_async()  # P: generic stores, read by WG1's WGMMA (async proxy)
-                                    T.barrier_arrive(p_ready[0])
+                                    if pv_first:  # the row sums (this thread's share) while the tensor cores run
+                                        T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data,
+                                                                 row_sum.data))
+                                        for i in T.Parallel(block_rows):
+                                            l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                                    else:
+                                        T.fence_proxy_async()  # P: generic stores, read by WG1's WGMMA (async proxy)
+                                        T.barrier_arrive(p_ready[0])
                                     T.wait_wgmma(0)
                                     T.warpgroup_fence_operand(acc_o_l, num_regs=block_rows * HALF // 128)
                                 else:
