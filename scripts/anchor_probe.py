@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from mla_backend.bench import Case, Config, KVGroup, Skip, load_anchors, make_runner
+from mla_backend.bench import Case, Config, KVGroup, Skip, flops, load_anchors, make_runner
 
 
 class Sampler(threading.Thread):
@@ -100,7 +100,7 @@ def main() -> int:
         b, s_k, h, s_q, page = (int(x) for x in spec.split(","))
         cfg = Config(b, s_k, h, s_q, False, page)
         case = Case(cfg, KVGroup(cfg, 0, dev, False), 0, dev)
-        flop = 2 * s_q * b * s_k * h * 1088
+        flop = flops(case.kvg.sum_len, s_q, h)
         rows = {}
         for name in impls:
             try:

@@ -19,9 +19,11 @@ class KernelConfig:
     # ws / tws: a request split into two parts is merged by the second of its programs to finish (in its epilogue,
     # from the other's partial) instead of by the combine kernel
     merge_pairs: bool = False
-    # ws / tws / seesaw, 16-bit cache: the producer reads a block's page ids before it waits for the block's buffer
+    # ws / tws, 16-bit cache: the producer reads a block's page ids before it waits for the block's buffer (seesaw's
+    # producer always does)
     pages_ahead: bool = False
-    # rs_pv: WG0 issues P V as soon as P is made; row sums and P's copy for WG1 are made while it runs
+    # rs_pv: WG0 hands P to WG1 and issues its P V before it forms its row sums (per thread), which it does while the
+    # GEMMs run
     pv_first: bool = False
 
 
@@ -34,8 +36,7 @@ SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, ker
                      merge_pairs=True, pages_ahead=True, pv_first=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
-SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True,
-                         pages_ahead=True)
+SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
 # Hopper, warp-specialised with transposed consumers where h x q_len <= 16 (S^T = K Q^T: tokens are WGMMA's M,
 # so 16 rows are not padded to 64), the "ws" kernel for other shapes. The default since session 7: on the H100
 # its fp8 producer (a whole block of loads in flight) makes the e4m3 cache 1.68x faster than bf16 (ws: 1.37x;
@@ -63,7 +64,7 @@ SM90_TMA_ENV = "MLA_BACKEND_SM90_TMA"  # "0": KV blocks by cp.async only (the ke
 SM90_RSPV_ENV = "MLA_BACKEND_SM90_RSPV"  # "0": WG0's P V from P in shared memory (the kernels before session 15)
 SM90_MERGE_ENV = "MLA_BACKEND_SM90_MERGE"  # "0": the combine kernel merges every split request (before session 16)
 SM90_PAGES_ENV = "MLA_BACKEND_SM90_PAGES"  # "0": page ids read after the wait for the buffer (before session 17)
-SM90_PVFIRST_ENV = "MLA_BACKEND_SM90_PVFIRST"  # "0": WG0's row sums and P's copy before its P V (before session 17)
+SM90_PVFIRST_ENV = "MLA_BACKEND_SM90_PVFIRST"  # "0": WG0's row sums before P's copy and its P V (before session 17)
 
 
 def config_for(arch: str) -> KernelConfig:

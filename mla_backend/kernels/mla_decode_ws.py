@@ -895,12 +895,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 if blk + 1 < blk_hi - blk_lo:
                     fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
             # 16-bit cache: the block's pages are read before the wait for its buffer, so that the page table's
-            # latency overlaps the wait instead of delaying the copies (pages_ahead; else after it)
-            if not is_fp8 and cfg.pages_ahead:
+            # latency overlaps the wait instead of delaying the copies (pages_ahead, else after it; seesaw: always
+            # before its three tile waits)
+            if not is_fp8 and (cfg.pages_ahead or seesaw):
                 kv_pages(page_table, pt0, pos0, kv_len, pages, t)
             if seesaw:  # per tile: waits for its release, signals its arrival
-                if not cfg.pages_ahead:
-                    kv_pages(page_table, pt0, pos0, kv_len, pages, t)
                 if kv_buffer(g) == 0:
                     load_parts(kv_cache, pages, pos0, kv_len, kv0_l, kv0_r, k0_t, g, k_ready, k_free, t)
                 else:
