@@ -37,9 +37,9 @@ def q_dtype() -> torch.dtype:
     return torch.float16 if "--fp16" in sys.argv else torch.bfloat16
 
 
-def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
-    """A fixed-length bf16 problem with pages in random order; returns the captured call (a CUDA graph
-    replay, as engines run decode), the eager call, and (bytes, flops) for the rates."""
+def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
+    """A fixed-length bf16 problem with pages in random order, planned: the eager call, its metadata (``md.plan``
+    holds the workspaces) and (bytes, flops) for the rates."""
     pages = b * s // ps
     dtype = q_dtype()
     kv = torch.randn(pages, ps, 576, dtype=dtype, device="cuda")
@@ -53,12 +53,19 @@ def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
     out = torch.empty(b * sq, h, 512, dtype=dtype, device="cuda")
     eager = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False,  # noqa: E731
                                k_scale=0.5 if fp8 else None)
+    nbytes = b * s * 576 * kv.element_size() + b * sq * h * 1088 * 2
+    return eager, md, (nbytes, 2 * sq * b * s * h * 1088)
+
+
+def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
+    """decode_problem's call, run once and captured: the CUDA graph's replay (as engines run decode), the eager
+    call, and (bytes, flops) for the rates."""
+    eager, _, rates = decode_problem(b, s, h, sq, ps, fp8)
     eager()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         eager()
-    nbytes = b * s * 576 * kv.element_size() + b * sq * h * 1088 * 2
-    return graph.replay, eager, (nbytes, 2 * sq * b * s * h * 1088)
+    return graph.replay, eager, rates
 
 
 def kernel_times(replay) -> str:

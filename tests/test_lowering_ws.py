@@ -329,9 +329,10 @@ def test_setting_off_gives_the_earlier_kernel(monkeypatch, env, field, marker):
 
 
 def test_two_part_requests_are_merged_by_both_consumers(lowered):
-    """merge_pairs (default): both consumer warpgroups take the program's ticket (named barrier 13 over their 256
-    threads), merge their half of O from the other part's partial, and count a stored partial; the producer does
-    none of it. The combine then skips two-part requests (``merged=2``), and the seesaw kernel merges nothing."""
+    """merge_pairs (default): both consumer warpgroups take the program's ticket (thread 0's, published by a
+    one-arrival mbarrier per ticket slot), merge their half of O from the other part's partial, and count a stored
+    partial (named barrier 13 over their 256 threads); the producer does none of it. The combine then skips two-part
+    requests (``merged=2``), and the seesaw kernel merges nothing."""
     from mla_backend.kernels import configs
     from mla_backend.kernels.mla_decode import build_combine_kernel
 
@@ -342,10 +343,28 @@ def test_two_part_requests_are_merged_by_both_consumers(lowered):
             assert call in sections[role], (role, call)
     assert "mla_merge" not in sections["producer"]
     assert f"bar.sync {ws.MERGE_NAMED_BARRIER}, 256" in lowered[variant][0]
+    assert "ticket_ready[0].init(1);" in lowered[variant][0] and "ticket_ready[1].init(1);" in lowered[variant][0]
+    assert "mbarrier.arrive.release.cta" in lowered[variant][0]
     assert configs.merged_parts(configs.SM90_SEESAW) == 0 == configs.merged_parts(configs.SM90)
     assert "mla_merge" not in ws.build_decode_kernel_ws(128, 1, 64, "bfloat16", "bfloat16",
                                                        cfg=configs.SM90_SEESAW).script()
     assert "if n_read[0] > 2:" in build_combine_kernel(16, 1, "bfloat16", merged=2).script()
+
+
+def test_block_trace_is_off_by_default_and_calls_nothing():
+    """KernelConfig.trace_part (scripts/trace_blocks.py): off in every shipped config, no trace code then; on, each
+    role records its steps inline (no function call: ptxas would serialise the WGMMAs) into the unused last slot."""
+    from mla_backend.kernels import configs
+
+    assert all(cfg.trace_part < 0 for cfg in configs.SM90_KERNELS.values())
+    variant = (128, 2, 64, "bfloat16", "bfloat16")
+    plain = ws.build_decode_kernel_ws(*variant, cfg=configs.SM90_TWS).script()
+    traced = ws.build_decode_kernel_ws(*variant, cfg=dataclasses.replace(configs.SM90_TWS, trace_part=3)).script()
+    assert "mla_trace" not in plain
+    for call in ("mla_trace_begin", "mla_trace_end", "mla_trace"):
+        assert f'"{call}"' in traced, call
+    assert "printf" not in ws.TRACE_PRELUDE and "noinline" not in ws.TRACE_PRELUDE
+    assert "blockIdx.x == 3" in ws.TRACE_PRELUDE.replace("MLA_TRACE_PART", "3")
 
 
 @pytest.mark.parametrize("variant", TWS_VARIANTS, ids=_vid)

@@ -25,6 +25,9 @@ class KernelConfig:
     # rs_pv: WG0 hands P to WG1 and issues its P V before it forms its row sums (per thread), which it does while the
     # GEMMs run
     pv_first: bool = False
+    # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
+    # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) and prints them at exit
+    trace_part: int = -1
 
 
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)

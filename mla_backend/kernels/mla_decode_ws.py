@@ -69,8 +69,9 @@ included); ``s`` counts the non-empty request segments the program has started. 
     l_free          128   WG1 after reading l (segment s) WG0 before writing l(s): (s & 1) ^ 1
 
 A request the plan cuts into two parts (``merge_pairs``, the default) is merged by the second of its two programs to
-finish, per row block: at the segment's end both consumers meet at named barrier 13 (256 threads) after thread 0 took
-a ticket from the request's counter (``plan.merge_count``); the first stores its partial and adds 1 << 16, the second
+finish, per row block: at the segment's end thread 0 takes a ticket from the request's counter (``plan.merge_count``)
+and publishes it to both consumers through a one-arrival mbarrier per ticket slot; the first stores its partial and,
+after named barrier 13 (the consumers' 256 threads), adds 1 << 16, the second
 waits for that (``ld.acquire``), adds the other partial to its own normalised O by LSE (the same rounding either way
 round), writes out / lse and resets the counter. Requests of more parts and empty ones are left to the combine.
 
@@ -308,12 +309,20 @@ __device__ __forceinline__ void mla_e4m3x16_store(const void* src, void* lo, voi
 // adds 1 << 16; the second waits for that, merges the two and resets the counter for the next launch. It only waits
 // for a program that already holds a ticket: resident, with nothing left to wait for before its stores, so the
 // wait ends. The merge is symmetric in the two parts (same rounding whichever finishes second): deterministic.
-// counts + index: the request's counter; slots + slot: shared memory that hands thread 0's ticket to the others.
-__device__ __forceinline__ int mla_merge_ticket(int* counts, int index, int* slots, int slot) {
-  volatile int* ticket = slots + slot;
-  if (threadIdx.x == 0) *ticket = atomicAdd(counts + index, 1);
-  asm volatile("bar.sync MLA_MERGE_BARRIER, 256;" ::: "memory");
-  return *ticket;
+// counts + index: the request's counter; slots + slot: shared memory that hands thread 0's ticket to the others,
+// published by the slot's mbarrier in `ready` (one arrival, used once per program: phase 0 is the one to wait for).
+// An mbarrier rather than the named barrier below: compute-sanitizer's racecheck reported the named-barrier hand-off
+// as a hazard in this kernel, though not in a stand-alone model of it (scripts/racecheck_ticket.cu).
+__device__ __forceinline__ int mla_merge_ticket(int* counts, int index, int* slots, int slot, void* ready) {
+  const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(static_cast<unsigned long long*>(ready) + slot));
+  if (threadIdx.x == 0) {
+    slots[slot] = atomicAdd(counts + index, 1);
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+  }
+  asm volatile("{\n.reg .pred done;\nwait:\n"
+               "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], 0;\n"
+               "@!done bra wait;\n}" :: "r"(bar) : "memory");
+  return slots[slot];
 }
 __device__ __forceinline__ void mla_merge_done(int* counts, int index) {
   int* count = counts + index;
@@ -427,6 +436,39 @@ __device__ __forceinline__ void mla_merge2_add_cols(float* acc, const float* w_o
 '''.replace("MLA_Q_F16_SCALE", f"{2.0 ** -Q_F16_SHIFT!r}f").replace(
     "MLA_MERGE_BARRIER", str(MERGE_NAMED_BARRIER)).replace("MLA_MERGE_DONE_SHIFT", str(MERGE_DONE_SHIFT)).replace(
     "MLA_MERGE_LOADS", str(MERGE_LOADS))
+
+# KernelConfig.trace_part: clock64 per (role, block g < 64, step) of one program (row block 0), written to the last
+# slot of out_partial, which no plan uses (slots go up to num_parts + batch - 2): int64 [role][g][step], then per role
+# its first step's clock and %globaltimer (ns) and its last clock and ns. Roles: 0 WG0, 1 WG1, 2 the producer; steps as
+# the trace() calls name them. No printf: a function call in the kernel makes ptxas serialise every WGMMA.
+TRACE_WORDS = 3 * 64 * 8 + 3 * 4
+TRACE_PRELUDE = r'''
+__device__ long long* mla_trace_out[3];
+__device__ __forceinline__ bool mla_traced() {
+  return blockIdx.x == MLA_TRACE_PART && blockIdx.y == 0 && threadIdx.x % 128 == 0;
+}
+__device__ __forceinline__ long long mla_trace_ns() {
+  long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+__device__ __forceinline__ void mla_trace_begin(float* last_slot) {
+  if (!mla_traced()) return;
+  const int role = threadIdx.x / 128;
+  long long* out = reinterpret_cast<long long*>(last_slot);
+  mla_trace_out[role] = out;
+  out[3 * 64 * 8 + role * 4] = clock64();
+  out[3 * 64 * 8 + role * 4 + 1] = mla_trace_ns();
+}
+__device__ __forceinline__ void mla_trace(int role, int g, int step) {
+  if (mla_traced() && g < 64) mla_trace_out[role][(role * 64 + g) * 8 + step] = clock64();
+}
+__device__ __forceinline__ void mla_trace_end(int role) {
+  if (!mla_traced()) return;
+  mla_trace_out[role][3 * 64 * 8 + role * 4 + 2] = clock64();
+  mla_trace_out[role][3 * 64 * 8 + role * 4 + 3] = mla_trace_ns();
+}
+'''
 
 # Blocks ahead of the one being loaded whose rows the fp8 producer asks L2 for.
 FP8_PREFETCH_AHEAD = 2
@@ -650,6 +692,19 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
+
+    tracing = cfg.trace_part >= 0
+
+    @T.macro
+    def trace(role, g, step):
+        """KernelConfig.trace_part: this role's clock at ``step`` of block g (nothing otherwise)."""
+        if tracing:
+            T.evaluate(T.call_extern("handle", "mla_trace", role, g, step))
+
+    @T.macro
+    def trace_end(role):
+        if tracing:
+            T.evaluate(T.call_extern("handle", "mla_trace_end", role))
 
     def last_copy_barrier(g):
         """The k_ready barrier of block g's last copy (seesaw: its right tile)."""
@@ -894,6 +949,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
                 if blk + 1 < blk_hi - blk_lo:
                     fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
+            trace(2, g, 0)
             # 16-bit cache: the block's pages are read before the wait for its buffer, so that the page table's
             # latency overlaps the wait instead of delaying the copies (pages_ahead, else after it; seesaw: always
             # before its three tile waits)
@@ -906,7 +962,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     load_parts(kv_cache, pages, pos0, kv_len, kv1_l, kv1_r, k1_t, g, k_ready, k_free, t)
             else:
                 # both consumers are done with the block that used this buffer before (g - 2)
+                trace(2, g, 1)
                 T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
+                trace(2, g, 2)
                 if not is_fp8 and not cfg.pages_ahead:
                     kv_pages(page_table, pt0, pos0, kv_len, pages, t)
                 if ahead_fp8:  # (tws: the next block's loads are issued in there)
@@ -939,6 +997,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     T.barrier_arrive(k_ready[kv_buffer(g)])
                 else:
                     T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
+                trace(2, g, 3)
 
     @T.macro
     def rr_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,
@@ -1007,6 +1066,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         """S = Q K^T over the KV buffer holding block g, once the block has landed (seesaw: per tile, in score)."""
         if not seesaw:
             T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+        trace(0, g, 1)
         if kv_buffer(g) == 0:
             score(q_l, q_r, q_t, kv0_l, kv0_r, k0_t, g, k_ready, acc_s)
         else:
@@ -1093,9 +1153,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         this part's last segment, slot 1), written once per program."""
         merge_state[1] = 0
         if n_parts == 2:
+            ticket_slots, ticket_ready = merge_ticket
             merge_state[0] = T.call_extern("int32", "mla_merge_ticket", T.access_ptr(merge_count[0], "rw", 1),
-                                           req * n_row_blocks + row_block, T.access_ptr(merge_ticket[0], "rw", 2),
-                                           T.if_then_else(part == first, 1, 0))
+                                           req * n_row_blocks + row_block, T.access_ptr(ticket_slots[0], "rw", 2),
+                                           T.if_then_else(part == first, 1, 0), T.access_ptr(ticket_ready[0], "rw", 2))
             if merge_state[0] % (1 << MERGE_DONE_SHIFT) == 1:
                 T.evaluate(T.call_extern("handle", "mla_merge_wait", T.access_ptr(merge_count[0], "rw", 1),
                                          req * n_row_blocks + row_block))
@@ -1195,7 +1256,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         lse_partial: T.Tensor([num_slots, rows], accum),
         merge_count: T.Tensor([num_counts], "int32"),
     ):
-        with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=PRELUDE) as (part, row_block):
+        prelude = PRELUDE + (TRACE_PRELUDE.replace("MLA_TRACE_PART", str(cfg.trace_part)) if tracing else "")
+        with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=prelude) as (part, row_block):
             q_l = T.alloc_shared([q_rows, HALF], cdtype)
             q_r = T.alloc_shared([q_rows, HALF], cdtype)
             q_t = T.alloc_shared([q_rows, ROPE_DIM], cdtype)
@@ -1213,7 +1275,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             # l of WG0's rows for WG1 (with in_merge also m, after it)
             l_shared = T.alloc_shared([2 * q_rows if in_merge else q_rows], accum)
             if in_merge:
-                merge_ticket = T.alloc_shared([2], "int32")  # a program's tickets: its first / last segment's
+                ticket_slots = T.alloc_shared([2], "int32")  # a program's tickets: its first / last segment's
+                ticket_ready = T.alloc_barrier([1, 1])  # one per slot: thread 0 has written it
+                merge_ticket = (ticket_slots, ticket_ready)
                 merge_state = T.alloc_local([2], "int32")  # [ticket, 1 when this program merges the request]
                 m_r = T.alloc_fragment([q_rows], accum)  # WG1: WG0's row max
                 w_r = T.alloc_local([4], accum)  # WG1: the other part's merge weights (only the PRELUDE helpers index it)
@@ -1275,6 +1339,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             seg = T.alloc_var("int32")  # non-empty request segments started by this program (per thread)
 
             tx = T.get_thread_binding()
+            if tracing:
+                T.evaluate(T.call_extern("handle", "mla_trace_begin", T.access_ptr(out_partial[num_slots - 1, 0, 0], "w")))
             row0 = row_block * block_rows
             width = blocks_per_part[0]
             part_lo = part * width
@@ -1539,7 +1605,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             for blk in T.serial(n_blk):
                                 g = g0 + blk
                                 pos0 = (blk_lo + blk) * block_n
+                                trace(0, g, 0)
                                 score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s)
+                                trace(0, g, 2)
                                 if blk == n_blk - 1:
                                     T.barrier_arrive(q_free[0])  # last read of this segment's Q
                                 mask_scale(acc_s, pos0, vis0, row0, scale_log2)
@@ -1569,12 +1637,15 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                                              T.address_of(alpha_slots[alpha_slot(g) * block_rows]),
                                                              alpha.data))
                                     # WG1 has finished with P of block g - 1
+                                    trace(0, g, 3)
                                     T.barrier_wait(p_free[0], p_free_parity(g))
+                                    trace(0, g, 4)
                                     T.evaluate(T.call_extern("handle", "mla_store_p64", T.address_of(p_shared[0, 0]),
                                                              p_frag.data))
                                     if pv_first:  # P goes to WG1 before WG0's own P V is issued
                                         T.fence_proxy_async()
                                         T.barrier_arrive(p_ready[0])
+                                        trace(0, g, 5)
                                         if rescale_needed(alpha):
                                             for i, d in T.Parallel(block_rows, HALF):
                                                 acc_o_l[i, d] *= alpha[i]
@@ -1590,8 +1661,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     else:
                                         T.fence_proxy_async()  # P: generic stores, read by WG1's WGMMA (async proxy)
                                         T.barrier_arrive(p_ready[0])
+                                    trace(0, g, 6)
                                     T.wait_wgmma(0)
                                     T.warpgroup_fence_operand(acc_o_l, num_regs=block_rows * HALF // 128)
+                                    trace(0, g, 7)
                                 else:
                                     # WG1 has finished with P / alpha of block g - 1
                                     T.barrier_wait(p_free[0], p_free_parity(g))
@@ -1622,6 +1695,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                               part, req, row_block, row0, seg, tok0, merge_count, merge_ticket,
                                               merge_state, out, lse, out_partial, lse_partial)
                             seg = seg + 1
+                    trace_end(0)
             elif tx < 256:
                 if transposed:
                     # ------------------------------------------------ tws WG1: O^T[256:]
@@ -1707,8 +1781,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.fill(acc_o_r, 0)
                             for blk in T.serial(blk_hi - blk_lo):
                                 g = g0 + blk
+                                trace(1, g, 0)
                                 T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                trace(1, g, 1)
                                 T.barrier_wait(p_ready[0], p_ready_parity(g))
+                                trace(1, g, 2)
                                 for i in T.Parallel(block_rows):
                                     alpha_r[i] = (alpha_slots[alpha_slot(g) * block_rows + i] if rs_pv
                                                   else alpha_shared[i])
@@ -1716,6 +1793,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     for i, d in T.Parallel(block_rows, HALF):
                                         acc_o_r[i, d] *= alpha_r[i]
                                 pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
+                                trace(1, g, 3)
                                 T.barrier_arrive(p_free[0])
                                 T.barrier_arrive(k_free[kv_buffer(g)])
 
@@ -1731,6 +1809,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                               req, row_block, row0, seg, tok0, merge_count, merge_ticket, merge_state,
                                               out, lse, out_partial, lse_partial)
                             seg = seg + 1
+                    trace_end(1)
             else:
                 # ------------------------------------------------ WG2: producer
                 T.set_max_nreg(regs_producer, grows(regs_producer, threads))
@@ -1770,6 +1849,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                    kv_ready_parity(part_hi - part_lo - 1))
                     if tma_kv or is_fp8:
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
+                trace_end(2)
 
     return mla_decode_split
 

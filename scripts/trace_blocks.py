@@ -1,0 +1,89 @@
+"""Per-block timeline of one program of the ws split kernel (GPU): every role's clock at each step of blocks 0..63.
+
+    python scripts/trace_blocks.py [--part P] [--shapes "128,16384,128,2,64;..."] [--raw FILE]
+
+Builds the Hopper kernel with ``KernelConfig.trace_part = P`` (clock64 per step into the plan's unused last partial
+slot), runs a few eager decodes of each shape and reports, over the steady blocks (4..59) of the last launch, the
+median cycles of:
+  WG0: k wait (block landed?), S, softmax (mask, max, exp2, P to registers, alpha), p_free wait, P store + p_ready,
+       P V issue (+ row sums), P V wait, and the block period;
+  WG1: k wait, p_ready wait, P V (rescale, GEMM, wait);
+  producer: page ids, k_free wait (buffer reuse), copy issue;
+and each role's clock rate over the whole program (clock64 against %globaltimer). A traced decode's outputs are
+not checked (the trace shares nothing with them, but this is a profiling run)."""
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+STEPS = {0: ("k wait", "S", "softmax", "p_free wait", "P store", "PV issue", "PV wait"),
+         1: ("k wait", "p_ready wait", "PV"),
+         2: ("pages", "k_free wait", "issue")}
+ROLES = {0: "WG0", 1: "WG1", 2: "producer"}
+
+
+def summarise(words: list, shape: str, call_us: float) -> str:
+    """``words``: the traced program's int64 record (mla_decode_ws.TRACE_PRELUDE's layout)."""
+    clock = {(r, g): words[(r * 64 + g) * 8:(r * 64 + g + 1) * 8] for r in range(3) for g in range(64)}
+    out = [f"shape b,s,h,s_q,page = {shape}: decode call {call_us:.1f} us (eager, traced kernel); "
+           "median cycles over blocks 4..59"]
+    for role in range(3):
+        c0, ns0, c1, ns1 = words[3 * 64 * 8 + role * 4:3 * 64 * 8 + role * 4 + 4]
+        if ns1 > ns0:
+            out.append(f"  {ROLES[role]}: {c1 - c0} cycles in {(ns1 - ns0) / 1e3:.1f} us ({(c1 - c0) / (ns1 - ns0):.3f} GHz)")
+    steady = range(4, 60)
+    for role, names in STEPS.items():
+        if not all(clock[role, g][len(names)] for g in range(4, 61)):
+            out.append(f"  {ROLES[role]}: no trace (fewer than 61 blocks, or not this kernel's path)")
+            continue
+        cols = [f"{name} {statistics.median(clock[role, g][k + 1] - clock[role, g][k] for g in steady):.0f}"
+                for k, name in enumerate(names)]
+        last = len(names)
+        cols.append(f"to next {statistics.median(clock[role, g + 1][0] - clock[role, g][last] for g in steady):.0f}")
+        cols.append(f"period {statistics.median(clock[role, g + 1][0] - clock[role, g][0] for g in steady):.0f}")
+        out.append(f"  {ROLES[role]:8s} " + ", ".join(cols))
+    t0 = clock[0, 20][0]  # two blocks' steps on one clock, from WG0's start of block 20
+    for g in (20, 21):
+        for role, names in STEPS.items():
+            out.append(f"  g={g} {ROLES[role]:8s} " + " ".join(f"{v - t0:6d}" for v in clock[role, g][:len(names) + 1]))
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--part", type=int, default=5)
+    p.add_argument("--shapes", default="128,16384,128,2,64;128,16384,128,1,64", help="b,s,h,s_q,page;...")
+    p.add_argument("--raw", help="append each shape's int64 record here")
+    args = p.parse_args()
+    from mla_backend.kernels import configs
+    from mla_backend.kernels.mla_decode_ws import TRACE_WORDS
+    from quick_time import decode_problem
+
+    name = os.environ.get(configs.SM90_KERNEL_ENV, configs.DEFAULT_SM90_KERNEL)
+    configs.SM90_KERNELS[name] = dataclasses.replace(configs.SM90_KERNELS[name], trace_part=args.part)
+    for shape in args.shapes.split(";"):
+        eager, md, _ = decode_problem(*(int(v) for v in shape.split(",")))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(4):  # the first compiles; the last launch's record is read
+            md.plan.out_partial[-1].zero_()
+            start.record()
+            eager()
+            end.record()
+        torch.cuda.synchronize()
+        words = md.plan.out_partial[-1].flatten().view(torch.int64)[:TRACE_WORDS].tolist()
+        if args.raw:
+            with open(args.raw, "a") as raw:
+                raw.write(f"{shape} " + " ".join(map(str, words)) + "\n")
+        print(summarise(words, shape, start.elapsed_time(end) * 1e3), flush=True)
+        del eager, md
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
