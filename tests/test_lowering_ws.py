@@ -342,7 +342,7 @@ def test_two_part_requests_are_merged_by_both_consumers(lowered):
         for call in ("mla_merge_ticket(", "mla_merge_wait(", "mla_merge_done(", "mla_merge2_weights<false>(", add):
             assert call in sections[role], (role, call)
     assert "mla_merge" not in sections["producer"]
-    assert f"bar.sync {ws.MERGE_NAMED_BARRIER}, 256" in lowered[variant][0]
+    assert f"barrier.sync {ws.MERGE_NAMED_BARRIER}, 256" in lowered[variant][0]
     assert "ticket_ready[0].init(1);" in lowered[variant][0] and "ticket_ready[1].init(1);" in lowered[variant][0]
     assert "mbarrier.arrive.release.cta" in lowered[variant][0]
     assert configs.merged_parts(configs.SM90_SEESAW) == 0 == configs.merged_parts(configs.SM90)

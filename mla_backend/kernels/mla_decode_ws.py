@@ -312,7 +312,9 @@ __device__ __forceinline__ void mla_e4m3x16_store(const void* src, void* lo, voi
 // counts + index: the request's counter; slots + slot: shared memory that hands thread 0's ticket to the others,
 // published by the slot's mbarrier in `ready` (one arrival, used once per program: phase 0 is the one to wait for).
 // An mbarrier rather than the named barrier below: compute-sanitizer's racecheck reported the named-barrier hand-off
-// as a hazard in this kernel, though not in a stand-alone model of it (scripts/racecheck_ticket.cu).
+// as a hazard in this kernel, though not in a stand-alone model of it (scripts/racecheck_ticket.cu). The named
+// barrier is the non-aligned `barrier.sync`: the two warpgroups reach it from different instructions, which
+// `bar.sync` (= barrier.sync.aligned) leaves undefined in PTX.
 __device__ __forceinline__ int mla_merge_ticket(int* counts, int index, int* slots, int slot, void* ready) {
   const unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(static_cast<unsigned long long*>(ready) + slot));
   if (threadIdx.x == 0) {
@@ -327,7 +329,7 @@ __device__ __forceinline__ int mla_merge_ticket(int* counts, int index, int* slo
 __device__ __forceinline__ void mla_merge_done(int* counts, int index) {
   int* count = counts + index;
   __threadfence();  // this thread's partial stores, ordered before the count that publishes them
-  asm volatile("bar.sync MLA_MERGE_BARRIER, 256;" ::: "memory");
+  asm volatile("barrier.sync MLA_MERGE_BARRIER, 256;" ::: "memory");
   if (threadIdx.x == 0)
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(count), "r"(1 << MLA_MERGE_DONE_SHIFT) : "memory");
 }
@@ -343,7 +345,7 @@ __device__ __forceinline__ void mla_merge_wait(int* counts, int index) {
     }
     *reinterpret_cast<volatile int*>(count) = 0;  // nothing else touches it in this launch
   }
-  asm volatile("bar.sync MLA_MERGE_BARRIER, 256;" ::: "memory");
+  asm volatile("barrier.sync MLA_MERGE_BARRIER, 256;" ::: "memory");
   __threadfence();  // the other part's partial is read after this
 }
 // The merging program reads the other part's partial with these helpers, in the consumers' accumulator layouts.
