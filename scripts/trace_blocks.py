@@ -35,7 +35,8 @@ def summarise(words: list, shape: str, call_us: float) -> str:
     for role in range(3):
         c0, ns0, c1, ns1 = words[3 * 64 * 8 + role * 4:3 * 64 * 8 + role * 4 + 4]
         if ns1 > ns0:
-            out.append(f"  {ROLES[role]}: {c1 - c0} cycles in {(ns1 - ns0) / 1e3:.1f} us ({(c1 - c0) / (ns1 - ns0):.3f} GHz)")
+            out.append(f"  {ROLES[role]}: {c1 - c0} cycles in {(ns1 - ns0) / 1e3:.1f} us "
+                       f"({(c1 - c0) / (ns1 - ns0):.3f} GHz)")
     steady = range(4, 60)
     for role, names in STEPS.items():
         if not all(clock[role, g][len(names)] for g in range(4, 61)):

@@ -1342,7 +1342,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
             tx = T.get_thread_binding()
             if tracing:
-                T.evaluate(T.call_extern("handle", "mla_trace_begin", T.access_ptr(out_partial[num_slots - 1, 0, 0], "w")))
+                T.evaluate(T.call_extern("handle", "mla_trace_begin",
+                                         T.access_ptr(out_partial[num_slots - 1, 0, 0], "w")))
             row0 = row_block * block_rows
             width = blocks_per_part[0]
             part_lo = part * width
