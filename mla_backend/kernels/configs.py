@@ -26,7 +26,8 @@ class KernelConfig:
     # GEMMs run
     pv_first: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
-    # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) and prints them at exit
+    # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
+    # last partial slot
     trace_part: int = -1
 
 
