@@ -30,7 +30,7 @@ Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + d
     alpha x 2, l  3 x 64 x 4              768   (rs_pv; without it one alpha: 512)
     m, ticket  64 x 4 + 16                272   (merge_pairs: WG0's row max for WG1, the merge ticket)
     dynamic                            230416   (TileLang's dyn_shared_memory_buf)
-    mbarriers  10 x 8, static            1024   (nvcc pads static shared to the 1 KiB alignment
+    mbarriers  12 x 8, static            1024   (10 + merge_pairs' 2; nvcc pads static shared to the 1 KiB alignment
                                                  of the dynamic buffer)
     total                              231440   (1008 B to spare)
 
@@ -1201,8 +1201,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         ``w_other`` hold the merge weights (either may be ``factor``)."""
 
         @T.macro
-        def store_segment(acc, l, m, w_own, w_other, factor, kv_scale, first, n_parts, part, req, row_block, row0, seg,
-                          tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial, lse_partial):
+        def store_segment(acc, l, m, w_own, w_other, factor, kv_scale, first, n_parts, part, req, row_block, row0, tok0,
+                          merge_count, merge_ticket, merge_state, out, lse, out_partial, lse_partial):
             store.normalize(acc, l, kv_scale, factor)
             if in_merge:
                 merge_begin(merge_count, merge_ticket, req, row_block, first, part, n_parts, merge_state)
@@ -1580,8 +1580,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_arrive(l_ready[0])
                             first, n_parts = request_parts(req_lo, req_hi, width)
                             wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
-                                              part, req, row_block, row0, seg, tok0, merge_count, merge_ticket,
-                                              merge_state, out, lse, out_partial, lse_partial)
+                                              part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
+                                              out, lse, out_partial, lse_partial)
                             seg = seg + 1
                 else:
                     # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
@@ -1695,8 +1695,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_arrive(l_ready[0])
                             first, n_parts = request_parts(req_lo, req_hi, width)
                             wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
-                                              part, req, row_block, row0, seg, tok0, merge_count, merge_ticket,
-                                              merge_state, out, lse, out_partial, lse_partial)
+                                              part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
+                                              out, lse, out_partial, lse_partial)
                             seg = seg + 1
                     trace_end(0)
             elif tx < 256:
@@ -1809,8 +1809,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_arrive(l_free[0])
                             first, n_parts = request_parts(req_lo, req_hi, width)
                             wg1_store_segment(acc_o_r, l_r, m_r, alpha_r, w_r, alpha_r, kv_scale, first, n_parts, part,
-                                              req, row_block, row0, seg, tok0, merge_count, merge_ticket, merge_state,
-                                              out, lse, out_partial, lse_partial)
+                                              req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
+                                              lse, out_partial, lse_partial)
                             seg = seg + 1
                     trace_end(1)
             else:
