@@ -18,9 +18,14 @@ import torch
 from .kernels.configs import MAX_PARTS, config_for
 from .metadata import INDEX_DTYPE, MLADecodeMetadata
 
-# A part may hold a single block: the combine merges a request's partials with all their loads in flight, so
-# spreading a short batch over every SM wins (b=1, s=4096, h=16: 64 one-block parts instead of 16 of four).
+# A part may hold a single block where its partial is small: the combine merges a request's partials with all their
+# loads in flight, so spreading a short batch over every SM wins (b=1, s=4096, h=16: 64 one-block parts instead of 16
+# of four). Past 32 rows a one-block part's partial (rows x 2 KB: 128 KB at 64 rows, written and read back) outweighs
+# the 72 KB block it reads: two blocks at least (session 19, graph replay: b=1 s=4096 h=128 24.8 -> 21.8 us, b=4
+# s=2048 h=64 25.4 -> 22.8; at 32 rows two blocks were 1-1.7 us slower, so those keep one).
 MIN_BLOCKS_PER_PART = 1
+MIN_BLOCKS_PER_PART_WIDE = 2
+SMALL_PARTIAL_ROWS = 32
 KV_LORA_RANK = 512
 MIN_BLOCK_ROWS = 16  # the fewest rows of any kernel config's tile: merge counters for every kernel's row blocks
 
@@ -48,6 +53,11 @@ class SplitPlan:
     num_parts: int
     rows: int
     block_n: int  # KV tokens per block of work: the kernel checks it equals its own block_n
+
+
+def min_blocks_per_part(rows: int) -> int:
+    """The fewest KV blocks a part of a plan for ``rows`` (heads x q_len) query rows holds."""
+    return MIN_BLOCKS_PER_PART if rows <= SMALL_PARTIAL_ROWS else MIN_BLOCKS_PER_PART_WIDE
 
 
 def num_parts_for(num_sms: int, num_heads: int, q_len: int, block_rows: int = 64) -> int:
@@ -105,7 +115,7 @@ class SplitPlanner:
         cu = p.cu_blocks[: batch + 1]
         torch.cumsum(blocks, 0, out=cu[1:])
         total = cu[batch:]  # [1]
-        width = torch.clamp((total + (self.num_parts - 1)) // self.num_parts, min=MIN_BLOCKS_PER_PART)
+        width = torch.clamp((total + (self.num_parts - 1)) // self.num_parts, min=min_blocks_per_part(p.rows))
         p.blocks_per_part.copy_(width)
         lo = self._part_ids * width
         hi = torch.minimum(lo + width, total)

@@ -2,11 +2,16 @@
 # GPU machine: interleaved A/B of kernel settings (scripts/ab_interleave.py) with the SM clock, power and throttle
 # reasons sampled every 100 ms; then compute-sanitizer memcheck of the small cases under $MLA_BACKEND_SM90_KERNEL.
 #   AB_SHAPES="64,8192,128,2,64;..." AB_SETTINGS="tws:MLA_BACKEND_SM90_KERNEL=tws tma:..." bash scripts/device_interleave.sh
+#   GPU_TESTS=1 ...: first the smoke case and tests/test_kernel_gpu.py (its log: $OUT/pytest_gpu.log)
 # Carry .devkit/tilelang-0.1.9.tar.xz and .devkit/unpack.sh.
 set -o pipefail
 source .devkit/unpack.sh
 export TILELANG_CACHE_DIR=/tmp/tlcache PYTHONPATH=$PWD:$PWD/scripts:$PYTHONPATH
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee $OUT/gpu.txt
+if [ -n "${GPU_TESTS:-}" ]; then  # GPU_TESTS=1: a smoke case first (a hang costs 120 s), the GPU tests beside the precompiles
+  timeout 120 python3 scripts/quick_time.py --smoke 2>&1 | tail -3 | tee $OUT/smoke.log || { echo "SMOKE FAILED"; exit 1; }
+  timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -40 > $OUT/pytest_gpu.log &
+fi
 for setting in $AB_SETTINGS; do
   e=${setting#*:}; env ${e//,/ } python3 scripts/quick_time.py --shapes "$AB_SHAPES" --precompile 4 2>&1 | tail -1 &
 done

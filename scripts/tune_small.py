@@ -8,7 +8,7 @@ from quick_time import decode_step  # scripts/ is on sys.path when this runs as 
 
 
 def run(b, s, h, sq, ps, min_blocks):
-    planner.MIN_BLOCKS_PER_PART = min_blocks
+    planner.min_blocks_per_part = lambda rows: min_blocks
     replay, _, _ = decode_step(b, s, h, sq, ps)
     t = do_bench(replay, warmup=50, rep=200, return_mode="median") * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

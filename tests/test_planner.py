@@ -12,7 +12,7 @@ import torch
 from mla_backend import SplitPlanner, mla_decode_reference, plan_split_kv
 from mla_backend.kernels import configs
 from mla_backend.kernels.configs import MAX_PARTS
-from mla_backend.planner import MIN_BLOCKS_PER_PART, num_parts_for
+from mla_backend.planner import min_blocks_per_part, num_parts_for
 from mla_problems import SCALE, make_problem
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
@@ -65,7 +65,7 @@ def test_plan_invariants(heads, q_len, num_sms, batch, max_len, seed):
     cu, begin, end, width = plan_lists(plan, batch)
     block_n = planner.block_n
     assert cu == [0] + list(torch.tensor([-(-n // block_n) for n in lens]).cumsum(0).tolist())
-    assert width >= MIN_BLOCKS_PER_PART and width * plan.num_parts >= cu[-1]
+    assert width >= min_blocks_per_part(heads * q_len) and width * plan.num_parts >= cu[-1]
 
     # every (request, block) pair is covered by exactly one part
     covered = [(req, b) for _, req, lo, hi in segments(plan, batch) for b in range(lo, hi)]
