@@ -235,3 +235,11 @@ def test_split_and_combine_follow_the_reference(heads, q_len, num_sms, batch, ma
     torch.testing.assert_close(out, ref_out.double(), rtol=1e-2, atol=1e-3)
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[finite], ref_lse[finite].double(), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads,q_len,width", [(16, 1, 1), (16, 2, 1), (32, 1, 1), (64, 1, 2), (128, 1, 2), (16, 4, 2)])
+def test_short_batch_parts_hold_two_blocks_past_32_rows(heads, q_len, width):
+    """b=1, 4096 tokens (64 blocks) on 132 SMs: one-block parts up to 32 rows; beyond, a one-block part's partial
+    (rows x 2 KB) would outweigh its 72 KB block, so parts hold two (session 19: b=1 h=128 24.8 -> 21.8 µs)."""
+    plan = SplitPlanner(1, heads, q_len, device="cpu", num_sms=132).plan(torch.tensor([4096], dtype=torch.int32))
+    assert int(plan.blocks_per_part[0]) == width
