@@ -8,10 +8,7 @@ set -o pipefail
 source .devkit/unpack.sh
 export TILELANG_CACHE_DIR=/tmp/tlcache PYTHONPATH=$PWD:$PWD/scripts:$PYTHONPATH
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv,noheader | tee $OUT/gpu.txt
-if [ -n "${GPU_TESTS:-}" ]; then  # GPU_TESTS=1: a smoke case first (a hang costs 120 s), the GPU tests beside the precompiles
-  timeout 120 python3 scripts/quick_time.py --smoke 2>&1 | tail -3 | tee $OUT/smoke.log || { echo "SMOKE FAILED"; exit 1; }
-  timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -40 > $OUT/pytest_gpu.log &
-fi
+[ -n "${GPU_TESTS:-}" ] && GPU_TESTS_BG=1 source scripts/device_gpu_tests.sh  # the tests beside the precompiles
 for setting in $AB_SETTINGS; do
   e=${setting#*:}; env ${e//,/ } python3 scripts/quick_time.py --shapes "$AB_SHAPES" --precompile 4 2>&1 | tail -1 &
 done
