@@ -1,8 +1,9 @@
 """GPU machine: A/B of Hopper kernel settings in one process, rounds interleaved so clock drift hits both alike.
 
 Each setting's decode step (quick_time.decode_step: fixed lengths, random page order) is captured under its env,
-then per round and setting: the bench's timing (256 MB L2 flush + spin before each replay, median) and
-back-to-back replays (mean). Prints the median over rounds.
+then per round and setting: the bench's timing (256 MB L2 flush + spin before each replay, median), back-to-back
+replays (mean) and the bench's timing of the eager call (under the setting's env: the bench's default mode). Prints
+the median over rounds.
     PYTHONPATH=$PWD:scripts python3 scripts/ab_interleave.py "64,8192,128,2,64;..." "tws:MLA_BACKEND_SM90_KERNEL=tws" ...
 """
 import os
@@ -38,14 +39,17 @@ def main() -> int:
             with mock.patch.dict(os.environ, env):
                 steps[name] = decode_step(b, s, h, sq, ps)  # keeps the inputs the graph reads alive
         flops = steps[settings[0][0]][2][1]
-        res = {name: ([], []) for name, _ in settings}
+        res = {name: ([], [], []) for name, _ in settings}
         for _ in range(rounds):
-            for name, _ in settings:
-                replay = steps[name][0]
+            for name, env in settings:
+                replay, eager = steps[name][:2]
                 res[name][0].append(timer(replay, reps=30)["us"])
                 res[name][1].append(back_to_back(replay))
+                with mock.patch.dict(os.environ, env):  # the spin covers the measured host cost, as in the bench
+                    res[name][2].append(timer(eager, reps=30, host_us=Timer.host_us(eager))["us"])
         cells = " | ".join(f"{name} flushed {statistics.median(f):7.1f} us ({flops / statistics.median(f) / 1e6:5.1f} TF)"
-                           f" b2b {statistics.median(bb):7.1f}" for name, (f, bb) in res.items())
+                           f" b2b {statistics.median(bb):7.1f} eager {statistics.median(e):7.1f}"
+                           for name, (f, bb, e) in res.items())
         print(f"b={b} s={s} h={h} s_q={sq} page={ps}: {cells}", flush=True)
     return 0
 
