@@ -56,6 +56,8 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # leaves it to the combine kernel). Since session 17 the producer reads a block's page ids before it waits for the
 # block's buffer (pages_ahead: 3.5-3.8% at h=128 in the A/B, MLA_BACKEND_SM90_PAGES=0 reads them after it) and WG0 adds
 # its row sums while its P V runs (pv_first: 1.7-2.6% at h=128 s_q=2, MLA_BACKEND_SM90_PVFIRST=0).
+# Since session 20 a part's first request segment starts from the plan's row (first_seg: 1-1.4% at small batches in the
+# A/B, level at large ones; MLA_BACKEND_SM90_FIRST=0 loads the request's metadata by its id).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True, first_seg=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
