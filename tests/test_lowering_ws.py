@@ -77,15 +77,17 @@ def _vid(v) -> str:
 
 
 # ============================================================================ lowering + nvcc
-def _lower(variant, kernel: str = "ws"):
-    """Runs in a worker process: (kernel source, dynamic shared memory bytes)."""
+def _lower(variant, kernel: str = "ws", **overrides):
+    """Runs in a worker process: (kernel source, dynamic shared memory bytes); ``overrides``: KernelConfig fields."""
+    import dataclasses
+
     import tilelang
     from tilelang import tvm
     from tvm.target import Target
 
     from mla_backend.kernels.configs import SM90_KERNELS
 
-    func = ws.build_decode_kernel_ws(*variant, cfg=SM90_KERNELS[kernel])
+    func = ws.build_decode_kernel_ws(*variant, cfg=dataclasses.replace(SM90_KERNELS[kernel], **overrides))
     target = Target(CUDA)
     with tvm.transform.PassContext(config=compat_pass_configs()), target:
         art = tilelang.lower(func, target=target, enable_device_compile=False)
@@ -289,17 +291,33 @@ def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
 
 
 def test_whole_blocks_arrive_by_tma(lowered):
-    """16-bit cache, page size a multiple of 64: each buffer's whole blocks are nine 64 x 64 TMA boxes issued by one
-    producer thread, 73 728 bytes expected on that buffer's k_ready; page size 1 and the fp8 cache keep cp.async."""
+    """16-bit cache, page size a multiple of 64: a block is nine 64 x 64 TMA boxes issued by one producer thread; with
+    tile_ready (default since session 20) each tile's boxes (left 4, right 4, rope 1) complete on the tile's own
+    k_ready (6 barriers of 128 arrivals); page size 1 and the fp8 cache keep cp.async."""
     src, _ = lowered[(128, 1, 64, "bfloat16", "bfloat16")]
     producer = _role_sections(src, (128, 1, 64, "bfloat16", "bfloat16"))["producer"]
+    assert producer.count("tl::tma_load(kv_cache_desc") == 18
+    expected = sorted(int(n) for n in re.findall(r"k_ready\[[^\n]*?\]\.expect_transaction\((\d+)\)", producer))
+    assert expected == sorted([64 * 256 * 2] * 4 + [64 * 64 * 2] * 2), expected
+    assert [f"k_ready[{i}].init(128);" in src for i in range(7)] == [True] * 6 + [False]
+    assert "tl_shuffle_elect<128>" in producer
+    for variant in [(128, 2, 1, "bfloat16", "bfloat16"), (16, 1, 64, "bfloat16", "float8_e4m3")]:
+        assert "tma_load(kv_cache_desc" not in lowered[variant][0], variant
+
+
+def test_one_k_ready_per_buffer_without_tile_ready():
+    """tile_ready off (MLA_BACKEND_SM90_TILES=0, the kernel before session 20): each buffer's nine boxes complete on
+    that buffer's one k_ready, 73 728 bytes expected on it."""
+    ctx = multiprocessing.get_context("spawn")
+    variant = (128, 1, 64, "bfloat16", "bfloat16")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        src, _ = pool.submit(_lower, variant, "tws", tile_ready=False).result()
+    producer = _role_sections(src, variant)["producer"]
     for buf in (0, 1):
         loads = re.findall(rf"tl::tma_load\(kv_cache_desc, k_ready\[{buf}\]", producer)
         expected = [int(n) for n in re.findall(rf"k_ready\[{buf}\]\.expect_transaction\((\d+)\)", producer)]
         assert len(loads) == 9 and sum(expected) == 64 * 576 * 2, (len(loads), expected)
-    assert "tl_shuffle_elect<128>" in producer
-    for variant in [(128, 2, 1, "bfloat16", "bfloat16"), (16, 1, 64, "bfloat16", "float8_e4m3")]:
-        assert "tma_load(kv_cache_desc" not in lowered[variant][0], variant
+    assert "k_ready[2].init" not in src
 
 
 def test_wg0_multiplies_p_from_registers(lowered):

@@ -693,6 +693,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # rs_pv: WG0 hands P to WG1 and issues its P V right after P is made; its row sums (per thread, the quad's added
     # once per segment) follow while the GEMMs run
     pv_first = rs_pv and cfg.pv_first
+    # ws, 16-bit cache: each tile of a KV buffer (left, right, rope) lands on its own k_ready, so WG0's S starts on
+    # the left tile while the rest is in flight and WG1 waits for its V half only; the buffer is freed as one
+    tile_ready = cfg.tile_ready and not seesaw and not transposed and not is_fp8
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -726,7 +729,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     def last_copy_barrier(g):
         """The k_ready barrier of block g's last copy (seesaw: its right tile)."""
-        return part_barrier(g, PART_R) if seesaw else kv_buffer(g)
+        if seesaw:
+            return part_barrier(g, PART_R)
+        return part_barrier(g, PART_T) if tile_ready else kv_buffer(g)
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -906,9 +911,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     @T.macro
     def fill_part(kv_cache, pages, pos0, kv_len, dst, col0, g, part, k_ready, k_free, t):
-        """seesaw producer: tile ``part`` of block g's buffer, once its last reader has released it; a whole block's
-        tile by TMA (expect_tx by one thread), a partial block's by the cp.async gather."""
-        T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
+        """Tile ``part`` of block g's buffer, signalled on its own ``k_ready`` (seesaw: once its last reader has
+        released it; tile_ready: the caller waited for the whole buffer); a whole block's tile by TMA (expect_tx by
+        one thread), a partial block's by the cp.async gather."""
+        if seesaw:
+            T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
         if tma_kv and pos0 + block_n <= kv_len:
             slot0 = pos0 % page_size
             T.tma_copy(kv_cache[pages[0], slot0:slot0 + block_n, col0:col0 + dst.shape[1]],
@@ -1004,6 +1011,15 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     else:
                         fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
                                   kv1_l, kv1_r, k1_t, t)
+                elif tile_ready:  # S's order: left, right, rope
+                    if kv_buffer(g) == 0:
+                        fill_part(kv_cache, pages, pos0, kv_len, kv0_l, 0, g, PART_L, k_ready, k_free, t)
+                        fill_part(kv_cache, pages, pos0, kv_len, kv0_r, HALF, g, PART_R, k_ready, k_free, t)
+                        fill_part(kv_cache, pages, pos0, kv_len, k0_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
+                    else:
+                        fill_part(kv_cache, pages, pos0, kv_len, kv1_l, 0, g, PART_L, k_ready, k_free, t)
+                        fill_part(kv_cache, pages, pos0, kv_len, kv1_r, HALF, g, PART_R, k_ready, k_free, t)
+                        fill_part(kv_cache, pages, pos0, kv_len, k1_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
                 elif tma_kv and pos0 + block_n <= kv_len:
                     if kv_buffer(g) == 0:
                         load_kv_tma(kv_cache, pages[0], pos0, kv0_l, kv0_r, k0_t, k_ready, 0)
@@ -1016,10 +1032,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 if is_fp8:
                     T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
                     T.barrier_arrive(k_ready[kv_buffer(g)])
-                elif tma_kv and pos0 + block_n <= kv_len:  # the TMA bytes complete the phase, not the arrivals
-                    T.barrier_arrive(k_ready[kv_buffer(g)])
-                else:
-                    T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
+                elif not tile_ready:  # (tile_ready: each tile signalled its own k_ready in fill_part)
+                    if tma_kv and pos0 + block_n <= kv_len:  # the TMA bytes complete the phase, not the arrivals
+                        T.barrier_arrive(k_ready[kv_buffer(g)])
+                    else:
+                        T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
                 trace(2, g, 3)
 
     @T.macro
@@ -1077,6 +1094,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
             T.barrier_wait(k_ready[part_barrier(g, PART_R)], kv_ready_parity(g))
             T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
+        elif tile_ready:  # each tile's WGMMA as soon as it has landed, in the producer's order
+            T.barrier_wait(k_ready[part_barrier(g, PART_L)], kv_ready_parity(g))
+            T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
+            T.barrier_wait(k_ready[part_barrier(g, PART_R)], kv_ready_parity(g))
+            T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
+            T.barrier_wait(k_ready[part_barrier(g, PART_T)], kv_ready_parity(g))
+            T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
         else:
             T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
             T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
@@ -1086,8 +1110,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     @T.macro
     def score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s):
-        """S = Q K^T over the KV buffer holding block g, once the block has landed (seesaw: per tile, in score)."""
-        if not seesaw:
+        """S = Q K^T over the KV buffer holding block g, once the block has landed (seesaw, tile_ready: per tile, in
+        score)."""
+        if not seesaw and not tile_ready:
             T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
         trace(0, g, 1)
         if kv_buffer(g) == 0:
@@ -1347,6 +1372,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 k_ready = T.alloc_barrier([128] * (2 * N_PARTS))
                 k_free = T.alloc_barrier([128] * (2 * N_PARTS))
                 pb_ready = T.alloc_barrier(128)  # P_b (in its block's rope tile) and M of a pair written by WG1
+            elif tile_ready:  # k_ready per tile (part_barrier), k_free per buffer
+                k_ready = T.alloc_barrier([128] * (2 * N_PARTS))
+                k_free = T.alloc_barrier([256, 256])
             else:
                 k_ready = T.alloc_barrier([128, 128])
                 k_free = T.alloc_barrier([256, 256])
@@ -1805,7 +1833,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             for blk in T.serial(blk_hi - blk_lo):
                                 g = g0 + blk
                                 trace(1, g, 0)
-                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                # its V half (tile_ready: that tile's own barrier)
+                                T.barrier_wait(k_ready[part_barrier(g, PART_R) if tile_ready else kv_buffer(g)],
+                                               kv_ready_parity(g))
                                 trace(1, g, 1)
                                 T.barrier_wait(p_ready[0], p_ready_parity(g))
                                 trace(1, g, 2)
