@@ -697,7 +697,7 @@ def part_segments(cu, width, part, begin, end):
 
 
 def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_steps=5_000_000, kv_lens=None,
-                  rs_pv=True):
+                  rs_pv=True, tile_ready=False):
     """Runs the 12 warps of one program (``producers`` > 1: tws fp8's producer warpgroups, taking blocks in
     turn) over its segments with a random schedule. ``kv_lens`` (a 16-bit cache with TMA, one length per request):
     a whole block is one TMA copy (warp 0 sets expect_tx and issues it, every warp arrives), a request's partial
@@ -709,15 +709,21 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
     later steps, and their noinc arrivals fire after the issuing warp's earlier copies completed.
     ``rs_pv`` (the default kernel): WG0 stores alpha in its slot before it waits for p_free and multiplies its
     P V from registers (reading only the KV buffer); otherwise alpha is part of P's shared tile.
+    ``tile_ready`` (16-bit cache, the default beyond 16 rows): each KV buffer is three tiles (left ``l``, right ``r``,
+    rope ``t``), filled in that order, each on its own k_ready; WG0 issues S tile by tile as each lands and
+    multiplies its P V with the left tile, WG1 waits for the right tile only; k_free stays one per buffer.
     Returns the number of blocks the program processed.
     """
     rng = random.Random(seed)
-    bars = {"k_ready0": MBarrier("k_ready[0]", 128), "k_ready1": MBarrier("k_ready[1]", 128),
-            "k_free0": MBarrier("k_free[0]", 256), "k_free1": MBarrier("k_free[1]", 256),
+    tiles = "lrt" if tile_ready else ("",)  # KV buffer kv{b}{tile}, its k_ready{b}{tile}
+    bars = {f"k_ready{b}{tile}": MBarrier(f"k_ready[{b}]{tile}", 128) for b in (0, 1) for tile in tiles}
+    bars |= {"k_free0": MBarrier("k_free[0]", 256), "k_free1": MBarrier("k_free[1]", 256),
             "q_ready": MBarrier("q_ready", 128), "q_free": MBarrier("q_free", 128),
             "p_ready": MBarrier("p_ready", 128), "p_free": MBarrier("p_free", 128),
             "l_ready": MBarrier("l_ready", 128), "l_free": MBarrier("l_free", 128)}
-    bufs = {n: Buffer(n) for n in ("q", "kv0", "kv1", "p", "l", "alpha0", "alpha1")}
+    bufs = {n: Buffer(n) for n in ("q", "p", "l", "alpha0", "alpha1")}
+    bufs |= {f"kv{b}{tile}": Buffer(f"kv{b}{tile}") for b in (0, 1) for tile in tiles}
+    v_left, v_right = ("l", "r") if tile_ready else ("", "")  # the tiles WG0's / WG1's P V read
 
     # independent bookkeeping: each block's running index and the fill number of its buffer
     per_segment = []
@@ -748,13 +754,15 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
         for s, blks in per_segment:
             yield ("wait", "q_ready", ws.seg_ready_parity(seg), s)
             for (blk, g, b, fill, r) in blks:
-                yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g), fill)
-                nsync += 1
-                yield ("sync", "wg0", nsync)  # S = Q K^T: wgmma_gemm x 3, wait_wgmma(0)
                 yield ("rbegin", "q", s)
-                yield ("rbegin", f"kv{b}", r)
+                for tile in tiles:  # S = Q K^T: one wgmma_gemm per tile (tile_ready: as each lands), wait_wgmma(0)
+                    yield ("wait", f"k_ready{b}{tile}", ws.kv_ready_parity(g), fill)
+                    nsync += 1
+                    yield ("sync", "wg0", nsync)
+                    yield ("rbegin", f"kv{b}{tile}", r)
                 yield ("rend", "q", s)
-                yield ("rend", f"kv{b}", r)
+                for tile in tiles:
+                    yield ("rend", f"kv{b}{tile}", r)
                 if blk == len(blks) - 1 and mutation != "no_q_free":
                     yield ("arrive", "q_free", s)
                 if rs_pv:
@@ -766,9 +774,9 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                     yield ("wend", "p", w, r)
                     nsync += 1
                     yield ("sync", "wg0", nsync)  # P @ V[:, :256], P from registers: issued, then p_ready
-                    yield ("rbegin", f"kv{b}", r)
+                    yield ("rbegin", f"kv{b}{v_left}", r)
                     yield ("arrive", "p_ready", r)  # after fence.proxy.async
-                    yield ("rend", f"kv{b}", r)  # wait_wgmma(0)
+                    yield ("rend", f"kv{b}{v_left}", r)  # wait_wgmma(0)
                 else:
                     yield ("wait", "p_free", ws.p_free_parity(g), r - 1)
                     nsync += 1
@@ -779,9 +787,9 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                     nsync += 1
                     yield ("sync", "wg0", nsync)  # P @ V[:, :256]
                     yield ("rbegin", "p", r)
-                    yield ("rbegin", f"kv{b}", r)
+                    yield ("rbegin", f"kv{b}{v_left}", r)
                     yield ("rend", "p", r)
-                    yield ("rend", f"kv{b}", r)
+                    yield ("rend", f"kv{b}{v_left}", r)
                 yield ("arrive", f"k_free{b}", fill)
             yield ("wait", "l_free", ws.seg_free_parity(seg), s - 1)
             nsync += 1
@@ -796,7 +804,7 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
         seg = 0
         for s, blks in per_segment:
             for (blk, g, b, fill, r) in blks:
-                yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g), fill)
+                yield ("wait", f"k_ready{b}{v_right}", ws.kv_ready_parity(g), fill)  # (tile_ready: its V tile's)
                 yield ("wait", "p_ready", ws.p_ready_parity(g), r)
                 if rs_pv:  # alpha from its slot (into registers), then P in the GEMM
                     slot = 0 if mutation == "one_alpha_slot" else ws.alpha_slot(g)
@@ -807,8 +815,8 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                 yield ("rbegin", "p", r)  # (without rs_pv: alpha, then) P in the GEMM
                 nsync += 1
                 yield ("sync", "wg1", nsync)  # P @ V[:, 256:]
-                yield ("rbegin", f"kv{b}", r)
-                yield ("rend", f"kv{b}", r)
+                yield ("rbegin", f"kv{b}{v_right}", r)
+                yield ("rend", f"kv{b}{v_right}", r)
                 yield ("rend", "p", r)
                 if mutation != "wg1_no_p_free":
                     yield ("arrive", "p_free", r)
@@ -833,7 +841,16 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                     continue
                 if mutation != "producer_skips_free_wait":
                     yield ("wait", f"k_free{b}", ws.kv_free_parity(g), fill - 1)
-                if tma_block[r]:
+                if tile_ready:  # fill_part per tile: its TMA box(es) or gather, on its own k_ready
+                    for tile in tiles:
+                        if tma_block[r]:
+                            if w == 0:
+                                yield ("tma", f"kv{b}{tile}", r, f"k_ready{b}{tile}", fill)
+                            yield ("arrive", f"k_ready{b}{tile}", fill)
+                        else:
+                            yield ("copy", f"kv{b}{tile}", w, r)
+                            yield ("noinc", f"k_ready{b}{tile}", fill)
+                elif tma_block[r]:
                     if w == 0:  # the elected thread: expect_tx, then the nine boxes (one copy here)
                         yield ("tma", f"kv{b}", r, f"k_ready{b}", fill)
                     yield ("arrive", f"k_ready{b}", fill)
@@ -859,13 +876,15 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
         elif n_blocks:  # the tail: wait for the part's last k_ready phase (the kernel's g = part_hi - part_lo - 1)
             # with TMA blocks also the block before, and with TMA or fp8 blocks the last Q (their phases do not
             # wait for the thread's earlier cp.async)
+            # (tile_ready: the last tile's barrier, the kernel's last_copy_barrier)
+            last_tile = tiles[0] if mutation == "tail_first_tile" else tiles[-1]
             tma_tail = kv_lens is not None and mutation != "tma_tail_last_only"
             g_last = n_blocks - 1
             if tma_tail and n_blocks > 1:
                 b = ws.kv_buffer(g_last - 1)
-                yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g_last - 1), fills[b] - 1)
+                yield ("wait", f"k_ready{b}{last_tile}", ws.kv_ready_parity(g_last - 1), fills[b] - 1)
             b = ws.kv_buffer(g_last)
-            yield ("wait", f"k_ready{b}", ws.kv_ready_parity(g_last), fills[b] - 1)
+            yield ("wait", f"k_ready{b}{last_tile}", ws.kv_ready_parity(g_last), fills[b] - 1)
             if tma_tail or (fp8 and mutation != "fp8_tail_last_only"):
                 yield ("wait", "q_ready", ws.seg_ready_parity(seg - 1), seg - 1)
 
@@ -873,7 +892,8 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
             [("producer", (pw, w), producer(pw, w)) for pw in range(producers) for w in range(4)]
     run_warps(warps, bars, bufs, rng, max_steps)
     assert bars["p_ready"].completions == n_blocks == bars["p_free"].completions
-    assert bars["k_ready0"].completions + bars["k_ready1"].completions == n_blocks
+    for tile in tiles:
+        assert bars[f"k_ready0{tile}"].completions + bars[f"k_ready1{tile}"].completions == n_blocks
     assert bars["k_free0"].completions + bars["k_free1"].completions == n_blocks
     assert bars["q_ready"].completions == len(segs) == bars["l_ready"].completions
     return n_blocks
@@ -1201,7 +1221,7 @@ def test_protocol_edge_cases_tma(case):
     for part in range(num_parts):
         segs = part_segments(cu, width, part, begin, end)
         for seed in range(20):
-            simulate_part(segs, seed=seed, kv_lens=lens)
+            simulate_part(segs, seed=seed, kv_lens=lens, tile_ready=seed % 2 == 0)
 
 
 def test_protocol_three_producers_alias_k_free():
@@ -1234,8 +1254,10 @@ def test_protocol_random_plans():
             segs = part_segments(cu, width, part, begin, end)
             simulate_part(segs, fp8=trial % 3 != 1, producers=1 + (trial % 3 == 2), seed=trial * 31 + part,
                           rs_pv=trial % 3 != 2 and trial % 2 == 0)
-            if trial % 3 == 1:  # the 16-bit cache's kernel, also with TMA blocks
-                simulate_part(segs, seed=trial * 31 + part, kv_lens=lens, rs_pv=trial % 2 == 1)
+            if trial % 3 == 1:  # the 16-bit cache's kernel, also with TMA blocks, per-tile k_ready or not
+                simulate_part(segs, seed=trial * 31 + part, kv_lens=lens, rs_pv=trial % 2 == 1,
+                              tile_ready=trial % 4 != 1)
+                simulate_part(segs, seed=trial * 37 + part, tile_ready=True)  # gathers only
             runs += 1
     assert runs > 150
 
@@ -1258,7 +1280,8 @@ def test_protocol_with_the_real_planner():
         for part in range(plan.num_parts):
             producers = ws.TWS_FP8_PRODUCERS if trial % 4 == 1 else 1
             simulate_part(part_segments(cu, width, part, begin, end), seed=trial, fp8=trial % 2 == 1,
-                          producers=producers, kv_lens=lens if trial % 4 == 2 else None, rs_pv=producers == 1)
+                          producers=producers, kv_lens=lens if trial % 4 == 2 else None, rs_pv=producers == 1,
+                          tile_ready=trial % 4 in (0, 2))
 
 
 @pytest.mark.parametrize("mutation,error", [
@@ -1272,6 +1295,8 @@ def test_protocol_with_the_real_planner():
     ("fp8_tail_last_only", ProtocolError),
     ("one_alpha_slot", ProtocolError),
     ("wg1_frees_early", ProtocolError),
+    ("tile_tail_first_tile", ProtocolError),
+    ("tile_tma_tail_last_only", ProtocolError),
 ])
 def test_protocol_simulation_catches_broken_protocols(mutation, error):
     """The simulation has teeth: each of these bugs is caught on some plan and schedule."""
@@ -1281,11 +1306,13 @@ def test_protocol_simulation_catches_broken_protocols(mutation, error):
     cu, begin, end = plan_parts(lens, width, num_parts)
     segs = part_segments(cu, width, 0, begin, end)
     producers = 2 if mutation.startswith("rr_") else 1
+    tile_ready = mutation.startswith("tile_")
+    mutation = mutation.removeprefix("tile_")
     caught = 0
     for seed in range(30):
         try:
             simulate_part(segs, seed=seed, mutation=mutation, fp8=producers > 1 or mutation.startswith("fp8_"),
-                          producers=producers,
+                          producers=producers, tile_ready=tile_ready,
                           kv_lens=lens if mutation.startswith("tma_") else None)
         except error:
             caught += 1

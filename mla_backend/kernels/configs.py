@@ -61,6 +61,8 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # its row sums while its P V runs (pv_first: 1.7-2.6% at h=128 s_q=2, MLA_BACKEND_SM90_PVFIRST=0).
 # Since session 20 a part's first request segment starts from the plan's row (first_seg: 1-1.4% at small batches in the
 # A/B, level at large ones; MLA_BACKEND_SM90_FIRST=0 loads the request's metadata by its id).
+# Also since session 20 the ws consumers' KV tiles land on their own k_ready each (tile_ready: 0.4-2% at h=128, level
+# elsewhere; MLA_BACKEND_SM90_TILES=0 keeps one per buffer).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True, first_seg=True,
                         tile_ready=True)
