@@ -1079,28 +1079,29 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     produce_segment = rr_segment if rr_fp8 else stream_segment
 
     @T.macro
+    def score_tile(q, kv, g, part, k_ready, acc_s):
+        """S += Q K^T over one tile of block g's buffer, once that tile has landed (seesaw, tile_ready)."""
+        T.barrier_wait(k_ready[part_barrier(g, part)], kv_ready_parity(g))
+        T.wgmma_gemm(q, kv, acc_s, transpose_B=True)
+
+    @T.macro
     def score(q_l, q_r, q_t, kv_l, kv_r, k_t, g, k_ready, acc_s):
-        """S = Q K^T (rows x tokens); tws: S^T = K Q^T (tokens x rows); seesaw: each tile's WGMMA issued as soon
-        as that tile of block g has landed (rope, left, right: the order the producer refills them in)."""
+        """S = Q K^T (rows x tokens); tws: S^T = K Q^T (tokens x rows); seesaw (rope, left, right) and tile_ready
+        (left, right, rope): each tile's WGMMA issued as soon as that tile of block g has landed, in the order the
+        producer fills them in."""
         T.clear(acc_s)
         if transposed:
             T.wgmma_gemm(kv_l, q_l, acc_s, transpose_B=True)
             T.wgmma_gemm(kv_r, q_r, acc_s, transpose_B=True)
             T.wgmma_gemm(k_t, q_t, acc_s, transpose_B=True)
-        elif seesaw:
-            T.barrier_wait(k_ready[part_barrier(g, PART_T)], kv_ready_parity(g))
-            T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
-            T.barrier_wait(k_ready[part_barrier(g, PART_L)], kv_ready_parity(g))
-            T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
-            T.barrier_wait(k_ready[part_barrier(g, PART_R)], kv_ready_parity(g))
-            T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
-        elif tile_ready:  # each tile's WGMMA as soon as it has landed, in the producer's order
-            T.barrier_wait(k_ready[part_barrier(g, PART_L)], kv_ready_parity(g))
-            T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
-            T.barrier_wait(k_ready[part_barrier(g, PART_R)], kv_ready_parity(g))
-            T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
-            T.barrier_wait(k_ready[part_barrier(g, PART_T)], kv_ready_parity(g))
-            T.wgmma_gemm(q_t, k_t, acc_s, transpose_B=True)
+        elif seesaw:  # each tile's WGMMA as soon as it has landed, in the producer's order
+            score_tile(q_t, k_t, g, PART_T, k_ready, acc_s)
+            score_tile(q_l, kv_l, g, PART_L, k_ready, acc_s)
+            score_tile(q_r, kv_r, g, PART_R, k_ready, acc_s)
+        elif tile_ready:
+            score_tile(q_l, kv_l, g, PART_L, k_ready, acc_s)
+            score_tile(q_r, kv_r, g, PART_R, k_ready, acc_s)
+            score_tile(q_t, k_t, g, PART_T, k_ready, acc_s)
         else:
             T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
             T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
