@@ -73,7 +73,6 @@ def mla_decode(
     if check_indices is None:
         check_indices = not capturing
     check_inputs(q_nope, q_pe, kv_cache, metadata, out, check_indices)
-    _check_plan_sources(metadata)
     num_tokens, num_heads, _ = q_nope.shape
     is_fp8 = kv_cache.dtype in FP8_DTYPES
     if not is_fp8:
@@ -96,16 +95,6 @@ def mla_decode(
         if verifying() and not capturing:
             _verify(q_nope, q_pe, kv_cache, metadata, softmax_scale, k_scale, out, lse)
     return (out, lse) if return_lse else out
-
-
-def _check_plan_sources(metadata: MLADecodeMetadata) -> None:
-    """A plan holds copies of each part's first page-table start, query token and page: refuse one copied from
-    other tensors than this call's (host-side pointer check, no sync)."""
-    copied_from = getattr(metadata.plan, "copied_from", ())
-    sources = (metadata.page_table_start, metadata.qo_indptr, metadata.page_table)
-    if any(ptr and ptr != t.data_ptr() for ptr, t in zip(copied_from, sources)):
-        raise MLAInputError("mla_decode: metadata.plan was planned from another page_table_start / qo_indptr / "
-                            "page_table than this call's metadata; re-plan with SplitPlanner.plan_for(metadata)")
 
 
 def _capturing(device: torch.device) -> bool:
@@ -172,7 +161,7 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
     # 16-byte aligned (vectorised / cp.async loads); anything else is copied once.
     q_nope, q_pe = _rows_aligned(q_nope), _rows_aligned(q_pe)
     kernels.split(q_nope, q_pe, kv_cache, k_scale_t, metadata.page_table, metadata.page_table_start, metadata.kv_lens,
-          metadata.qo_indptr, cu_blocks, plan.part_info, plan.blocks_per_part,
+          metadata.qo_indptr, cu_blocks, plan.part_begin_req, plan.part_end_req, plan.blocks_per_part,
           _scalar(softmax_scale, device), out, lse, plan.out_partial, plan.lse_partial, plan.merge_count)
     # a short batch's requests have many parts each: the wide combine keeps all their partial rows in flight. The
     # combine runs whatever the split kernel merged itself: it writes empty requests and merges the requests with

@@ -29,24 +29,14 @@ SMALL_PARTIAL_ROWS = 32
 KV_LORA_RANK = 512
 MIN_BLOCK_ROWS = 16  # the fewest rows of any kernel config's tile: merge counters for every kernel's row blocks
 
-# Columns of SplitPlan.part_info, one 32-byte row per part. Besides the part's request range it holds what the split
-# kernel needs to start the part's first request segment, gathered here once per step: the kernel's first KV copy then
-# waits for one metadata load (this row) instead of three in a row (plan -> request bounds -> page id), each a DRAM
-# round trip when the metadata is cold. -1 in TOK0 / PT0 / PAGE: not given to plan(), the kernel reads it itself.
-(PART_BEGIN, PART_END, FIRST_REQ_LO, FIRST_REQ_HI, FIRST_KV_LEN, FIRST_TOK0, FIRST_PT0,
- FIRST_PAGE) = range(8)
-PART_INFO_COLS = 8
-
 
 @dataclass
 class SplitPlan:
     """Device buffers of one plan (shapes are maxima; the kernels read the first ``batch`` rows).
 
     cu_blocks: int32 ``[max_batch + 1]`` prefix sum of KV blocks per request.
-    part_info: int32 ``[num_parts, 8]``, columns ``PART_*`` / ``FIRST_*``: first / last request each part touches
-        (``end < begin`` for an empty part); the first one's block range, KV length, first query token, page-table
-        start, and the page of the part's first block where one page holds a whole block (else -1).
-    part_begin_req / part_end_req: int32 ``[num_parts]`` views of ``part_info``'s first two columns.
+    part_begin_req / part_end_req: int32 ``[num_parts]`` first / last request each part touches
+        (``end < begin`` for an empty part).
     blocks_per_part: int32 ``[1]``.
     out_partial: fp32 ``[num_parts + max_batch, rows, 512]``; lse_partial: fp32 ``[.., rows]`` (log2).
     merge_count: int32 ``[max_batch * ceil(rows / 16)]`` zeros: per (request, row block), the split kernel's
@@ -54,7 +44,8 @@ class SplitPlan:
     """
 
     cu_blocks: torch.Tensor
-    part_info: torch.Tensor
+    part_begin_req: torch.Tensor
+    part_end_req: torch.Tensor
     blocks_per_part: torch.Tensor
     out_partial: torch.Tensor
     lse_partial: torch.Tensor
@@ -62,17 +53,6 @@ class SplitPlan:
     num_parts: int
     rows: int
     block_n: int  # KV tokens per block of work: the kernel checks it equals its own block_n
-    # data pointers of the (page_table_start, qo_indptr, page_table) the last plan() copied from (0: not given);
-    # the op refuses a plan whose copies came from other tensors than its metadata's
-    copied_from: tuple = (0, 0, 0)
-
-    @property
-    def part_begin_req(self) -> torch.Tensor:
-        return self.part_info[:, PART_BEGIN]
-
-    @property
-    def part_end_req(self) -> torch.Tensor:
-        return self.part_info[:, PART_END]
 
 
 def min_blocks_per_part(rows: int) -> int:
@@ -113,7 +93,8 @@ class SplitPlanner:
         i32 = dict(dtype=INDEX_DTYPE, device=device)
         self._plan = SplitPlan(
             cu_blocks=torch.zeros(max_batch + 1, **i32),
-            part_info=torch.zeros(self.num_parts, PART_INFO_COLS, **i32),
+            part_begin_req=torch.zeros(self.num_parts, **i32),
+            part_end_req=torch.zeros(self.num_parts, **i32),
             blocks_per_part=torch.ones(1, **i32),
             out_partial=torch.empty(self.num_parts + max_batch, rows, KV_LORA_RANK, dtype=torch.float32, device=device),
             lse_partial=torch.empty(self.num_parts + max_batch, rows, dtype=torch.float32, device=device),
@@ -124,16 +105,8 @@ class SplitPlanner:
         )
         self._part_ids = torch.arange(self.num_parts, **i32)
 
-    def plan(self, kv_lens: torch.Tensor, page_table_start: torch.Tensor | None = None,
-             qo_indptr: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
-             page_size: int | None = None) -> SplitPlan:
-        """Refill the plan for ``kv_lens`` (int32 ``[batch]``, batch <= max_batch); device ops only.
-
-        ``page_table_start`` / ``qo_indptr`` (and ``page_table`` with ``page_size``) are the call's metadata: given,
-        the plan carries each part's first page-table start, query token (and page), so the kernel reads them
-        from the plan instead of one after the other (:meth:`plan_for` passes them all). A plan describes one
-        metadata: re-plan whenever any of them changes (engines plan once per step).
-        """
+    def plan(self, kv_lens: torch.Tensor) -> SplitPlan:
+        """Refill the plan for ``kv_lens`` (int32 ``[batch]``, batch <= max_batch); device ops only."""
         batch = kv_lens.shape[0]
         if batch > self.max_batch:
             raise ValueError(f"batch {batch} exceeds the planner's max_batch {self.max_batch}")
@@ -148,38 +121,10 @@ class SplitPlanner:
         hi = torch.minimum(lo + width, total)
         begin = torch.searchsorted(cu[1:], lo, right=True, out_int32=True)
         end = torch.searchsorted(cu[1:], hi - 1, right=True, out_int32=True)
-        info = p.part_info
-        p.copied_from = tuple(0 if t is None else t.data_ptr() for t in
-                              (page_table_start, qo_indptr, page_table if page_size is not None else None))
-        info[:, PART_BEGIN] = begin
+        p.part_begin_req.copy_(begin)
         # empty part (lo >= total): make the request loop run zero times
-        info[:, PART_END] = torch.where(hi > lo, end, begin - 1)
-        if batch == 0:
-            info[:, FIRST_REQ_LO:] = -1
-            return p
-        # the first request of each part: one gather from a per-request table
-        missing = torch.full_like(kv_lens, -1)
-        starts = missing if page_table_start is None else page_table_start[:batch]
-        tokens = missing if qo_indptr is None else qo_indptr[:batch]
-        per_req = torch.stack((cu[:-1], cu[1:], kv_lens, tokens, starts), 1)
-        first = per_req[torch.clamp(begin, max=batch - 1)]  # [num_parts, 5]
-        info[:, FIRST_REQ_LO:FIRST_PAGE] = first
-        info[:, FIRST_PAGE] = -1
-        if page_table is not None and page_table_start is not None and page_size is not None \
-                and page_size % self.block_n == 0 and page_table.numel() > 0:
-            # the page of the part's first block (whole blocks in one page: the TMA path reads just this id)
-            req_lo, kv_len, pt0 = first[:, 0], first[:, 2], first[:, 4]
-            pos0 = (torch.maximum(lo, req_lo) - req_lo) * self.block_n
-            entry = pt0 + torch.minimum(pos0, kv_len - 1) // page_size
-            valid = (hi > lo) & (kv_len > 0) & (entry >= 0) & (entry < page_table.numel())
-            page = page_table[torch.where(valid, entry, 0)]
-            info[:, FIRST_PAGE] = torch.where(valid, page, -1)
+        p.part_end_req.copy_(torch.where(hi > lo, end, begin - 1))
         return p
-
-    def plan_for(self, metadata: MLADecodeMetadata) -> SplitPlan:
-        """:meth:`plan` for one call's canonical metadata (every per-part field filled)."""
-        return self.plan(metadata.kv_lens, metadata.page_table_start, metadata.qo_indptr, metadata.page_table,
-                         metadata.page_size)
 
 
 _PLANNERS: dict[tuple, SplitPlanner] = {}
@@ -193,4 +138,4 @@ def plan_split_kv(metadata: MLADecodeMetadata, num_heads: int) -> SplitPlan:
     if planner is None or planner.max_batch < batch:
         planner = SplitPlanner(max(batch, 1), num_heads, metadata.q_len or 1, metadata.device)
         _PLANNERS[key] = planner
-    return planner.plan_for(metadata)
+    return planner.plan(metadata.kv_lens)

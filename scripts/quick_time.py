@@ -49,7 +49,7 @@ def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
     lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
     q = torch.randn(b * sq, h, 576, dtype=dtype, device="cuda")
     md = MLADecodeMetadata.from_block_table(table, lens, ps, q_len=sq)
-    md.plan = SplitPlanner(b, h, sq, "cuda").plan_for(md)
+    md.plan = SplitPlanner(b, h, sq, "cuda").plan(lens)
     out = torch.empty(b * sq, h, 512, dtype=dtype, device="cuda")
     eager = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False,  # noqa: E731
                                k_scale=0.5 if fp8 else None)

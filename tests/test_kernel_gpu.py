@@ -234,7 +234,7 @@ def test_cuda_graph_replay_with_new_lengths():
 
     def step(lens):
         kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        md.plan = planner.plan_for(md)  # outside the graph, into persistent buffers
+        md.plan = planner.plan(kv_lens)  # outside the graph, into persistent buffers
         return md
 
     step([100] * batch)
@@ -265,23 +265,6 @@ def test_strided_query_views():
     got = mla_decode((q_nope, q_pe), kv_cache, md, SCALE)
     want = mla_decode(torch.cat([q_nope, q_pe], -1).contiguous(), kv_cache, md, SCALE)
     assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("heads,q_len,page_size,csr", [(16, 1, 64, False), (16, 1, 16, True), (128, 2, 64, True),
-                                                       (16, 1, 128, False)])
-def test_plan_copies_of_first_segments(heads, q_len, page_size, csr):
-    """A plan with each part's first request copied in (plan_for: bounds, query token, page-table start, first page)
-    gives the same bits as one without (plan(kv_lens): the kernel loads them itself), and the reference's result."""
-    _kernel_or_skip(heads=heads, q_len=q_len, page_size=page_size)
-    lens = [0, 1, 63, 65, 4000, 129, 64, 2049, 9000, 5]
-    q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, page_size, BF16, seed=heads + page_size, csr=csr)
-    planner = SplitPlanner(len(lens), heads, q_len, "cuda", num_sms=20)
-    md.plan = planner.plan_for(md)
-    assert (md.plan.part_info[:, 6] >= 0).all() and ((md.plan.part_info[:, 7] >= 0).any() == (page_size >= 64))
-    check(q, kv_cache, md, k_scale, BF16)
-    with_copies = mla_decode(q, kv_cache, md, SCALE)
-    md.plan = planner.plan(md.kv_lens)
-    assert torch.equal(mla_decode(q, kv_cache, md, SCALE), with_copies)
 
 
 def test_plan_with_other_block_size_is_refused():

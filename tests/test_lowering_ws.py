@@ -226,32 +226,10 @@ def test_producer_reads_page_ids_around_the_buffer_wait(monkeypatch, dtype, page
     assert cfg.pages_ahead is pages_ahead
     for page_size in (64, 16):
         script = ws.build_decode_kernel_ws(16, 1, page_size, dtype, dtype, cfg=cfg).script()
-        loop = script[script.index("pages[r] = ") - 400:]
-        read, wait = loop.index("pages[r] = "), loop.index("T.mbarrier_wait_parity(k_free")
+        loop = script[script.index("pages[r] = page_table[") - 400:]
+        read, wait = loop.index("pages[r] = page_table["), loop.index("T.mbarrier_wait_parity(k_free")
         assert (read < wait) is pages_ahead, page_size
         assert ("pages[0]" if page_size == 64 else "pages[r]") in loop[wait:], page_size
-        # first_seg: where one page holds a block, a segment's first block takes its page from the plan
-        line = loop[read:loop.index("\n", read)]
-        assert "page_table[" in line and ("page0" in line) is (page_size == 64), line
-
-
-@pytest.mark.parametrize("first_seg", [True, False])
-def test_first_segment_from_the_plan(monkeypatch, first_seg):
-    """first_seg (default since session 20): every role takes its part's first request's bounds, KV length and query
-    token (the producer also the page-table start) from the plan's row; MLA_BACKEND_SM90_FIRST=0 loads them by the
-    request id, as before. The request range comes from part_info either way."""
-    from mla_backend.kernels import configs
-    from mla_backend.planner import FIRST_PT0, FIRST_REQ_LO, FIRST_TOK0
-
-    if not first_seg:
-        monkeypatch.setenv(configs.SM90_FIRST_ENV, "0")
-    cfg = configs.config_for("sm90")
-    assert cfg.first_seg is first_seg
-    for heads in (16, 128):
-        script = ws.build_decode_kernel_ws(heads, 1, 64, "bfloat16", "bfloat16", cfg=cfg).script()
-        assert "part_info[part, 0]" in script and "part_info[part, 1]" in script
-        for col in (FIRST_REQ_LO, FIRST_TOK0, FIRST_PT0):
-            assert (f"part_info[part, {col}]" in script) is first_seg, (heads, col)
 
 
 def check_named_barriers_role_local(src: str, variant, kernel: str = "ws") -> dict[str, str]:

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode_reference, plan_split_kv
+from mla_backend import SplitPlanner, mla_decode_reference, plan_split_kv
 from mla_backend.kernels import configs
 from mla_backend.kernels.configs import MAX_PARTS
 from mla_backend.planner import min_blocks_per_part, num_parts_for
@@ -128,54 +128,6 @@ def test_all_empty_requests():
     plan = planner.plan(torch.zeros(6, dtype=torch.int32))
     assert segments(plan, 6) == []
     assert (plan.part_end_req < plan.part_begin_req).all()
-
-
-@pytest.mark.parametrize("page_size", [1, 16, 64, 128])
-@pytest.mark.parametrize("csr", [False, True])
-def test_part_info_copies_each_parts_first_request(page_size, csr):
-    """part_info's FIRST_* columns are what the split kernel would load for a part's first request (bounds, length,
-    query token, page-table start; the first block's page where pages hold whole blocks), so starting from them
-    changes nothing; without the metadata (plan(kv_lens)) the kernel's own loads are marked -1."""
-    from mla_backend.planner import FIRST_PAGE, FIRST_REQ_LO
-
-    for seed in range(3):
-        lens = random_lens(seed, 14, 3000)
-        p = make_problem(lens, 16, 2, page_size, seed=seed)
-        md = p.metadata()
-        if csr:
-            indptr, indices, _ = p.csr()
-            md = MLADecodeMetadata.from_csr(indptr, indices, page_size, kv_lens=md.kv_lens, q_len=2)
-        planner = SplitPlanner(20, 16, 2, device="cpu", num_sms=seed * 7 + 5)
-        info = planner.plan_for(md).part_info.tolist()
-        cu, begin, end, width = plan_lists(planner._plan, len(lens))
-        block_n = planner.block_n
-        for part, row in enumerate(info):
-            lo = part * width
-            if end[part] < begin[part]:
-                continue
-            req = begin[part]
-            start = int(md.page_table_start[req])
-            page = -1
-            if page_size % block_n == 0:
-                page = int(md.page_table[start + (lo - cu[req]) * block_n // page_size])
-            assert row[FIRST_REQ_LO:] == [cu[req], cu[req + 1], lens[req], int(md.qo_indptr[req]), start, page], part
-        bare = planner.plan(md.kv_lens).part_info[:, FIRST_REQ_LO:]
-        assert bare[:, 3:].eq(-1).all() and bare[:, :3].tolist() == [row[FIRST_REQ_LO:FIRST_REQ_LO + 3] for row in info]
-        assert info[0][FIRST_PAGE] == (-1 if page_size % block_n else p.pages[begin[0]][0])
-
-
-def test_plan_from_other_metadata_is_refused():
-    """The plan copies page-table starts, query tokens and pages: one planned from other tensors is refused."""
-    from mla_backend import mla_decode
-    from mla_backend.validation import MLAInputError
-
-    p = make_problem([100, 7, 300], 16, 1, 16)
-    md, other = p.metadata(), p.metadata()
-    md.plan = SplitPlanner(3, 16, 1, device="cpu", num_sms=8).plan_for(other)
-    with pytest.raises(MLAInputError, match="planned from another page_table_start"):
-        mla_decode(p.q, p.kv_cache, md, SCALE)
-    md.plan = SplitPlanner(3, 16, 1, device="cpu", num_sms=8).plan(other.kv_lens)  # no copies: any metadata
-    mla_decode(p.q, p.kv_cache, md, SCALE)
 
 
 def test_plan_split_kv_reuses_planner():

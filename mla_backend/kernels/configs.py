@@ -25,9 +25,6 @@ class KernelConfig:
     # rs_pv: WG0 hands P to WG1 and issues its P V before it forms its row sums (per thread), which it does while the
     # GEMMs run
     pv_first: bool = False
-    # ws / tws: a part's first request segment starts from the plan's row for it (planner.part_info: request bounds,
-    # KV length, query token, page-table start, the first block's page) instead of loading each after the request id
-    first_seg: bool = False
     # ws / tws beyond 16 rows, 16-bit cache: one k_ready barrier per tile of a KV buffer (S starts on the first tile
     # that lands, WG1 waits for its V half only)
     tile_ready: bool = False
@@ -43,7 +40,7 @@ class KernelConfig:
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True,
-                     merge_pairs=True, pages_ahead=True, pv_first=True, first_seg=True, tile_ready=True)
+                     merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
@@ -59,12 +56,10 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # leaves it to the combine kernel). Since session 17 the producer reads a block's page ids before it waits for the
 # block's buffer (pages_ahead: 3.5-3.8% at h=128 in the A/B, MLA_BACKEND_SM90_PAGES=0 reads them after it) and WG0 adds
 # its row sums while its P V runs (pv_first: 1.7-2.6% at h=128 s_q=2, MLA_BACKEND_SM90_PVFIRST=0).
-# Since session 20 a part's first request segment starts from the plan's row (first_seg: 1-1.4% at small batches in the
-# A/B, level at large ones; MLA_BACKEND_SM90_FIRST=0 loads the request's metadata by its id).
-# Also since session 20 the ws consumers' KV tiles land on their own k_ready each (tile_ready: 0.4-2% at h=128, level
+# Since session 20 the ws consumers' KV tiles land on their own k_ready each (tile_ready: 0.4-2% at h=128, level
 # elsewhere; MLA_BACKEND_SM90_TILES=0 keeps one per buffer).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
-                        rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True, first_seg=True,
+                        rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True,
                         tile_ready=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
@@ -80,7 +75,6 @@ SM90_RSPV_ENV = "MLA_BACKEND_SM90_RSPV"  # "0": WG0's P V from P in shared memor
 SM90_MERGE_ENV = "MLA_BACKEND_SM90_MERGE"  # "0": the combine kernel merges every split request (before session 16)
 SM90_PAGES_ENV = "MLA_BACKEND_SM90_PAGES"  # "0": page ids read after the wait for the buffer (before session 17)
 SM90_PVFIRST_ENV = "MLA_BACKEND_SM90_PVFIRST"  # "0": WG0's row sums before P's copy and its P V (before session 17)
-SM90_FIRST_ENV = "MLA_BACKEND_SM90_FIRST"  # "0": a part's first segment loads its request's metadata (before session 20)
 SM90_TILES_ENV = "MLA_BACKEND_SM90_TILES"  # "0": one k_ready per KV buffer (before session 20)
 
 
@@ -93,7 +87,7 @@ def config_for(arch: str) -> KernelConfig:
         raise ValueError(f"{SM90_KERNEL_ENV}={name!r} is not supported; expected one of {tuple(SM90_KERNELS)}")
     cfg = SM90_KERNELS[name]
     for env, field in ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv"), (SM90_MERGE_ENV, "merge_pairs"),
-                       (SM90_PAGES_ENV, "pages_ahead"), (SM90_PVFIRST_ENV, "pv_first"), (SM90_FIRST_ENV, "first_seg"),
+                       (SM90_PAGES_ENV, "pages_ahead"), (SM90_PVFIRST_ENV, "pv_first"),
                        (SM90_TILES_ENV, "tile_ready")):
         value = os.environ.get(env, "1")
         if value not in ("0", "1"):

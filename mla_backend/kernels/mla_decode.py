@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 
 import tilelang.language as T
 
-from ..planner import PART_BEGIN, PART_END, PART_INFO_COLS
 from .configs import MAX_PARTS, KernelConfig
 
 KV_LORA_RANK = 512
@@ -116,8 +115,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
         kv_cache ``[num_pages, page_size, 576]`` (``kv_dtype``); k_scale fp32 ``[1]``;
         page_table int32 ``[num_entries]``; page_table_start, kv_lens int32 ``[batch]``;
         qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]``;
-        part_info int32 ``[num_parts, 8]`` (``planner.PART_*`` columns; this kernel reads the request range);
-        blocks_per_part int32 ``[1]``;
+        part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``;
         out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
         out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2);
         merge_count int32 ``[num_counts]`` (the kernels that merge splits themselves count parts there; not read here).
@@ -199,7 +197,8 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
         kv_lens: T.Tensor([batch], "int32"),
         qo_indptr: T.Tensor([batch + 1], "int32"),
         cu_blocks: T.Tensor([batch + 1], "int32"),
-        part_info: T.Tensor([num_parts, PART_INFO_COLS], "int32"),
+        part_begin_req: T.Tensor([num_parts], "int32"),
+        part_end_req: T.Tensor([num_parts], "int32"),
         blocks_per_part: T.Tensor([1], "int32"),
         sm_scale: T.Tensor([1], accum),
         out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
@@ -236,7 +235,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             part_hi = T.min(part_lo + width, cu_blocks[batch])
             row0 = row_block * block_rows
 
-            for req in T.serial(part_info[part, PART_BEGIN], part_info[part, PART_END] + 1):
+            for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                 req_lo = cu_blocks[req]
                 req_hi = cu_blocks[req + 1]
                 blk_lo = T.max(part_lo, req_lo) - req_lo

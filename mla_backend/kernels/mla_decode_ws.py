@@ -81,8 +81,6 @@ that touches several requests); tests/test_lowering_ws.py simulates them for ran
 
 import tilelang.language as T
 
-from ..planner import (FIRST_KV_LEN, FIRST_PAGE, FIRST_PT0, FIRST_REQ_HI, FIRST_REQ_LO, FIRST_TOK0, PART_BEGIN,
-                       PART_END, PART_INFO_COLS)
 from .configs import SM90_WS, KernelConfig, merged_parts
 from .mla_decode import (HEAD_DIM, KV_LORA_RANK, LN2, LOG2E, ROPE_DIM, SegmentStore, make_store_rows, num_row_blocks,
                          partial_lse)
@@ -639,7 +637,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         kv_cache ``[num_pages, page_size, 576]`` (``kv_dtype``); k_scale fp32 ``[1]``;
         page_table int32 ``[num_entries]``; page_table_start, kv_lens int32 ``[batch]``;
         qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]`` (64-token blocks);
-        part_info int32 ``[num_parts, 8]`` (``planner.PART_*`` / ``FIRST_*`` columns); blocks_per_part int32 ``[1]``;
+        part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``;
         sm_scale fp32 ``[1]``;
         out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
         out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2).
@@ -701,20 +699,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     in_merge = merged_parts(cfg) == 2
 
     tracing = cfg.trace_part >= 0
-    # first_seg: the part's first request segment starts from the plan's row (bounds, KV length, query token, page-
-    # table start, first page) instead of loads that wait for the request id; the page too where a page holds whole
-    # blocks (the planner gathers it for those)
-    page_from_plan = cfg.first_seg and not is_fp8 and page_size % block_n == 0
-
-    def req_field(part_info, part, req, col, fallback):
-        """A request's value ``col`` (planner.FIRST_*): the plan's copy for the part's first request, where the
-        planner filled it (TOK0 / PT0 / PAGE are >= 0 when given), else ``fallback``, the kernel's own load."""
-        if not cfg.first_seg:
-            return fallback
-        from_plan = req == part_info[part, PART_BEGIN]
-        if col >= FIRST_TOK0:
-            from_plan = T.And(from_plan, part_info[part, col] >= 0)
-        return T.if_then_else(from_plan, part_info[part, col], fallback)
 
     @T.macro
     def trace(role, g, step):
@@ -855,15 +839,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         fp8_convert_row(raw, slot + 1, 1, kv_l, kv_r, k_t, t)
 
     @T.macro
-    def kv_pages(page_table, pt0, pos0, kv_len, pages, t, page0):
-        """pages[r]: the page of row r * 16 + t // 8 of the block at pos0, tail rows clamped (16-bit cache); page0
-        when >= 0 (page_from_plan: the plan's page of a segment's first block, which one page holds)."""
+    def kv_pages(page_table, pt0, pos0, kv_len, pages, t):
+        """pages[r]: the page of row r * 16 + t // 8 of the block at pos0, tail rows clamped (16-bit cache)."""
         for r in T.unroll(block_n // 16):
-            if page_from_plan:
-                pages[r] = T.if_then_else(page0 >= 0, page0, page_table[pt0 + T.min(pos0 + r * 16 + t // 8,
-                                                                                    kv_len - 1) // page_size])
-            else:
-                pages[r] = page_table[pt0 + T.min(pos0 + r * 16 + t // 8, kv_len - 1) // page_size]
+            pages[r] = page_table[pt0 + T.min(pos0 + r * 16 + t // 8, kv_len - 1) // page_size]
 
     @T.macro
     def load_kv(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, t):
@@ -947,12 +926,12 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     "r", 1)))
 
     @T.macro
-    def stream_segment(q_nope, q_pe, kv_cache, page_table, pt0, page0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,
+    def stream_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,
                        pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, q_free, q_ready, k_free,
                        k_ready, t):
         """The producer warpgroup, one request segment (blocks blk_lo .. blk_hi - 1 of the request, g0 the first's
         g): Q, then every block, through cp.async (seesaw: tile by tile), or an fp8 cache's loads and conversions
-        (ws, tws with one producer). page0: the page of the segment's first block from the plan, or -1."""
+        (ws, tws with one producer)."""
         # Q of segment seg: WG0 has finished reading Q of segment seg - 1
         # the segment's first blocks (ws: later ones are asked for FP8_PREFETCH_AHEAD ahead)
         if is_fp8:
@@ -984,7 +963,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             # latency overlaps the wait instead of delaying the copies (pages_ahead, else after it; seesaw: always
             # before its three tile waits)
             if not is_fp8 and (cfg.pages_ahead or seesaw):
-                kv_pages(page_table, pt0, pos0, kv_len, pages, t, T.if_then_else(blk == 0, page0, -1))
+                kv_pages(page_table, pt0, pos0, kv_len, pages, t)
             if seesaw:  # per tile: waits for its release, signals its arrival
                 if kv_buffer(g) == 0:
                     load_parts(kv_cache, pages, pos0, kv_len, kv0_l, kv0_r, k0_t, g, k_ready, k_free, t)
@@ -996,7 +975,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
                 trace(2, g, 2)
                 if not is_fp8 and not cfg.pages_ahead:
-                    kv_pages(page_table, pt0, pos0, kv_len, pages, t, T.if_then_else(blk == 0, page0, -1))
+                    kv_pages(page_table, pt0, pos0, kv_len, pages, t)
                 if ahead_fp8:  # (tws: the next block's loads are issued in there)
                     if kv_buffer(g) == 0:
                         fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
@@ -1040,7 +1019,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 trace(2, g, 3)
 
     @T.macro
-    def rr_segment(q_nope, q_pe, kv_cache, page_table, pt0, page0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,
+    def rr_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,
                    pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, q_free, q_ready, k_free,
                    k_ready, t):
         """tws fp8, producer warpgroup ``pw`` of ``n_producers``, one request segment: its blocks are blk = first,
@@ -1295,7 +1274,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         kv_lens: T.Tensor([batch], "int32"),
         qo_indptr: T.Tensor([batch + 1], "int32"),
         cu_blocks: T.Tensor([batch + 1], "int32"),
-        part_info: T.Tensor([num_parts, PART_INFO_COLS], "int32"),
+        part_begin_req: T.Tensor([num_parts], "int32"),
+        part_end_req: T.Tensor([num_parts], "int32"),
         blocks_per_part: T.Tensor([1], "int32"),
         sm_scale: T.Tensor([1], accum),
         out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
@@ -1418,14 +1398,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 T.set_max_nreg(REGS_SEESAW, 1)
                 if pad_rows:
                     zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
-                for req in T.serial(part_info[part, PART_BEGIN], part_info[part, PART_END] + 1):
-                    req_lo = req_field(part_info, part, req, FIRST_REQ_LO, cu_blocks[req])
-                    req_hi = req_field(part_info, part, req, FIRST_REQ_HI, cu_blocks[req + 1])
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
                     blk_lo = T.max(part_lo, req_lo) - req_lo
                     blk_hi = T.min(part_hi, req_hi) - req_lo
                     if blk_hi > blk_lo:
-                        tok0 = req_field(part_info, part, req, FIRST_TOK0, qo_indptr[req])
-                        vis0 = req_field(part_info, part, req, FIRST_KV_LEN, kv_lens[req]) - q_len + 1  # row r sees positions < vis0 + r // H
+                        tok0 = qo_indptr[req]
+                        vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
                         g0 = segment_first_block(part_lo, req_lo, blk_lo)
                         n_blk = blk_hi - blk_lo
                         n_pairs = (n_blk + 1) // 2
@@ -1492,14 +1472,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 T.set_max_nreg(REGS_SEESAW, 1)
                 if pad_rows:
                     zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER - 1)
-                for req in T.serial(part_info[part, PART_BEGIN], part_info[part, PART_END] + 1):
-                    req_lo = req_field(part_info, part, req, FIRST_REQ_LO, cu_blocks[req])
-                    req_hi = req_field(part_info, part, req, FIRST_REQ_HI, cu_blocks[req + 1])
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
                     blk_lo = T.max(part_lo, req_lo) - req_lo
                     blk_hi = T.min(part_hi, req_hi) - req_lo
                     if blk_hi > blk_lo:
-                        tok0 = req_field(part_info, part, req, FIRST_TOK0, qo_indptr[req])
-                        vis0 = req_field(part_info, part, req, FIRST_KV_LEN, kv_lens[req]) - q_len + 1
+                        tok0 = qo_indptr[req]
+                        vis0 = kv_lens[req] - q_len + 1
                         g0 = segment_first_block(part_lo, req_lo, blk_lo)
                         n_blk = blk_hi - blk_lo
                         n_pairs = (n_blk + 1) // 2
@@ -1573,14 +1553,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     T.set_max_nreg(regs_wg0, grows(regs_wg0, threads))
                     if pad_rows:
                         zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
-                    for req in T.serial(part_info[part, PART_BEGIN], part_info[part, PART_END] + 1):
-                        req_lo = req_field(part_info, part, req, FIRST_REQ_LO, cu_blocks[req])
-                        req_hi = req_field(part_info, part, req, FIRST_REQ_HI, cu_blocks[req + 1])
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
                         blk_lo = T.max(part_lo, req_lo) - req_lo
                         blk_hi = T.min(part_hi, req_hi) - req_lo
                         if blk_hi > blk_lo:
-                            tok0 = req_field(part_info, part, req, FIRST_TOK0, qo_indptr[req])
-                            vis0 = req_field(part_info, part, req, FIRST_KV_LEN, kv_lens[req]) - q_len + 1  # row r sees positions < vis0 + r // H
+                            tok0 = qo_indptr[req]
+                            vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
                             g0 = segment_first_block(part_lo, req_lo, blk_lo)
                             n_blk = blk_hi - blk_lo
                             T.fill(acc_o_l, 0)
@@ -1637,14 +1617,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     T.set_max_nreg(REGS_WG0, 1)
                     if pad_rows:
                         zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)  # WG0 is Q's only reader
-                    for req in T.serial(part_info[part, PART_BEGIN], part_info[part, PART_END] + 1):
-                        req_lo = req_field(part_info, part, req, FIRST_REQ_LO, cu_blocks[req])
-                        req_hi = req_field(part_info, part, req, FIRST_REQ_HI, cu_blocks[req + 1])
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
                         blk_lo = T.max(part_lo, req_lo) - req_lo
                         blk_hi = T.min(part_hi, req_hi) - req_lo
                         if blk_hi > blk_lo:
-                            kv_len = req_field(part_info, part, req, FIRST_KV_LEN, kv_lens[req])
-                            tok0 = req_field(part_info, part, req, FIRST_TOK0, qo_indptr[req])
+                            kv_len = kv_lens[req]
+                            tok0 = qo_indptr[req]
                             vis0 = kv_len - q_len + 1  # row r sees positions < vis0 + r // H
                             g0 = segment_first_block(part_lo, req_lo, blk_lo)  # g of the segment's first block
                             n_blk = blk_hi - blk_lo
@@ -1752,13 +1732,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 if transposed:
                     # ------------------------------------------------ tws WG1: O^T[256:]
                     T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))
-                    for req in T.serial(part_info[part, PART_BEGIN], part_info[part, PART_END] + 1):
-                        req_lo = req_field(part_info, part, req, FIRST_REQ_LO, cu_blocks[req])
-                        req_hi = req_field(part_info, part, req, FIRST_REQ_HI, cu_blocks[req + 1])
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
                         blk_lo = T.max(part_lo, req_lo) - req_lo
                         blk_hi = T.min(part_hi, req_hi) - req_lo
                         if blk_hi > blk_lo:
-                            tok0 = req_field(part_info, part, req, FIRST_TOK0, qo_indptr[req])
+                            tok0 = qo_indptr[req]
                             g0 = segment_first_block(part_lo, req_lo, blk_lo)
                             T.fill(acc_o_r0, 0)
                             T.fill(acc_o_r1, 0)
@@ -1822,13 +1802,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 else:
                     # ------------------------------------------------ WG1: O[:, 256:]
                     T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))  # fp8's 160 is a .dec
-                    for req in T.serial(part_info[part, PART_BEGIN], part_info[part, PART_END] + 1):
-                        req_lo = req_field(part_info, part, req, FIRST_REQ_LO, cu_blocks[req])
-                        req_hi = req_field(part_info, part, req, FIRST_REQ_HI, cu_blocks[req + 1])
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
                         blk_lo = T.max(part_lo, req_lo) - req_lo
                         blk_hi = T.min(part_hi, req_hi) - req_lo
                         if blk_hi > blk_lo:
-                            tok0 = req_field(part_info, part, req, FIRST_TOK0, qo_indptr[req])
+                            tok0 = qo_indptr[req]
                             g0 = segment_first_block(part_lo, req_lo, blk_lo)
                             T.fill(acc_o_r, 0)
                             for blk in T.serial(blk_hi - blk_lo):
@@ -1869,18 +1849,17 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 T.set_max_nreg(regs_producer, grows(regs_producer, threads))
                 t = tx - 256 if n_producers == 1 else (tx - 256) % 128
                 pw = (tx - 256) // 128  # producer warpgroup (rr_fp8: it converts the blocks g with g % n == pw)
-                for req in T.serial(part_info[part, PART_BEGIN], part_info[part, PART_END] + 1):
-                    req_lo = req_field(part_info, part, req, FIRST_REQ_LO, cu_blocks[req])
-                    req_hi = req_field(part_info, part, req, FIRST_REQ_HI, cu_blocks[req + 1])
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
                     blk_lo = T.max(part_lo, req_lo) - req_lo
                     blk_hi = T.min(part_hi, req_hi) - req_lo
                     if blk_hi > blk_lo:
-                        kv_len = req_field(part_info, part, req, FIRST_KV_LEN, kv_lens[req])
-                        tok0 = req_field(part_info, part, req, FIRST_TOK0, qo_indptr[req])
-                        pt0 = req_field(part_info, part, req, FIRST_PT0, page_table_start[req])
-                        page0 = req_field(part_info, part, req, FIRST_PAGE, -1) if page_from_plan else -1
+                        kv_len = kv_lens[req]
+                        tok0 = qo_indptr[req]
+                        pt0 = page_table_start[req]
                         g0 = segment_first_block(part_lo, req_lo, blk_lo)
-                        produce_segment(q_nope, q_pe, kv_cache, page_table, pt0, page0, kv_len, tok0, row0, blk_lo, blk_hi,
+                        produce_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi,
                                         g0, seg, pw, pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t,
                                         q_free, q_ready, k_free, k_ready, t)
                         seg = seg + 1

@@ -526,7 +526,7 @@ class TileLangMLABackend(AttentionBackend):
             md = sglang_decode_metadata(
                 self.req_to_token, req_pool_indices, seq_lens, self.page_size, num_draft_tokens=n_draft,
                 width=width, page_table=self._eager_table(bs, width), fill=self._fill)
-        md.plan = self._planner(q_len, bs).plan_for(md)
+        md.plan = self._planner(q_len, bs).plan(md.kv_lens)
         return DecodeForwardMetadata(md, q_len, bs, _indptr_of(md), md.qo_indptr)
 
     # ------------------------------------------------------------------ forward

@@ -137,7 +137,7 @@ class DecodeMetadataBuilder:
             q_len=q_len,
             max_kv_len=max_seq_len,
         )
-        metadata.plan = self._planners[q_len].plan_for(metadata)
+        metadata.plan = self._planners[q_len].plan(metadata.kv_lens)
         return metadata
 
 
