@@ -11,6 +11,7 @@ its partial from part ``p`` goes to slot ``p + r``, so ``num_slots = num_parts +
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,20 @@ def default_block_n(device: torch.device) -> int:
     return config_for(arch).block_n
 
 
+PLAN_KERNEL_ENV = "MLA_BACKEND_PLAN_KERNEL"  # "0": plan with torch ops on Hopper too (before session 20)
+
+
+def plan_kernel_for(device: torch.device, max_batch: int, block_n: int):
+    """The one-launch TileLang planner (kernels/plan_kernel.py) where the sm90 kernels run, else None (torch ops)."""
+    from .dispatch import device_arch, tilelang_available
+
+    if os.environ.get(PLAN_KERNEL_ENV, "1") == "0" or device_arch(device)[0] != "sm90" or not tilelang_available():
+        return None
+    from .kernels.plan_kernel import get_plan_kernel
+
+    return get_plan_kernel(max_batch, block_n)
+
+
 def device_sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -104,6 +119,8 @@ class SplitPlanner:
             block_n=self.block_n,
         )
         self._part_ids = torch.arange(self.num_parts, **i32)
+        # compiled here, before an engine captures its graphs: one launch per plan instead of ~18 torch ops
+        self._kernel = plan_kernel_for(device, max_batch, self.block_n)
 
     def plan(self, kv_lens: torch.Tensor) -> SplitPlan:
         """Refill the plan for ``kv_lens`` (int32 ``[batch]``, batch <= max_batch); device ops only."""
@@ -111,6 +128,10 @@ class SplitPlanner:
         if batch > self.max_batch:
             raise ValueError(f"batch {batch} exceeds the planner's max_batch {self.max_batch}")
         p = self._plan
+        if self._kernel is not None and batch > 0 and kv_lens.dtype == INDEX_DTYPE and kv_lens.is_contiguous():
+            self._kernel(kv_lens, p.cu_blocks, p.part_begin_req, p.part_end_req, p.blocks_per_part, self.num_parts,
+                         min_blocks_per_part(p.rows))
+            return p
         blocks = (kv_lens + (self.block_n - 1)) // self.block_n
         cu = p.cu_blocks[: batch + 1]
         torch.cumsum(blocks, 0, out=cu[1:])

@@ -8,7 +8,8 @@
 ``--kineto``: also the split and combine kernels' own GPU time (profiler, graph replays).
 ``--precompile N``: only compile the Hopper kernel variants of the selected problems into TileLang's disk cache,
 N at a time (no GPU needed), for a later timing run to load.
-``--ncu``: one eager call per case and variant, no timing (for a profiler)."""
+``--ncu``: one eager call per case and variant, no timing (for a profiler).
+``--plan``: the split planner's GPU time per step, the one-launch kernel against the torch ops."""
 import os
 import sys
 
@@ -31,6 +32,29 @@ def smoke(kernel: str) -> int:
     errs = [run_case(64, 16, 1, fp8, SHORT) for fp8 in (False, True)]
     print(f"smoke {kernel}: rel err bf16 {errs[0]:.2e}, e4m3 {errs[1]:.2e}")
     return 0 if errs[0] < 1e-2 and errs[1] < 2e-2 else 1
+
+
+def plan_times() -> int:
+    """The planner's GPU time per step (the bench's timing: L2 flushed, median), one launch vs the torch ops."""
+    from unittest import mock
+
+    from mla_backend.bench import Timer
+    from mla_backend.planner import PLAN_KERNEL_ENV
+
+    timer = Timer("cuda")
+    for heads, q_len in ((16, 1), (128, 1), (128, 2)):
+        for batch in (1, 64, 256):
+            lens = torch.randint(1, 32768, (batch,), dtype=torch.int32, device="cuda")
+            cells = []
+            for name, env in (("kernel", "1"), ("torch", "0")):
+                with mock.patch.dict(os.environ, {PLAN_KERNEL_ENV: env}):
+                    planner = SplitPlanner(256, heads, q_len, "cuda")
+                plan = lambda: planner.plan(lens)  # noqa: E731
+                plan()
+                host = timer.host_us(plan)
+                cells.append(f"{name} {timer(plan, 30, host)['us']:6.1f} us (host {host:5.1f})")
+            print(f"plan h={heads:3d} s_q={q_len} b={batch:3d}: " + " | ".join(cells), flush=True)
+    return 0
 
 
 def q_dtype() -> torch.dtype:
@@ -84,6 +108,8 @@ def main() -> int:
     kernel = os.environ.get("MLA_BACKEND_SM90_KERNEL", "default")
     if "--smoke" in sys.argv:
         return smoke(kernel)
+    if "--plan" in sys.argv:
+        return plan_times()
     fp8_mode = "--fp8" in sys.argv
     cases = FP8_CASES if fp8_mode else CASES
     if "--cases" in sys.argv:

@@ -267,6 +267,32 @@ def test_strided_query_views():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 2), (32, 1)])
+def test_plan_kernel_matches_torch_planner(heads, q_len, monkeypatch):
+    """The one-launch planner (sm90) writes the same plan as the torch ops: ragged lengths with zeros and block
+    edges, batches from 1 to the planner's max, all-empty batches, random page counts per part."""
+    _kernel_or_skip(heads=heads, q_len=q_len)
+    import random
+
+    from mla_backend.planner import PLAN_KERNEL_ENV
+
+    fused = SplitPlanner(300, heads, q_len, "cuda")
+    monkeypatch.setenv(PLAN_KERNEL_ENV, "0")
+    torch_ops = SplitPlanner(300, heads, q_len, "cuda")
+    assert fused._kernel is not None and torch_ops._kernel is None
+    rng = random.Random(heads * 10 + q_len)
+    for trial in range(40):
+        batch = rng.choice([1, 2, 7, 64, 129, 300])
+        lens = [rng.choice([0, 1, 63, 64, 65, rng.randrange(1, 40000)]) for _ in range(batch)]
+        if trial == 0:
+            lens = [0] * batch
+        kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        a, b = fused.plan(kv_lens), torch_ops.plan(kv_lens)
+        for name in ("blocks_per_part", "part_begin_req", "part_end_req"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (trial, name, lens)
+        assert torch.equal(a.cu_blocks[: batch + 1], b.cu_blocks[: batch + 1]), (trial, lens)
+
+
 def test_plan_with_other_block_size_is_refused():
     """A plan cut in another kernel's KV blocks would index the wrong blocks: refused, naming both."""
     impl = _kernel_or_skip()

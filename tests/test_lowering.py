@@ -25,6 +25,7 @@ from tvm.target import Target  # noqa: E402
 
 from mla_backend.kernels import configs  # noqa: E402
 from mla_backend.kernels.mla_decode import build_combine_kernel, build_decode_kernel  # noqa: E402
+from mla_backend.kernels.plan_kernel import build_plan_kernel, scan_size  # noqa: E402
 
 CUDA = configs.target_for_arch("sm90")  # "cuda -arch=sm_90a"
 HIP = configs.target_for_arch("gfx942")  # "hip -mcpu=gfx942"
@@ -43,6 +44,8 @@ SPLIT_VARIANTS = [
 # (num_heads, q_len, dtype, wide): the per-row combine and the wide one (short batches, per 128 dims)
 COMBINE_VARIANTS = [(16, 1, "bfloat16", False), (128, 2, "bfloat16", False), (16, 2, "float16", False),
                     (16, 1, "bfloat16", True), (128, 2, "float16", True)]
+# (max_batch, block_n) of the one-launch planner: the smallest scan buffer, and 1024 entries (4 per thread)
+PLAN_VARIANTS = [(8, 64), (1000, 64)]
 
 
 def _vid(v) -> str:
@@ -52,6 +55,8 @@ def _vid(v) -> str:
 def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
     if kind == "split":
         return build_decode_kernel(*variant, cfg)
+    if kind == "plan":
+        return build_plan_kernel(*variant)
     *shape, wide = variant
     return build_combine_kernel(*shape, wide=wide)  # the combines serve every config
 
@@ -99,8 +104,22 @@ def test_combine_kernel_lowers(cuda_lowered, variant):
         assert head.count("*(float4*)(out_partial") == 1 and "for (int u = 0; u < 16; ++u)" in head, head[-3000:]
 
 
+@pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=_vid)
+def test_plan_kernel_lowers(cuda_lowered, variant):
+    """The planner in one launch: a prefix sum of KV blocks in shared memory (one warp's CumSum1D over the scan
+    buffer), then a binary search per part; batch and part count stay runtime arguments."""
+    art = cuda_lowered("plan", variant)
+    src = art.kernel_source
+    n = scan_size(variant[0])
+    assert re.search(r'extern "C" __global__ void\b.*mla_plan', src)
+    assert f"tl::CumSum1D<256, false>::run((&(cu_s[0])), (&(cu_s[0])), {n});" in src
+    assert "int batch" in src and "int num_parts" in src and "int min_blocks" in src
+    assert _smem_bytes(art.device_mod) == 4 * n
+
+
 @pytest.mark.parametrize("kind,variant", [("split", SPLIT_VARIANTS[0]), ("split", SPLIT_VARIANTS[4]),
-                                          ("combine", COMBINE_VARIANTS[1]), ("combine", COMBINE_VARIANTS[3])], ids=lambda v: _vid(v) if isinstance(v, tuple) else v)
+                                          ("combine", COMBINE_VARIANTS[1]), ("combine", COMBINE_VARIANTS[3]),
+                                          ("plan", PLAN_VARIANTS[1])], ids=lambda v: _vid(v) if isinstance(v, tuple) else v)
 def test_nvcc_compiles_for_sm90a(cuda_lowered, kind, variant, tmp_path):
     """The flags TileLang's own nvcc callback uses (tilelang.engine.lower.tilelang_callback_cuda_compile),
     with -c: ptxas runs too, so register or instruction errors show here."""
