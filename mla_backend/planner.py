@@ -1,6 +1,7 @@
 """Split-KV planner: cuts the flattened (request, KV block) work list into equal parts, on the GPU.
 
-No host sync and no ``.item()``: every output is a device tensor computed by a few torch ops, and
+No host sync and no ``.item()``: every output is a device tensor computed by one kernel launch on Hopper
+(kernels/plan_kernel.py) or a few torch ops elsewhere, and
 the buffers' sizes depend only on (max batch, SM count, heads x q_len), so an engine can plan into
 persistent buffers outside a CUDA graph and replay the graph with new lengths.
 
