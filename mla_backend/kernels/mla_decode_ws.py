@@ -906,11 +906,17 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     @T.macro
     def load_parts(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, k_ready, k_free, t):
-        """seesaw producer, block g: each tile of its buffer (rope, left, right) is refilled as soon as its last
-        reader has released it (``k_free[part_barrier(g, part)]``) and signalled on its own ``k_ready``."""
-        fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
-        fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
-        fill_part(kv_cache, pages, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
+        """Block g, tile by tile, each signalled on its own ``k_ready`` in the order S reads them: seesaw (rope, left,
+        right) refills each tile as soon as its last reader has released it (``k_free[part_barrier(g, part)]``);
+        tile_ready (left, right, rope) after the caller waited for the whole buffer."""
+        if tile_ready:
+            fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
+            fill_part(kv_cache, pages, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
+            fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
+        else:
+            fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
+            fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
+            fill_part(kv_cache, pages, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
 
     @T.macro
     def prefetch_block(kv_cache, page_table, pt0, pos0, kv_len, t):
@@ -990,15 +996,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     else:
                         fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
                                   kv1_l, kv1_r, k1_t, t)
-                elif tile_ready:  # S's order: left, right, rope
+                elif tile_ready:
                     if kv_buffer(g) == 0:
-                        fill_part(kv_cache, pages, pos0, kv_len, kv0_l, 0, g, PART_L, k_ready, k_free, t)
-                        fill_part(kv_cache, pages, pos0, kv_len, kv0_r, HALF, g, PART_R, k_ready, k_free, t)
-                        fill_part(kv_cache, pages, pos0, kv_len, k0_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
+                        load_parts(kv_cache, pages, pos0, kv_len, kv0_l, kv0_r, k0_t, g, k_ready, k_free, t)
                     else:
-                        fill_part(kv_cache, pages, pos0, kv_len, kv1_l, 0, g, PART_L, k_ready, k_free, t)
-                        fill_part(kv_cache, pages, pos0, kv_len, kv1_r, HALF, g, PART_R, k_ready, k_free, t)
-                        fill_part(kv_cache, pages, pos0, kv_len, k1_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
+                        load_parts(kv_cache, pages, pos0, kv_len, kv1_l, kv1_r, k1_t, g, k_ready, k_free, t)
                 elif tma_kv and pos0 + block_n <= kv_len:
                     if kv_buffer(g) == 0:
                         load_kv_tma(kv_cache, pages[0], pos0, kv0_l, kv0_r, k0_t, k_ready, 0)
