@@ -29,11 +29,14 @@ ROLES = {0: "WG0", 1: "WG1", 2: "producer"}
 
 def summarise(words: list, shape: str, call_us: float) -> str:
     """``words``: the traced program's int64 record (mla_decode_ws.TRACE_PRELUDE's layout)."""
-    clock = {(r, g): words[(r * 64 + g) * 8:(r * 64 + g + 1) * 8] for r in range(3) for g in range(64)}
+    from mla_backend.kernels.mla_decode_ws import TRACE_BLOCKS, TRACE_HEAD, TRACE_ROLES, TRACE_STEPS
+
+    clock = {(r, g): words[(r * TRACE_BLOCKS + g) * TRACE_STEPS:(r * TRACE_BLOCKS + g + 1) * TRACE_STEPS]
+             for r in range(TRACE_ROLES) for g in range(TRACE_BLOCKS)}
     out = [f"shape b,s,h,s_q,page = {shape}: decode call {call_us:.1f} us (eager, traced kernel); "
            "median cycles over blocks 4..59"]
     for role in range(3):
-        c0, ns0, c1, ns1 = words[3 * 64 * 8 + role * 4:3 * 64 * 8 + role * 4 + 4]
+        c0, ns0, c1, ns1 = words[TRACE_HEAD + role * 4:TRACE_HEAD + role * 4 + 4]
         if ns1 > ns0:
             out.append(f"  {ROLES[role]}: {c1 - c0} cycles in {(ns1 - ns0) / 1e3:.1f} us "
                        f"({(c1 - c0) / (ns1 - ns0):.3f} GHz)")

@@ -383,7 +383,7 @@ def test_block_trace_is_off_by_default_and_calls_nothing():
     for call in ("mla_trace_begin", "mla_trace_end", "mla_trace"):
         assert f'"{call}"' in traced, call
     assert "printf" not in ws.TRACE_PRELUDE and "noinline" not in ws.TRACE_PRELUDE
-    assert "blockIdx.x == 3" in ws.TRACE_PRELUDE.replace("MLA_TRACE_PART", "3")
+    assert "blockIdx.x == 3" in ws.trace_prelude(3) and "MLA_TRACE_" not in ws.trace_prelude(3)
 
 
 @pytest.mark.parametrize("variant", TWS_VARIANTS, ids=_vid)

@@ -443,9 +443,11 @@ __device__ __forceinline__ void mla_merge2_add_cols(float* acc, const float* w_o
 # slot of out_partial, which no plan uses (slots go up to num_parts + batch - 2): int64 [role][g][step], then per role
 # its first step's clock and %globaltimer (ns) and its last clock and ns. Roles: 0 WG0, 1 WG1, 2 the producer; steps as
 # the trace() calls name them. No printf: a function call in the kernel makes ptxas serialise every WGMMA.
-TRACE_WORDS = 3 * 64 * 8 + 3 * 4
+TRACE_ROLES, TRACE_BLOCKS, TRACE_STEPS = 3, 64, 8
+TRACE_HEAD = TRACE_ROLES * TRACE_BLOCKS * TRACE_STEPS  # where the per-role (clock, ns, clock, ns) words start
+TRACE_WORDS = TRACE_HEAD + TRACE_ROLES * 4
 TRACE_PRELUDE = r'''
-__device__ long long* mla_trace_out[3];
+__device__ long long* mla_trace_out[MLA_TRACE_ROLES];
 __device__ __forceinline__ bool mla_traced() {
   return blockIdx.x == MLA_TRACE_PART && blockIdx.y == 0 && threadIdx.x % 128 == 0;
 }
@@ -459,18 +461,30 @@ __device__ __forceinline__ void mla_trace_begin(float* last_slot) {
   const int role = threadIdx.x / 128;
   long long* out = reinterpret_cast<long long*>(last_slot);
   mla_trace_out[role] = out;
-  out[3 * 64 * 8 + role * 4] = clock64();
-  out[3 * 64 * 8 + role * 4 + 1] = mla_trace_ns();
+  out[MLA_TRACE_HEAD + role * 4] = clock64();
+  out[MLA_TRACE_HEAD + role * 4 + 1] = mla_trace_ns();
 }
 __device__ __forceinline__ void mla_trace(int role, int g, int step) {
-  if (mla_traced() && g < 64) mla_trace_out[role][(role * 64 + g) * 8 + step] = clock64();
+  if (mla_traced() && g < MLA_TRACE_BLOCKS)
+    mla_trace_out[role][(role * MLA_TRACE_BLOCKS + g) * MLA_TRACE_STEPS + step] = clock64();
 }
 __device__ __forceinline__ void mla_trace_end(int role) {
   if (!mla_traced()) return;
-  mla_trace_out[role][3 * 64 * 8 + role * 4 + 2] = clock64();
-  mla_trace_out[role][3 * 64 * 8 + role * 4 + 3] = mla_trace_ns();
+  mla_trace_out[role][MLA_TRACE_HEAD + role * 4 + 2] = clock64();
+  mla_trace_out[role][MLA_TRACE_HEAD + role * 4 + 3] = mla_trace_ns();
 }
 '''
+
+
+
+def trace_prelude(part: int) -> str:
+    """TRACE_PRELUDE for program ``part`` (row block 0), with the record's layout constants filled in."""
+    text = TRACE_PRELUDE
+    for name, value in (("PART", part), ("ROLES", TRACE_ROLES), ("BLOCKS", TRACE_BLOCKS), ("STEPS", TRACE_STEPS),
+                        ("HEAD", TRACE_HEAD)):
+        text = text.replace(f"MLA_TRACE_{name}", str(value))
+    return text
+
 
 # Blocks ahead of the one being loaded whose rows the fp8 producer asks L2 for.
 FP8_PREFETCH_AHEAD = 2
@@ -1286,7 +1300,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         lse_partial: T.Tensor([num_slots, rows], accum),
         merge_count: T.Tensor([num_counts], "int32"),
     ):
-        prelude = PRELUDE + (TRACE_PRELUDE.replace("MLA_TRACE_PART", str(cfg.trace_part)) if tracing else "")
+        prelude = PRELUDE + (trace_prelude(cfg.trace_part) if tracing else "")
         with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=prelude) as (part, row_block):
             q_l = T.alloc_shared([q_rows, HALF], cdtype)
             q_r = T.alloc_shared([q_rows, HALF], cdtype)
