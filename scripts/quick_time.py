@@ -17,6 +17,7 @@ import torch
 from triton.testing import do_bench
 
 from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode
+from mla_backend.bench import bytes_moved, flops
 
 CASES = [(128, 16384, 16, 1, 64), (128, 16384, 128, 1, 64), (128, 16384, 128, 2, 64), (1, 4096, 16, 1, 64),
          (16, 4096, 16, 1, 64), (128, 16384, 16, 1, 1), (128, 16384, 16, 1, 16), (64, 8192, 16, 1, 64),
@@ -77,8 +78,7 @@ def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
     out = torch.empty(b * sq, h, 512, dtype=dtype, device="cuda")
     eager = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False,  # noqa: E731
                                k_scale=0.5 if fp8 else None)
-    nbytes = b * s * 576 * kv.element_size() + b * sq * h * 1088 * 2
-    return eager, md, (nbytes, 2 * sq * b * s * h * 1088)
+    return eager, md, (bytes_moved(b * s, b, sq, h, kv.element_size()), flops(b * s, sq, h))
 
 
 def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
@@ -126,13 +126,13 @@ def main() -> int:
         print(f"precompiled {len(set(variants))} variant(s) in {runtime.warmup(variants, workers=workers):.1f} s")
         return 0
     for (b, s, h, sq, ps), fp8 in runs:
-        replay, eager, (nbytes, flops) = decode_step(b, s, h, sq, ps, fp8)
+        replay, eager, (nbytes, flop) = decode_step(b, s, h, sq, ps, fp8)
         if "--ncu" in sys.argv:
             continue
         t_eager = do_bench(eager, warmup=50, rep=300, return_mode="median") * 1e-3  # s
         t = do_bench(replay, warmup=50, rep=300, return_mode="median") * 1e-3
         print(f"{kernel}{'-fp16' if '--fp16' in sys.argv else ''}{'-fp8' if fp8 else ''} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
-              f"{t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s {flops/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us"
+              f"{t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s {flop/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us"
               + (kernel_times(replay) if "--kineto" in sys.argv else ""), flush=True)
         torch.cuda.empty_cache()
     return 0
