@@ -270,7 +270,7 @@ def test_strided_query_views():
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 2), (32, 1)])
 def test_plan_kernel_matches_torch_planner(heads, q_len, monkeypatch):
     """The one-launch planner (sm90) writes the same plan as the torch ops: ragged lengths with zeros and block
-    edges, batches from 1 to the planner's max, all-empty batches, random page counts per part."""
+    edges, batches from 1 to the planner's max, an all-empty batch, three part counts (heads x q_len)."""
     _kernel_or_skip(heads=heads, q_len=q_len)
     import random
 
