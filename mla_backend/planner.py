@@ -90,6 +90,17 @@ def plan_kernel_for(device: torch.device, max_batch: int, block_n: int):
     return get_plan_kernel(max_batch, block_n)
 
 
+def warm_up_plan_kernels(device: torch.device, max_batch: int) -> int:
+    """Compiles (or loads from TileLang's disk cache) the one-launch planner for every plan size up to ``max_batch``
+    requests (one variant per power of two from 256), so that no planner an engine builds later compiles while it
+    serves. Returns the number of variants (0 where plans use torch ops)."""
+    from .kernels.plan_kernel import scan_size
+
+    device, block_n = torch.device(device), default_block_n(torch.device(device))
+    sizes = [1 << k for k in range(scan_size(1).bit_length() - 1, scan_size(max_batch).bit_length())]
+    return sum(plan_kernel_for(device, n, block_n) is not None for n in sizes)
+
+
 def device_sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

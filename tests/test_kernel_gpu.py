@@ -293,6 +293,26 @@ def test_plan_kernel_matches_torch_planner(heads, q_len, monkeypatch):
         assert torch.equal(a.cu_blocks[: batch + 1], b.cu_blocks[: batch + 1]), (trial, lens)
 
 
+def test_plan_kernels_warm_up_to_the_engine_batch(monkeypatch):
+    """warm_up_plan_kernels (SGLang's warm-up, for its eager planners) compiles one planner kernel per power of two up
+    to the engine's max batch: a planner for 1000 requests built afterwards compiles nothing and plans as the torch
+    ops do."""
+    _kernel_or_skip()
+    from mla_backend.kernels import plan_kernel
+    from mla_backend.planner import PLAN_KERNEL_ENV, warm_up_plan_kernels
+
+    assert warm_up_plan_kernels(torch.device("cuda"), 1000) == 3  # 256, 512, 1024
+    compiled = dict(plan_kernel._KERNELS)
+    fused = SplitPlanner(1000, 16, 1, "cuda")
+    assert plan_kernel._KERNELS == compiled and fused._kernel is compiled[(1024, fused.block_n)]
+    monkeypatch.setenv(PLAN_KERNEL_ENV, "0")
+    torch_ops = SplitPlanner(1000, 16, 1, "cuda")
+    lens = torch.randint(0, 9000, (1000,), dtype=torch.int32, device="cuda")
+    a, b = fused.plan(lens), torch_ops.plan(lens)
+    for name in ("blocks_per_part", "part_begin_req", "part_end_req", "cu_blocks"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_plan_with_other_block_size_is_refused():
     """A plan cut in another kernel's KV blocks would index the wrong blocks: refused, naming both."""
     impl = _kernel_or_skip()

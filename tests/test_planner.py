@@ -12,7 +12,7 @@ import torch
 from mla_backend import SplitPlanner, mla_decode_reference, plan_split_kv
 from mla_backend.kernels import configs
 from mla_backend.kernels.configs import MAX_PARTS
-from mla_backend.planner import min_blocks_per_part, num_parts_for
+from mla_backend.planner import min_blocks_per_part, num_parts_for, warm_up_plan_kernels
 from mla_problems import SCALE, make_problem
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
@@ -128,6 +128,12 @@ def test_all_empty_requests():
     plan = planner.plan(torch.zeros(6, dtype=torch.int32))
     assert segments(plan, 6) == []
     assert (plan.part_end_req < plan.part_begin_req).all()
+
+
+def test_plan_kernel_warm_up_is_a_no_op_off_hopper():
+    """Off Hopper plans are torch ops: nothing to compile (tests/test_kernel_gpu.py covers the sm90 side)."""
+    assert warm_up_plan_kernels(torch.device("cpu"), 1000) == 0
+    assert SplitPlanner(1000, 16, 1, device="cpu", num_sms=132)._kernel is None
 
 
 def test_plan_split_kv_reuses_planner():

@@ -37,7 +37,7 @@ from ..dispatch import ENV_IMPL, REFERENCE, engine_impl_request, select_impl
 from ..kernels.configs import MAX_HEADS, MAX_Q_LEN, SUPPORTED_PAGE_SIZES
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
 from ..op import VERIFY, mla_decode, verifying
-from ..planner import SplitPlanner
+from ..planner import SplitPlanner, warm_up_plan_kernels
 from ..validation import HEAD_DIM, KV_LORA_RANK, ROPE_DIM
 from . import BACKEND_NAME
 from .page_table import FillFn, fill_page_table_torch, max_pages_per_request, sglang_decode_metadata
@@ -337,9 +337,14 @@ class TileLangMLABackend(AttentionBackend):
                     for q_len in self.config.q_lens]
         try:
             seconds = warmup(variants)
+            # the planners of eager batches (up to every running request) are sized per power of two
+            t0 = time.perf_counter()
+            plan_variants = warm_up_plan_kernels(self.device, self.req_to_token.shape[0])
+            seconds += time.perf_counter() - t0
         except Exception as exc:
             _refuse(f"kernel compilation failed for {variants}: {type(exc).__name__}: {exc}")
-        logger.info("mla_backend: %s kernels ready in %.1fs", BACKEND_NAME, seconds)
+        logger.info("mla_backend: %s kernels ready in %.1fs (%d planner variants)", BACKEND_NAME, seconds,
+                    plan_variants)
 
     def _write_report(self):
         if not self._report_dir:
