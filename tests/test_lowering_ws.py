@@ -279,15 +279,6 @@ def test_whole_blocks_arrive_by_tma(lowered):
     assert expected == sorted([64 * 256 * 2] * 4 + [64 * 64 * 2] * 2), expected
     assert [f"k_ready[{i}].init(128);" in src for i in range(7)] == [True] * 6 + [False]
     assert "tl_shuffle_elect<128>" in producer
-    # tile_free (default since session 21): each tile has its own k_free of 128 arrivals, by its last reader
-    roles = _role_sections(src, (128, 1, 64, "bfloat16", "bfloat16"))
-    assert [f"k_free[{i}].init(128);" in src for i in range(7)] == [True] * 6 + [False]
-    free_index = r"k_free\[\(+max\(0, \(req_lo[_0-9]* - \(\(\(int\)blockIdx\.x\) \* width\)\)\) \+ blk[_0-9]*\) & 1\) \* 3\)(?: \+ (\d)\))?\]"
-    arrivals = {role: [m.group(1) for m in re.finditer(free_index + r"\.arrive\(\)", roles[role])]
-                for role in ("wg0", "wg1", "producer")}
-    assert arrivals == {"wg0": [None, "1"], "wg1": ["2"], "producer": []}, arrivals  # rope, left; right
-    waits = [m.group(1) for m in re.finditer(free_index + r"\.wait", producer)]
-    assert waits == [None, "1", "2"] * 2, waits  # rope, left, right before each fill (both buffer parities)
     for variant in [(128, 2, 1, "bfloat16", "bfloat16"), (16, 1, 64, "bfloat16", "float8_e4m3")]:
         assert "tma_load(kv_cache_desc" not in lowered[variant][0], variant
 
@@ -305,20 +296,6 @@ def test_one_k_ready_per_buffer_without_tile_ready():
         expected = [int(n) for n in re.findall(rf"k_ready\[{buf}\]\.expect_transaction\((\d+)\)", producer)]
         assert len(loads) == 9 and sum(expected) == 64 * 576 * 2, (len(loads), expected)
     assert "k_ready[2].init" not in src
-
-
-def test_one_k_free_per_buffer_without_tile_free():
-    """tile_free off (MLA_BACKEND_SM90_TILE_FREE=0, the kernel of session 20): both consumers free a buffer on its one
-    k_free (256 arrivals), the producer waits for it once per block and fills left, right, rope."""
-    ctx = multiprocessing.get_context("spawn")
-    variant = (128, 1, 64, "bfloat16", "bfloat16")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        src, _ = pool.submit(_lower, variant, "tws", tile_free=False).result()
-    assert [f"k_free[{i}].init(256);" in src for i in range(3)] == [True, True, False]
-    producer = _role_sections(src, variant)["producer"]
-    assert len(re.findall(r"k_free\[[^\n]*?\]\.wait", producer)) == 1
-    order = [int(n) for n in re.findall(r"expect_transaction\((\d+)\)", producer)]
-    assert order == [32768, 32768, 8192] * 2, order
 
 
 def test_wg0_multiplies_p_from_registers(lowered):
@@ -698,7 +675,7 @@ def part_segments(cu, width, part, begin, end):
 
 
 def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_steps=5_000_000, kv_lens=None,
-                  rs_pv=True, tile_ready=False, tile_free=False):
+                  rs_pv=True, tile_ready=False):
     """Runs the 12 warps of one program (``producers`` > 1: tws fp8's producer warpgroups, taking blocks in
     turn) over its segments with a random schedule. ``kv_lens`` (a 16-bit cache with TMA, one length per request):
     a whole block is one TMA copy (warp 0 sets expect_tx and issues it, every warp arrives), a request's partial
@@ -713,27 +690,18 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
     ``tile_ready`` (16-bit cache, the default beyond 16 rows): each KV buffer is three tiles (left ``l``, right ``r``,
     rope ``t``), filled in that order, each on its own k_ready; WG0 issues S tile by tile as each lands and
     multiplies its P V with the left tile, WG1 waits for the right tile only; k_free stays one per buffer.
-    ``tile_free`` (with tile_ready, the default since session 21): each tile also has its own k_free (128 arrivals),
-    released by its last reader (rope: WG0 after S; left: WG0 after its P V; right: WG1 after its P V); the producer
-    fills rope, left, right, each after its own k_free, and S reads them in that order.
     Returns the number of blocks the program processed.
     """
     rng = random.Random(seed)
-    tile_free = tile_ready and tile_free
-    # KV buffer kv{b}{tile}, its k_ready{b}{tile}, in the order the producer fills them and S reads them
-    tiles = ("tlr" if tile_free else "lrt") if tile_ready else ("",)
-    frees = tiles if tile_free else ("",)  # k_free{b}{tile}
+    tiles = "lrt" if tile_ready else ("",)  # KV buffer kv{b}{tile}, its k_ready{b}{tile}
     bars = {f"k_ready{b}{tile}": MBarrier(f"k_ready[{b}]{tile}", 128) for b in (0, 1) for tile in tiles}
-    bars |= {f"k_free{b}{tile}": MBarrier(f"k_free[{b}]{tile}", 128 if tile_free else 256)
-             for b in (0, 1) for tile in frees}
-    bars |= {"q_ready": MBarrier("q_ready", 128), "q_free": MBarrier("q_free", 128),
+    bars |= {"k_free0": MBarrier("k_free[0]", 256), "k_free1": MBarrier("k_free[1]", 256),
+            "q_ready": MBarrier("q_ready", 128), "q_free": MBarrier("q_free", 128),
             "p_ready": MBarrier("p_ready", 128), "p_free": MBarrier("p_free", 128),
             "l_ready": MBarrier("l_ready", 128), "l_free": MBarrier("l_free", 128)}
     bufs = {n: Buffer(n) for n in ("q", "p", "l", "alpha0", "alpha1")}
     bufs |= {f"kv{b}{tile}": Buffer(f"kv{b}{tile}") for b in (0, 1) for tile in tiles}
     v_left, v_right = ("l", "r") if tile_ready else ("", "")  # the tiles WG0's / WG1's P V read
-    # the k_free each consumer arrives on when done with a block: WG0 (after S: rope; after P V: left), WG1 (right)
-    free_rope, free_left, free_right = ("t", "l", "r") if tile_free else ("", "", "")
 
     # independent bookkeeping: each block's running index and the fill number of its buffer
     per_segment = []
@@ -771,12 +739,8 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                     yield ("sync", "wg0", nsync)
                     yield ("rbegin", f"kv{b}{tile}", r)
                 yield ("rend", "q", s)
-                if tile_free and mutation == "rope_freed_before_s":
-                    yield ("arrive", f"k_free{b}{free_rope}", fill)
                 for tile in tiles:
                     yield ("rend", f"kv{b}{tile}", r)
-                if tile_free and mutation != "rope_freed_before_s":  # S was the rope tile's only reader
-                    yield ("arrive", f"k_free{b}{free_rope}", fill)
                 if blk == len(blks) - 1 and mutation != "no_q_free":
                     yield ("arrive", "q_free", s)
                 if rs_pv:
@@ -804,7 +768,7 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                     yield ("rbegin", f"kv{b}{v_left}", r)
                     yield ("rend", "p", r)
                     yield ("rend", f"kv{b}{v_left}", r)
-                yield ("arrive", f"k_free{b}{free_left}", fill)
+                yield ("arrive", f"k_free{b}", fill)
             yield ("wait", "l_free", ws.seg_free_parity(seg), s - 1)
             nsync += 1
             yield ("sync", "wg0", nsync)
@@ -825,7 +789,7 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                     yield ("rbegin", f"alpha{slot}", r)
                     yield ("rend", f"alpha{slot}", r)
                 if mutation == "wg1_frees_early":
-                    yield ("arrive", f"k_free{b}{free_right}", fill)
+                    yield ("arrive", f"k_free{b}", fill)
                 yield ("rbegin", "p", r)  # (without rs_pv: alpha, then) P in the GEMM
                 nsync += 1
                 yield ("sync", "wg1", nsync)  # P @ V[:, 256:]
@@ -835,7 +799,7 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
                 if mutation != "wg1_no_p_free":
                     yield ("arrive", "p_free", r)
                 if mutation != "wg1_frees_early":
-                    yield ("arrive", f"k_free{b}{free_right}", fill)
+                    yield ("arrive", f"k_free{b}", fill)
             yield ("wait", "l_ready", ws.seg_ready_parity(seg), s)
             yield ("rbegin", "l", s)
             yield ("rend", "l", s)
@@ -853,14 +817,10 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
             for (blk, g, b, fill, r) in blks:
                 if g % producers != (0 if mutation == "rr_same_turn" else pw):
                     continue
-                if mutation != "producer_skips_free_wait" and not tile_free:
+                if mutation != "producer_skips_free_wait":
                     yield ("wait", f"k_free{b}", ws.kv_free_parity(g), fill - 1)
                 if tile_ready:  # fill_part per tile: its TMA box(es) or gather, on its own k_ready
                     for tile in tiles:
-                        if tile_free:  # (fill_part waits for the tile's own release first)
-                            free = "t" if mutation == "rope_waits_wrong_free" else tile
-                            if mutation != "producer_skips_free_wait":
-                                yield ("wait", f"k_free{b}{free}", ws.kv_free_parity(g), fill - 1)
                         if tma_block[r]:
                             if w == 0:
                                 yield ("tma", f"kv{b}{tile}", r, f"k_ready{b}{tile}", fill)
@@ -912,8 +872,7 @@ def simulate_part(segs, *, fp8=False, producers=1, seed=0, mutation=None, max_st
     assert bars["p_ready"].completions == n_blocks == bars["p_free"].completions
     for tile in tiles:
         assert bars[f"k_ready0{tile}"].completions + bars[f"k_ready1{tile}"].completions == n_blocks
-    for tile in frees:
-        assert bars[f"k_free0{tile}"].completions + bars[f"k_free1{tile}"].completions == n_blocks
+    assert bars["k_free0"].completions + bars["k_free1"].completions == n_blocks
     assert bars["q_ready"].completions == len(segs) == bars["l_ready"].completions
     return n_blocks
 
@@ -1240,7 +1199,7 @@ def test_protocol_edge_cases_tma(case):
     for part in range(num_parts):
         segs = part_segments(cu, width, part, begin, end)
         for seed in range(20):
-            simulate_part(segs, seed=seed, kv_lens=lens, tile_ready=seed % 3 != 0, tile_free=seed % 3 == 2)
+            simulate_part(segs, seed=seed, kv_lens=lens, tile_ready=seed % 2 == 0)
 
 
 def test_protocol_three_producers_alias_k_free():
@@ -1275,8 +1234,8 @@ def test_protocol_random_plans():
                           rs_pv=trial % 3 != 2 and trial % 2 == 0)
             if trial % 3 == 1:  # the 16-bit cache's kernel, also with TMA blocks, per-tile k_ready or not
                 simulate_part(segs, seed=trial * 31 + part, kv_lens=lens, rs_pv=trial % 2 == 1,
-                              tile_ready=trial % 4 != 1, tile_free=trial % 4 == 0)
-                simulate_part(segs, seed=trial * 37 + part, tile_ready=True, tile_free=trial % 2 == 0)  # gathers only
+                              tile_ready=trial % 4 != 1)
+                simulate_part(segs, seed=trial * 37 + part, tile_ready=True)  # gathers only
             runs += 1
     assert runs > 150
 
@@ -1300,7 +1259,7 @@ def test_protocol_with_the_real_planner():
             producers = ws.TWS_FP8_PRODUCERS if trial % 4 == 1 else 1
             simulate_part(part_segments(cu, width, part, begin, end), seed=trial, fp8=trial % 2 == 1,
                           producers=producers, kv_lens=lens if trial % 4 == 2 else None, rs_pv=producers == 1,
-                          tile_ready=trial % 4 in (0, 2), tile_free=trial % 8 in (0, 2))
+                          tile_ready=trial % 4 in (0, 2))
 
 
 @pytest.mark.parametrize("mutation,error", [
@@ -1315,9 +1274,6 @@ def test_protocol_with_the_real_planner():
     ("one_alpha_slot", ProtocolError),
     ("wg1_frees_early", ProtocolError),
     ("tile_tail_first_tile", ProtocolError),
-    ("tile_free_rope_freed_before_s", ProtocolError),
-    ("tile_free_rope_waits_wrong_free", ProtocolError),
-    ("tile_free_tail_first_tile", ProtocolError),
     ("tile_tma_tail_last_only", ProtocolError),
 ])
 def test_protocol_simulation_catches_broken_protocols(mutation, error):
@@ -1329,13 +1285,12 @@ def test_protocol_simulation_catches_broken_protocols(mutation, error):
     segs = part_segments(cu, width, 0, begin, end)
     producers = 2 if mutation.startswith("rr_") else 1
     tile_ready = mutation.startswith("tile_")
-    tile_free = mutation.startswith("tile_free_")
-    mutation = mutation.removeprefix("tile_").removeprefix("free_")
+    mutation = mutation.removeprefix("tile_")
     caught = 0
     for seed in range(30):
         try:
             simulate_part(segs, seed=seed, mutation=mutation, fp8=producers > 1 or mutation.startswith("fp8_"),
-                          producers=producers, tile_ready=tile_ready, tile_free=tile_free,
+                          producers=producers, tile_ready=tile_ready,
                           kv_lens=lens if mutation.startswith("tma_") else None)
         except error:
             caught += 1

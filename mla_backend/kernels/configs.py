@@ -28,10 +28,6 @@ class KernelConfig:
     # ws / tws beyond 16 rows, 16-bit cache: one k_ready barrier per tile of a KV buffer (S starts on the first tile
     # that lands, WG1 waits for its V half only)
     tile_ready: bool = False
-    # tile_ready: each tile also has its own k_free, released by its last reader (rope: WG0 after S, left: WG0 after
-    # its P V, right: WG1 after its P V); the producer refills the tiles in that order (rope, left, right), each as
-    # soon as it is free, instead of the whole buffer once both P V are done
-    tile_free: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -44,7 +40,7 @@ class KernelConfig:
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True,
-                     merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True, tile_free=True)
+                     merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
@@ -64,7 +60,7 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # elsewhere; MLA_BACKEND_SM90_TILES=0 keeps one per buffer).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True,
-                        tile_ready=True, tile_free=True)
+                        tile_ready=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
@@ -80,7 +76,6 @@ SM90_MERGE_ENV = "MLA_BACKEND_SM90_MERGE"  # "0": the combine kernel merges ever
 SM90_PAGES_ENV = "MLA_BACKEND_SM90_PAGES"  # "0": page ids read after the wait for the buffer (before session 17)
 SM90_PVFIRST_ENV = "MLA_BACKEND_SM90_PVFIRST"  # "0": WG0's row sums before P's copy and its P V (before session 17)
 SM90_TILES_ENV = "MLA_BACKEND_SM90_TILES"  # "0": one k_ready per KV buffer (before session 20)
-SM90_TILE_FREE_ENV = "MLA_BACKEND_SM90_TILE_FREE"  # "0": one k_free per KV buffer (before session 21)
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -93,7 +88,7 @@ def config_for(arch: str) -> KernelConfig:
     cfg = SM90_KERNELS[name]
     for env, field in ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv"), (SM90_MERGE_ENV, "merge_pairs"),
                        (SM90_PAGES_ENV, "pages_ahead"), (SM90_PVFIRST_ENV, "pv_first"),
-                       (SM90_TILES_ENV, "tile_ready"), (SM90_TILE_FREE_ENV, "tile_free")):
+                       (SM90_TILES_ENV, "tile_ready")):
         value = os.environ.get(env, "1")
         if value not in ("0", "1"):
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")

@@ -708,9 +708,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # ws, 16-bit cache: each tile of a KV buffer (left, right, rope) lands on its own k_ready, so WG0's S starts on
     # the left tile while the rest is in flight and WG1 waits for its V half only; the buffer is freed as one
     tile_ready = cfg.tile_ready and not seesaw and not transposed and not is_fp8
-    # tile_ready: each tile is also freed on its own k_free by its last reader (rope: WG0 after S; left: WG0 after its
-    # P V; right: WG1 after its P V) and refilled in that order as soon as it is free, seesaw's producer
-    tile_free = tile_ready and cfg.tile_free
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -729,8 +726,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             T.evaluate(T.call_extern("handle", "mla_trace_end", role))
 
     def last_copy_barrier(g):
-        """The k_ready barrier of block g's last copy (seesaw, tile_free: its right tile; tile_ready: its rope)."""
-        if seesaw or tile_free:
+        """The k_ready barrier of block g's last copy (seesaw: its right tile)."""
+        if seesaw:
             return part_barrier(g, PART_R)
         return part_barrier(g, PART_T) if tile_ready else kv_buffer(g)
 
@@ -907,10 +904,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     @T.macro
     def fill_part(kv_cache, pages, pos0, kv_len, dst, col0, g, part, k_ready, k_free, t):
-        """Tile ``part`` of block g's buffer, signalled on its own ``k_ready`` (seesaw, tile_free: once its last reader
-        has released it; tile_ready: the caller waited for the whole buffer); a whole block's tile by TMA (expect_tx by
+        """Tile ``part`` of block g's buffer, signalled on its own ``k_ready`` (seesaw: once its last reader has
+        released it; tile_ready: the caller waited for the whole buffer); a whole block's tile by TMA (expect_tx by
         one thread), a partial block's by the cp.async gather."""
-        if seesaw or tile_free:
+        if seesaw:
             T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
         if tma_kv and pos0 + block_n <= kv_len:
             slot0 = pos0 % page_size
@@ -923,11 +920,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     @T.macro
     def load_parts(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, k_ready, k_free, t):
-        """Block g, tile by tile, each signalled on its own ``k_ready`` in the order S reads them: seesaw and tile_free
-        (rope, left, right: the order their last readers release them) refill each tile as soon as it is free
-        (``k_free[part_barrier(g, part)]``); tile_ready (left, right, rope) after the caller waited for the whole
-        buffer."""
-        if tile_ready and not tile_free:
+        """Block g, tile by tile, each signalled on its own ``k_ready`` in the order S reads them: seesaw (rope, left,
+        right) refills each tile as soon as its last reader has released it (``k_free[part_barrier(g, part)]``);
+        tile_ready (left, right, rope) after the caller waited for the whole buffer."""
+        if tile_ready:
             fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
             fill_part(kv_cache, pages, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
             fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
@@ -984,11 +980,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
             trace(2, g, 0)
             # 16-bit cache: the block's pages are read before the wait for its buffer, so that the page table's
-            # latency overlaps the wait instead of delaying the copies (pages_ahead, else after it; seesaw, tile_free:
-            # always before their three tile waits)
-            if not is_fp8 and (cfg.pages_ahead or seesaw or tile_free):
+            # latency overlaps the wait instead of delaying the copies (pages_ahead, else after it; seesaw: always
+            # before its three tile waits)
+            if not is_fp8 and (cfg.pages_ahead or seesaw):
                 kv_pages(page_table, pt0, pos0, kv_len, pages, t)
-            if seesaw or tile_free:  # per tile: waits for its release, signals its arrival
+            if seesaw:  # per tile: waits for its release, signals its arrival
                 if kv_buffer(g) == 0:
                     load_parts(kv_cache, pages, pos0, kv_len, kv0_l, kv0_r, k0_t, g, k_ready, k_free, t)
                 else:
@@ -1085,15 +1081,15 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
 
     @T.macro
     def score(q_l, q_r, q_t, kv_l, kv_r, k_t, g, k_ready, acc_s):
-        """S = Q K^T (rows x tokens); tws: S^T = K Q^T (tokens x rows); seesaw and tile_free (rope, left, right) and
-        tile_ready (left, right, rope): each tile's WGMMA issued as soon as that tile of block g has landed, in the
-        order the producer fills them in."""
+        """S = Q K^T (rows x tokens); tws: S^T = K Q^T (tokens x rows); seesaw (rope, left, right) and tile_ready
+        (left, right, rope): each tile's WGMMA issued as soon as that tile of block g has landed, in the order the
+        producer fills them in."""
         T.clear(acc_s)
         if transposed:
             T.wgmma_gemm(kv_l, q_l, acc_s, transpose_B=True)
             T.wgmma_gemm(kv_r, q_r, acc_s, transpose_B=True)
             T.wgmma_gemm(k_t, q_t, acc_s, transpose_B=True)
-        elif seesaw or tile_free:  # each tile's WGMMA as soon as it has landed, in the producer's order
+        elif seesaw:  # each tile's WGMMA as soon as it has landed, in the producer's order
             score_tile(q_t, k_t, g, PART_T, k_ready, acc_s)
             score_tile(q_l, kv_l, g, PART_L, k_ready, acc_s)
             score_tile(q_r, kv_r, g, PART_R, k_ready, acc_s)
@@ -1373,9 +1369,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 k_ready = T.alloc_barrier([128] * (2 * N_PARTS))
                 k_free = T.alloc_barrier([128] * (2 * N_PARTS))
                 pb_ready = T.alloc_barrier(128)  # P_b (in its block's rope tile) and M of a pair written by WG1
-            elif tile_ready:  # k_ready per tile (part_barrier); k_free per tile (tile_free: one reader each) or buffer
+            elif tile_ready:  # k_ready per tile (part_barrier), k_free per buffer
                 k_ready = T.alloc_barrier([128] * (2 * N_PARTS))
-                k_free = T.alloc_barrier([128] * (2 * N_PARTS) if tile_free else [256, 256])
+                k_free = T.alloc_barrier([256, 256])
             else:
                 k_ready = T.alloc_barrier([128, 128])
                 k_free = T.alloc_barrier([256, 256])
@@ -1660,8 +1656,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 trace(0, g, 0)
                                 score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s)
                                 trace(0, g, 2)
-                                if tile_free:  # S was the rope tile's only reader
-                                    T.barrier_arrive(k_free[part_barrier(g, PART_T)])
                                 if blk == n_blk - 1:
                                     T.barrier_arrive(q_free[0])  # last read of this segment's Q
                                 mask_scale(acc_s, pos0, vis0, row0, scale_log2)
@@ -1731,7 +1725,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                         for i, d in T.Parallel(block_rows, HALF):
                                             acc_o_l[i, d] *= alpha[i]
                                     pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
-                                T.barrier_arrive(k_free[part_barrier(g, PART_L) if tile_free else kv_buffer(g)])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
 
                             if pv_first:  # each thread held its share of the row sums
                                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
@@ -1851,7 +1845,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
                                 trace(1, g, 3)
                                 T.barrier_arrive(p_free[0])
-                                T.barrier_arrive(k_free[part_barrier(g, PART_R) if tile_free else kv_buffer(g)])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
 
                             T.barrier_wait(l_ready[0], seg_ready_parity(seg))
                             for i in T.Parallel(block_rows):

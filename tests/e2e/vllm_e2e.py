@@ -92,6 +92,11 @@ CASES = {
     "graphs": ("CUSTOM with full CUDA graphs (default) vs CUSTOM with attention outside graphs (PIECEWISE): "
                "checks that graph replays read refreshed metadata",
                engine("CUSTOM", 64), engine("CUSTOM", 64, cudagraph_mode="PIECEWISE")),
+    "forced_graphs": ("teacher-forced decode (see forced), CUSTOM with full CUDA graphs vs CUSTOM with attention "
+                      "outside graphs (PIECEWISE): every step's metadata and split plan are refreshed before the "
+                      "replay; the forced tokens' logprobs must agree closely, not only the argmax",
+                      engine("CUSTOM", 64, forced=True),
+                      engine("CUSTOM", 64, cudagraph_mode="PIECEWISE", forced=True)),
 }
 DEFAULT_CASES = "block64,block16"
 THROUGHPUT_BACKENDS = ("CUSTOM", "FLASHMLA", "FLASH_ATTN_MLA")
