@@ -328,12 +328,13 @@ def test_seesaw_tiles_arrive_by_tma():
 @pytest.mark.parametrize("env,field,marker", [("MLA_BACKEND_SM90_TMA", "tma_kv", "tma_copy"),
                                               ("MLA_BACKEND_SM90_RSPV", "rs_pv", "mla_store_p64"),
                                               ("MLA_BACKEND_SM90_MERGE", "merge_pairs", "mla_merge_ticket"),
-                                              ("MLA_BACKEND_SM90_PVFIRST", "pv_first", "mla_row_sum_part")])
+                                              ("MLA_BACKEND_SM90_PVFIRST", "pv_first", "mla_row_sum_part"),
+                                              ("MLA_BACKEND_SM90_TREEMAX", "tree_max", "mla_row_max2")])
 def test_setting_off_gives_the_earlier_kernel(monkeypatch, env, field, marker):
     """Each later change to the default kernel has an env switch back (0): KV blocks by TMA (session 14), WG0's P V
     from registers (15), two-part requests merged in the split kernel (16), WG0's row sums behind its P V (17; the
-    page ids read ahead, also 17, in test_producer_reads_page_ids_around_the_buffer_wait). Other values are
-    refused."""
+    page ids read ahead, also 17, in test_producer_reads_page_ids_around_the_buffer_wait), S's row max by a tree
+    (22). Other values are refused."""
     from mla_backend.kernels import configs
 
     monkeypatch.setenv(env, "0")

@@ -28,6 +28,9 @@ class KernelConfig:
     # ws / tws beyond 16 rows, 16-bit cache: one k_ready barrier per tile of a KV buffer (S starts on the first tile
     # that lands, WG1 waits for its V half only)
     tile_ready: bool = False
+    # ws WG0 (beyond 16 rows): the row max of S by a 4-level tree per thread (mla_row_max2, same bits) instead of
+    # TileLang's 16-deep chain
+    tree_max: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -40,7 +43,7 @@ class KernelConfig:
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True,
-                     merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True)
+                     merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True, tree_max=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
@@ -57,10 +60,11 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # block's buffer (pages_ahead: 3.5-3.8% at h=128 in the A/B, MLA_BACKEND_SM90_PAGES=0 reads them after it) and WG0 adds
 # its row sums while its P V runs (pv_first: 1.7-2.6% at h=128 s_q=2, MLA_BACKEND_SM90_PVFIRST=0).
 # Since session 20 the ws consumers' KV tiles land on their own k_ready each (tile_ready: 0.4-2% at h=128, level
-# elsewhere; MLA_BACKEND_SM90_TILES=0 keeps one per buffer).
+# elsewhere; MLA_BACKEND_SM90_TILES=0 keeps one per buffer). Since session 22 WG0 takes S's row max by a tree (tree_max:
+# 1-3% at h=128 on an H200, level elsewhere; MLA_BACKEND_SM90_TREEMAX=0 keeps TileLang's chain).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True,
-                        tile_ready=True)
+                        tile_ready=True, tree_max=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
@@ -76,6 +80,7 @@ SM90_MERGE_ENV = "MLA_BACKEND_SM90_MERGE"  # "0": the combine kernel merges ever
 SM90_PAGES_ENV = "MLA_BACKEND_SM90_PAGES"  # "0": page ids read after the wait for the buffer (before session 17)
 SM90_PVFIRST_ENV = "MLA_BACKEND_SM90_PVFIRST"  # "0": WG0's row sums before P's copy and its P V (before session 17)
 SM90_TILES_ENV = "MLA_BACKEND_SM90_TILES"  # "0": one k_ready per KV buffer (before session 20)
+SM90_TREEMAX_ENV = "MLA_BACKEND_SM90_TREEMAX"  # "0": TileLang's row max (a chain) in WG0 (before session 22)
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -88,7 +93,7 @@ def config_for(arch: str) -> KernelConfig:
     cfg = SM90_KERNELS[name]
     for env, field in ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv"), (SM90_MERGE_ENV, "merge_pairs"),
                        (SM90_PAGES_ENV, "pages_ahead"), (SM90_PVFIRST_ENV, "pv_first"),
-                       (SM90_TILES_ENV, "tile_ready")):
+                       (SM90_TILES_ENV, "tile_ready"), (SM90_TREEMAX_ENV, "tree_max")):
         value = os.environ.get(env, "1")
         if value not in ("0", "1"):
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")

@@ -266,6 +266,26 @@ __device__ __forceinline__ void mla_store_p64(void* p, const void* frag) {
                  :: "r"(addr), "r"(f[i * 4]), "r"(f[i * 4 + 1]), "r"(f[i * 4 + 2]), "r"(f[i * 4 + 3]) : "memory");
   }
 }
+// ws WG0 (KernelConfig.tree_max): the running row max of this thread's two rows of the m64n64 accumulator S
+// (row i's 16 values at (c & 7) * 4 + i * 2 + (c >> 3)), folded by a 4-level tree instead of a 16-deep chain, then over
+// the quad (lanes 4k .. 4k + 3 hold the same rows). fmax is exact: the same bits as a chain.
+__device__ __forceinline__ void mla_row_max2(const float* s, float* m) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = fmaxf(s[j * 4 + i * 2], s[j * 4 + i * 2 + 1]);
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1) {
+#pragma unroll
+      for (int j = 0; j < w; ++j) v[j] = fmaxf(v[j], v[j + w]);
+    }
+    float x = v[0];
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    m[i] = fmaxf(m[i], x);
+  }
+}
 // ws consumers: whether this thread's rows of O need rescaling. alpha holds the thread's n row factors (2 in the
 // m64 accumulator layout); each is exactly 1 when its row's running max did not change, as in most blocks once
 // the max has settled, and the 128-register multiply is then skipped (exact either way).
@@ -708,6 +728,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # ws, 16-bit cache: each tile of a KV buffer (left, right, rope) lands on its own k_ready, so WG0's S starts on
     # the left tile while the rest is in flight and WG1 waits for its V half only; the buffer is freed as one
     tile_ready = cfg.tile_ready and not seesaw and not transposed and not is_fp8
+    # ws WG0: S's row max by a tree (a prelude helper on the m64n64 accumulator) instead of TileLang's chain
+    tree_max = cfg.tree_max and not seesaw and not transposed
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -1268,6 +1290,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         return T.call_extern("int32", "mla_rescale_needed", alpha_frag.data, 2) != 0
 
     @T.macro
+    def rescale_rows(acc, alpha_frag):
+        """ws consumers: acc [64 rows, 256] *= alpha per row, skipped where this thread's rows all have alpha 1."""
+        if rescale_needed(alpha_frag):
+            for i, d in T.Parallel(block_rows, HALF):
+                acc[i, d] *= alpha_frag[i]
+
+    @T.macro
     def exchange_l(l_part, l_mine, l_other, l_ready, l_free, seg):
         """Seesaw epilogue: each consumer holds the row sums of the P tiles it made; both need the total."""
         T.barrier_wait(l_free[0], seg_free_parity(seg))
@@ -1454,9 +1483,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                             T.barrier_arrive(p_ready[0])
                             for i in T.Parallel(block_rows):
                                 l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                            if rescale_needed(alpha):
-                                for i, d in T.Parallel(block_rows, HALF):
-                                    acc_o_l[i, d] *= alpha[i]
+                            rescale_rows(acc_o_l, alpha)
                             pv_block(p_frag_l, ga, kv0_l, kv1_l, acc_o_l)
                             T.barrier_arrive(k_free[part_barrier(ga, PART_L)])
                             # WG1 has published M (and P_b when the pair has a second block)
@@ -1467,9 +1494,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                                           T.exp2(m_cur[i] - m_prev[i]))
                                 l_sum[i] = l_sum[i] * alpha[i]
                             if 2 * k + 1 < n_blk:
-                                if rescale_needed(alpha):
-                                    for i, d in T.Parallel(block_rows, HALF):
-                                        acc_o_l[i, d] *= alpha[i]
+                                rescale_rows(acc_o_l, alpha)
                                 gb = ga + 1
                                 T.barrier_wait(k_ready[part_barrier(gb, PART_L)], kv_ready_parity(gb))
                                 if kv_buffer(gb) == 0:
@@ -1538,9 +1563,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 m_big_shared[i] = m_new_r[i]
                             T.fence_proxy_async()
                             T.barrier_arrive(pb_ready[0])
-                            if rescale_needed(alpha_r):
-                                for i, d in T.Parallel(block_rows, HALF):
-                                    acc_o_r[i, d] *= alpha_r[i]
+                            rescale_rows(acc_o_r, alpha_r)
                             T.barrier_wait(k_ready[part_barrier(ga, PART_R)], kv_ready_parity(ga))
                             pv_block(p_shared, ga, kv0_r, kv1_r, acc_o_r)
                             T.barrier_arrive(p_free[0])
@@ -1551,9 +1574,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 l_r[i] = l_r[i] * alpha_r[i] + row_sum_r[i]
                                 m_run_r[i] = m_new_r[i]
                             if 2 * k + 1 < n_blk:
-                                if rescale_needed(alpha_r):
-                                    for i, d in T.Parallel(block_rows, HALF):
-                                        acc_o_r[i, d] *= alpha_r[i]
+                                rescale_rows(acc_o_r, alpha_r)
                                 pv_block(p_frag_r, gb, kv0_r, kv1_r, acc_o_r)
                                 T.barrier_arrive(k_free[part_barrier(gb, PART_R)])
                             pc = pc + 1
@@ -1660,7 +1681,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.barrier_arrive(q_free[0])  # last read of this segment's Q
                                 mask_scale(acc_s, pos0, vis0, row0, scale_log2)
                                 T.copy(m_cur, m_prev)
-                                T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+                                if tree_max:
+                                    T.evaluate(T.call_extern("handle", "mla_row_max2", acc_s.data, m_cur.data))
+                                else:
+                                    T.reduce_max(acc_s, m_cur, dim=1, clear=False)
                                 # A row that has seen nothing yet keeps max -inf: offset by 0 instead, so
                                 # exp2 gives 0, not NaN.
                                 for i in T.Parallel(block_rows):
@@ -1694,9 +1718,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                         T.fence_proxy_async()
                                         T.barrier_arrive(p_ready[0])
                                         trace(0, g, 5)
-                                        if rescale_needed(alpha):
-                                            for i, d in T.Parallel(block_rows, HALF):
-                                                acc_o_l[i, d] *= alpha[i]
+                                        rescale_rows(acc_o_l, alpha)
                                     if kv_buffer(g) == 0:
                                         T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
                                     else:
@@ -1721,9 +1743,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.copy(acc_s, p_shared)
                                     T.fence_proxy_async()  # P: generic stores, read by WGMMA (async proxy)
                                     T.barrier_arrive(p_ready[0])
-                                    if rescale_needed(alpha):
-                                        for i, d in T.Parallel(block_rows, HALF):
-                                            acc_o_l[i, d] *= alpha[i]
+                                    rescale_rows(acc_o_l, alpha)
                                     pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
                                 T.barrier_arrive(k_free[kv_buffer(g)])
 
@@ -1839,9 +1859,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 for i in T.Parallel(block_rows):
                                     alpha_r[i] = (alpha_slots[alpha_slot(g) * block_rows + i] if rs_pv
                                                   else alpha_shared[i])
-                                if rescale_needed(alpha_r):
-                                    for i, d in T.Parallel(block_rows, HALF):
-                                        acc_o_r[i, d] *= alpha_r[i]
+                                rescale_rows(acc_o_r, alpha_r)
                                 pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
                                 trace(1, g, 3)
                                 T.barrier_arrive(p_free[0])
