@@ -60,8 +60,8 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # block's buffer (pages_ahead: 3.5-3.8% at h=128 in the A/B, MLA_BACKEND_SM90_PAGES=0 reads them after it) and WG0 adds
 # its row sums while its P V runs (pv_first: 1.7-2.6% at h=128 s_q=2, MLA_BACKEND_SM90_PVFIRST=0).
 # Since session 20 the ws consumers' KV tiles land on their own k_ready each (tile_ready: 0.4-2% at h=128, level
-# elsewhere; MLA_BACKEND_SM90_TILES=0 keeps one per buffer). Since session 22 WG0 takes S's row max by a tree (tree_max:
-# 1-3% at h=128 on an H200, level elsewhere; MLA_BACKEND_SM90_TREEMAX=0 keeps TileLang's chain).
+# elsewhere; MLA_BACKEND_SM90_TILES=0 keeps one per buffer). Since session 22 WG0 takes S's row max by a tree (tree_max,
+# same bits: 0.5-3% at h=128 on an H200, level on an H100; MLA_BACKEND_SM90_TREEMAX=0 keeps TileLang's chain).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True,
                         tile_ready=True, tree_max=True)
