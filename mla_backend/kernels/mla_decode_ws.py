@@ -1699,9 +1699,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                         l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
                                 if rs_pv:
                                     T.copy(acc_s, p_frag)
-                                    if not pv_first and rescale_needed(alpha):
-                                        for i, d in T.Parallel(block_rows, HALF):
-                                            acc_o_l[i, d] *= alpha[i]
+                                    if not pv_first:
+                                        rescale_rows(acc_o_l, alpha)
                                     # alpha's slot was last read by WG1 for block g - 2, before the p_free arrival
                                     # WG0 waited for at block g - 1. Plain-address stores: TileLang's thread-sync
                                     # pass would put a barrier of the warpgroup around each of them.
