@@ -31,6 +31,18 @@ class KernelConfig:
     # ws WG0 (beyond 16 rows): the row max of S by a 4-level tree per thread (mla_row_max2, same bits) instead of
     # TileLang's 16-deep chain
     tree_max: bool = False
+    # ws WG0 (rs_pv): FlashAttention-3's order after P is made: P's stores for WG1, then WG0's own P V issued, and only
+    # then the fence and p_ready (the fence waits for the stores; before, WG0's P V waited for it)
+    pv_early: bool = False
+    # ws WG0: O's rescale right after alpha, unconditional, so ptxas interleaves its 128 multiplies with P's exp2s
+    # (the MUFU pipe bounds those); before, after P's hand-over and skipped where alpha is 1
+    rescale_early: bool = False
+    # ws WG0 (tree_max): S's row max on the raw scores (times the positive scale) and P = exp2(S * scale - m) as one
+    # FFMA per element, instead of a multiply of S by the scale before the max
+    scale_in_exp: bool = False
+    # ws WG0 (rs_pv): the wait for WG1 to be done with the previous P right after S, not before P's stores, so no
+    # branch splits the softmax for ptxas's scheduler
+    pfree_early: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -43,7 +55,9 @@ class KernelConfig:
 SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True,
-                     merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True, tree_max=True)
+                     merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True, tree_max=True,
+                     pv_early=True, rescale_early=True, scale_in_exp=True,
+                     pfree_early=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
@@ -64,7 +78,8 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # same bits: 0.5-3% at h=128 on an H200, level on an H100; MLA_BACKEND_SM90_TREEMAX=0 keeps TileLang's chain).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True,
-                        tile_ready=True, tree_max=True)
+                        tile_ready=True, tree_max=True, pv_early=True, rescale_early=True, scale_in_exp=True,
+                        pfree_early=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
@@ -81,6 +96,10 @@ SM90_PAGES_ENV = "MLA_BACKEND_SM90_PAGES"  # "0": page ids read after the wait f
 SM90_PVFIRST_ENV = "MLA_BACKEND_SM90_PVFIRST"  # "0": WG0's row sums before P's copy and its P V (before session 17)
 SM90_TILES_ENV = "MLA_BACKEND_SM90_TILES"  # "0": one k_ready per KV buffer (before session 20)
 SM90_TREEMAX_ENV = "MLA_BACKEND_SM90_TREEMAX"  # "0": TileLang's row max (a chain) in WG0 (before session 22)
+SM90_PVEARLY_ENV = "MLA_BACKEND_SM90_PVEARLY"  # "0": WG0's P V issued after the fence and p_ready (before session 23)
+SM90_RESCALE_ENV = "MLA_BACKEND_SM90_RESCALE"  # "0": WG0's O rescale after P's hand-over, skipped at alpha 1 (before 23)
+SM90_FFMA_ENV = "MLA_BACKEND_SM90_FFMA"  # "0": S times the scale before the row max (before session 23)
+SM90_PFREE_ENV = "MLA_BACKEND_SM90_PFREE"  # "0": WG0 waits for WG1's release of P just before P's stores (before 23)
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -93,7 +112,9 @@ def config_for(arch: str) -> KernelConfig:
     cfg = SM90_KERNELS[name]
     for env, field in ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv"), (SM90_MERGE_ENV, "merge_pairs"),
                        (SM90_PAGES_ENV, "pages_ahead"), (SM90_PVFIRST_ENV, "pv_first"),
-                       (SM90_TILES_ENV, "tile_ready"), (SM90_TREEMAX_ENV, "tree_max")):
+                       (SM90_TILES_ENV, "tile_ready"), (SM90_TREEMAX_ENV, "tree_max"),
+                       (SM90_PVEARLY_ENV, "pv_early"), (SM90_RESCALE_ENV, "rescale_early"),
+                       (SM90_FFMA_ENV, "scale_in_exp"), (SM90_PFREE_ENV, "pfree_early")):
         value = os.environ.get(env, "1")
         if value not in ("0", "1"):
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")

@@ -286,6 +286,25 @@ __device__ __forceinline__ void mla_row_max2(const float* s, float* m) {
     m[i] = fmaxf(m[i], x);
   }
 }
+// scale_in_exp: the same on the raw scores, the max then times the softmax scale (log2 units). scale > 0, so
+// max(scale * s) = scale * max(s) exactly (rounding is monotonic); -inf stays -inf.
+__device__ __forceinline__ void mla_row_max2_scaled(const float* s, float* m, float scale) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = fmaxf(s[j * 4 + i * 2], s[j * 4 + i * 2 + 1]);
+#pragma unroll
+    for (int w = 4; w >= 1; w >>= 1) {
+#pragma unroll
+      for (int j = 0; j < w; ++j) v[j] = fmaxf(v[j], v[j + w]);
+    }
+    float x = v[0];
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    m[i] = fmaxf(m[i], x * scale);
+  }
+}
 // ws consumers: whether this thread's rows of O need rescaling. alpha holds the thread's n row factors (2 in the
 // m64 accumulator layout); each is exactly 1 when its row's running max did not change, as in most blocks once
 // the max has settled, and the 128-register multiply is then skipped (exact either way).
@@ -730,6 +749,18 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     tile_ready = cfg.tile_ready and not seesaw and not transposed and not is_fp8
     # ws WG0: S's row max by a tree (a prelude helper on the m64n64 accumulator) instead of TileLang's chain
     tree_max = cfg.tree_max and not seesaw and not transposed
+    # rs_pv WG0, FlashAttention-3's order: P's stores for WG1, WG0's own P V issued, then the fence (it waits for the
+    # stores) and p_ready, so WG0's GEMM no longer waits for the fence
+    pv_early = pv_first and cfg.pv_early
+    # rs_pv WG0: O's rescale right after alpha and unconditional, so ptxas can interleave its multiplies with P's
+    # exp2s (which the MUFU pipe bounds) instead of running them after P's hand-over
+    rescale_early = rs_pv and cfg.rescale_early
+    # rs_pv WG0 with tree_max: the row max of the raw scores times the (positive) scale, P = exp2(S * scale - m) as
+    # one FFMA per element (no multiply of S before the max)
+    scale_in_exp = rs_pv and tree_max and cfg.scale_in_exp
+    # rs_pv WG0: the wait for WG1 to be done with P (g - 1) right after S (g), so that no wait (a branch) splits the
+    # code from the row max to P's stores, which ptxas then schedules as one block
+    pfree_early = rs_pv and cfg.pfree_early
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -1163,6 +1194,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             for i, j in T.Parallel(block_rows, block_n):
                 acc_s[i, j] = T.if_then_else(pos0 + j < vis0 + (row0 + i) // num_heads,
                                              acc_s[i, j] * scale_log2, -T.infinity(accum))
+
+    @T.macro
+    def mask_raw(acc_s, pos0, vis0, row0):
+        """scale_in_exp: mask_scale without the scale (applied in P's exp2 and to the row max)."""
+        if pos0 + block_n > vis0 + row0 // num_heads:
+            for i, j in T.Parallel(block_rows, block_n):
+                acc_s[i, j] = T.if_then_else(pos0 + j < vis0 + (row0 + i) // num_heads, acc_s[i, j],
+                                             -T.infinity(accum))
 
     @T.macro
     def pv_quarters(p, v, acc0, acc1, acc2, acc3):
@@ -1679,9 +1718,17 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 trace(0, g, 2)
                                 if blk == n_blk - 1:
                                     T.barrier_arrive(q_free[0])  # last read of this segment's Q
-                                mask_scale(acc_s, pos0, vis0, row0, scale_log2)
+                                if pfree_early:  # WG1's P V (g - 1) ran before S (g) on the tensor pipe: no wait
+                                    T.barrier_wait(p_free[0], p_free_parity(g))
+                                if scale_in_exp:
+                                    mask_raw(acc_s, pos0, vis0, row0)
+                                else:
+                                    mask_scale(acc_s, pos0, vis0, row0, scale_log2)
                                 T.copy(m_cur, m_prev)
-                                if tree_max:
+                                if scale_in_exp:
+                                    T.evaluate(T.call_extern("handle", "mla_row_max2_scaled", acc_s.data, m_cur.data,
+                                                             scale_log2))
+                                elif tree_max:
                                     T.evaluate(T.call_extern("handle", "mla_row_max2", acc_s.data, m_cur.data))
                                 else:
                                     T.reduce_max(acc_s, m_cur, dim=1, clear=False)
@@ -1690,38 +1737,57 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 for i in T.Parallel(block_rows):
                                     alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
                                                               T.exp2(m_prev[i] - m_cur[i]))
-                                for i, j in T.Parallel(block_rows, block_n):
-                                    acc_s[i, j] = T.exp2(acc_s[i, j]
-                                                         - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                                if rescale_early:
+                                    for i, d in T.Parallel(block_rows, HALF):
+                                        acc_o_l[i, d] *= alpha[i]
+                                if scale_in_exp:
+                                    for i, j in T.Parallel(block_rows, block_n):
+                                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - T.if_then_else(
+                                            m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                                else:
+                                    for i, j in T.Parallel(block_rows, block_n):
+                                        acc_s[i, j] = T.exp2(acc_s[i, j] - T.if_then_else(
+                                            m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
                                 if not pv_first:
                                     T.reduce_sum(acc_s, row_sum, dim=1)
                                     for i in T.Parallel(block_rows):
                                         l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
                                 if rs_pv:
                                     T.copy(acc_s, p_frag)
-                                    if not pv_first:
+                                    if not pv_first and not rescale_early:
                                         rescale_rows(acc_o_l, alpha)
                                     # alpha's slot was last read by WG1 for block g - 2, before the p_free arrival
                                     # WG0 waited for at block g - 1. Plain-address stores: TileLang's thread-sync
                                     # pass would put a barrier of the warpgroup around each of them.
                                     T.evaluate(T.call_extern("handle", "mla_store_rows64",
+                                                             alpha_slots.access_ptr("r", offset=alpha_slot(g) * block_rows)
+                                                             if pv_early else
                                                              T.address_of(alpha_slots[alpha_slot(g) * block_rows]),
                                                              alpha.data))
                                     # WG1 has finished with P of block g - 1
                                     trace(0, g, 3)
-                                    T.barrier_wait(p_free[0], p_free_parity(g))
+                                    if not pfree_early:
+                                        T.barrier_wait(p_free[0], p_free_parity(g))
                                     trace(0, g, 4)
-                                    T.evaluate(T.call_extern("handle", "mla_store_p64", T.address_of(p_shared[0, 0]),
-                                                             p_frag.data))
-                                    if pv_first:  # P goes to WG1 before WG0's own P V is issued
+                                    # pv_early: a read-only access_ptr, or TileLang's fence-proxy pass would take the
+                                    # call for a generic write and fence it before WG0's GEMM (the fence follows it)
+                                    T.evaluate(T.call_extern("handle", "mla_store_p64",
+                                                             p_shared.access_ptr("r") if pv_early
+                                                             else T.address_of(p_shared[0, 0]), p_frag.data))
+                                    if pv_first and not pv_early:  # P goes to WG1 before WG0's own P V is issued
                                         T.fence_proxy_async()
                                         T.barrier_arrive(p_ready[0])
                                         trace(0, g, 5)
+                                    if pv_first and not rescale_early:
                                         rescale_rows(acc_o_l, alpha)
                                     if kv_buffer(g) == 0:
                                         T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
                                     else:
                                         T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
+                                    if pv_early:  # the fence waits for P's stores, now behind WG0's GEMM
+                                        T.fence_proxy_async()
+                                        T.barrier_arrive(p_ready[0])
+                                        trace(0, g, 5)
                                     if pv_first:  # the row sums (this thread's share) while the tensor cores run
                                         T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data,
                                                                  row_sum.data))
