@@ -2,7 +2,8 @@
 (split planner, ws decode bf16 / fp8 / s_q=2 causal / TMA blocks at page 64, combine) on ragged lengths incl. 0, 1, 63, 65,
 pages in random order, page sizes 1 / 16 / 64, and one long request beside short ones (split into more than 8
 parts: the combine's block-wide LSE reduction). Run once plain (compiles into TILELANG_CACHE_DIR),
-then under the sanitizer, which then only loads the cached kernels. Exits 1 on a wrong result."""
+then under the sanitizer, which then only loads the cached kernels. Exits 1 on a wrong result.
+``--cases 2,3``: only these entries of CASES (indices)."""
 import sys
 
 import torch
@@ -38,7 +39,8 @@ def run_case(page_size: int, heads: int, q_len: int, fp8: bool, kv_lens: tuple) 
 
 def main() -> int:
     bad = 0
-    for case in CASES:
+    picked = [int(i) for i in sys.argv[sys.argv.index("--cases") + 1].split(",")] if "--cases" in sys.argv else None
+    for case in (CASES if picked is None else [CASES[i] for i in picked]):
         err = run_case(*case)
         print(f"page={case[0]:3d} h={case[1]:3d} s_q={case[2]} fp8={case[3]!s:5} lens={case[4]}: rel err {err:.2e}",
               flush=True)
