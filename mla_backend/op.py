@@ -11,7 +11,8 @@ from .dispatch import REFERENCE, log_choice, select_impl
 from .metadata import MLADecodeMetadata
 from .planner import SplitPlan, plan_split_kv
 from .reference import mla_decode_reference
-from .validation import FP8_DTYPES, KV_LORA_RANK, MLAInputError, check_inputs, normalize_kv_cache, split_query
+from .validation import (FP8_DTYPES, KV_LORA_RANK, MLAInputError, check_inputs, check_scales, normalize_kv_cache,
+                         split_query)
 
 logger = logging.getLogger("mla_backend")
 _SCALARS: dict[tuple, torch.Tensor] = {}
@@ -57,8 +58,9 @@ def mla_decode(
         kv_cache: ``[num_pages, page_size, 576]``: latent c_kv in ``[..., :512]`` (also V), k_pe in
             ``[..., 512:]``. fp16/bf16 like q, or float8_e4m3fn dequantised with ``k_scale``.
         metadata: :class:`MLADecodeMetadata` (``q_len`` queries per request; causal when > 1).
-        softmax_scale: the model's scale (DeepSeek: ``192 ** -0.5`` times yarn mscale², not ``576 ** -0.5``).
-        k_scale: per-tensor dequantisation scale of an fp8 cache (float or fp32 device tensor).
+        softmax_scale: the model's scale, finite and positive (DeepSeek: ``192 ** -0.5`` times yarn mscale², not
+            ``576 ** -0.5``).
+        k_scale: per-tensor dequantisation scale of an fp8 cache, positive (float or fp32 device tensor).
         out: optional ``[num_tokens, num_heads, 512]`` output buffer (q's dtype).
         return_lse: also return the natural-log LSE ``[num_tokens, num_heads]`` float32.
         impl: "auto" (fastest available, logged), "reference", "tilelang-sm90" or "tilelang-gfx942".
@@ -73,6 +75,7 @@ def mla_decode(
     if check_indices is None:
         check_indices = not capturing
     check_inputs(q_nope, q_pe, kv_cache, metadata, out, check_indices)
+    check_scales(softmax_scale, k_scale)
     num_tokens, num_heads, _ = q_nope.shape
     is_fp8 = kv_cache.dtype in FP8_DTYPES
     if not is_fp8:

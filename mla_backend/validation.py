@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .metadata import INDEX_DTYPE, MLADecodeMetadata
@@ -47,6 +49,20 @@ def normalize_kv_cache(kv_cache: torch.Tensor) -> torch.Tensor:
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != HEAD_DIM:
         fail("kv_cache.shape", tuple(kv_cache.shape), "[num_pages, page_size, 576] (512 latent c_kv + 64 k_pe)")
     return kv_cache
+
+
+def check_scales(softmax_scale, k_scale) -> None:
+    """The softmax scale (and a host k_scale) must be finite and positive: the Hopper kernel takes S's row max before
+    it applies the scale (max(c s) = c max(s) only for c > 0). A k_scale tensor is not read on the host (no sync)."""
+    for name, value in (("softmax_scale", softmax_scale), ("k_scale", k_scale)):
+        if name == "k_scale" and (value is None or isinstance(value, torch.Tensor)):
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            number = math.nan
+        if isinstance(value, (bool, str, bytes)) or not math.isfinite(number) or number <= 0:
+            fail(name, repr(value), "a finite positive float" + (" or an fp32 device tensor" if name == "k_scale" else ""))
 
 
 def check_inputs(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, metadata: MLADecodeMetadata,

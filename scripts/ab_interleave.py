@@ -28,16 +28,17 @@ def back_to_back(replay, n: int = 20) -> float:
 
 
 def main() -> int:
-    shapes = [tuple(int(v) for v in x.split(",")) for x in sys.argv[1].split(";")]
+    # b,s,h,s_q,page[,fp8]: a trailing "fp8" times an e4m3 cache (quick_time's shapes)
+    shapes = [tuple(int(v) for v in x.split(",")[:5]) + (x.endswith(",fp8"),) for x in sys.argv[1].split(";")]
     settings = [(s.split(":", 1)[0], dict(kv.split("=", 1) for kv in s.split(":", 1)[1].split(",") if kv))
                 for s in sys.argv[2:]]
     rounds = int(os.environ.get("AB_ROUNDS", "4"))
     timer = Timer("cuda", reps=(30, 30))
-    for b, s, h, sq, ps in shapes:
+    for b, s, h, sq, ps, fp8 in shapes:
         steps = {}
         for name, env in settings:
             with mock.patch.dict(os.environ, env):
-                steps[name] = decode_step(b, s, h, sq, ps)  # keeps the inputs the graph reads alive
+                steps[name] = decode_step(b, s, h, sq, ps, fp8)  # keeps the inputs the graph reads alive
         flops = steps[settings[0][0]][2][1]
         res = {name: ([], [], []) for name, _ in settings}
         for _ in range(rounds):
@@ -50,7 +51,7 @@ def main() -> int:
         cells = " | ".join(f"{name} flushed {statistics.median(f):7.1f} us ({flops / statistics.median(f) / 1e6:5.1f} TF)"
                            f" b2b {statistics.median(bb):7.1f} eager {statistics.median(e):7.1f}"
                            for name, (f, bb, e) in res.items())
-        print(f"b={b} s={s} h={h} s_q={sq} page={ps}: {cells}", flush=True)
+        print(f"b={b} s={s} h={h} s_q={sq} page={ps}{' fp8' if fp8 else ''}: {cells}", flush=True)
     return 0
 
 

@@ -325,16 +325,45 @@ def test_seesaw_tiles_arrive_by_tma():
     assert expected == sorted([64 * 64 * 2] * 2 + [64 * 256 * 2] * 4), expected
 
 
+@pytest.mark.parametrize("env", ["", "MLA_BACKEND_SM90_PVEARLY", "MLA_BACKEND_SM90_RESCALE", "MLA_BACKEND_SM90_PFREE"])
+def test_wg0_follows_fa3_order(monkeypatch, env):
+    """Session 23, ws WG0 per block (each step has its env switch back): the wait for WG1's release of P right after S
+    (pfree_early), O's rescale before P's exp2s (rescale_early), and its own P V issued before the fence and p_ready
+    that hand P to WG1 (pv_early). With a switch at 0 that step is back where it was."""
+    from mla_backend.kernels import configs
+
+    if env:
+        monkeypatch.setenv(env, "0")
+    src = ws.build_decode_kernel_ws(128, 2, 64, "bfloat16", "bfloat16", cfg=configs.config_for("sm90")).script()
+
+    def at(pattern):
+        found = re.search(pattern, src)
+        assert found, pattern
+        return found.start()
+
+    row_max, exp = at(r"mla_row_max2"), at(r"T\.exp2\(acc_s\[i, j\]")
+    pfree_wait = at(r"mbarrier_wait_parity\(p_free\w*\[0\]")
+    rescale = at(r"acc_o_l\[i, d\] = acc_o_l\[i, d\] \* alpha\[i\]")
+    wg0_pv, p_ready = at(r"wgmma_gemm\(T\.region\(p_frag"), at(r"ptx_arrive_barrier\(p_ready\w*\[0\]\)")
+    assert (pfree_wait < row_max) == (env != "MLA_BACKEND_SM90_PFREE")
+    assert (rescale < exp) == (env != "MLA_BACKEND_SM90_RESCALE")
+    assert (wg0_pv < p_ready) == (env != "MLA_BACKEND_SM90_PVEARLY")
+
+
 @pytest.mark.parametrize("env,field,marker", [("MLA_BACKEND_SM90_TMA", "tma_kv", "tma_copy"),
                                               ("MLA_BACKEND_SM90_RSPV", "rs_pv", "mla_store_p64"),
                                               ("MLA_BACKEND_SM90_MERGE", "merge_pairs", "mla_merge_ticket"),
                                               ("MLA_BACKEND_SM90_PVFIRST", "pv_first", "mla_row_sum_part"),
-                                              ("MLA_BACKEND_SM90_TREEMAX", "tree_max", "mla_row_max2")])
+                                              ("MLA_BACKEND_SM90_TREEMAX", "tree_max", "mla_row_max2"),
+                                              ("MLA_BACKEND_SM90_FFMA", "scale_in_exp", "mla_row_max2_scaled"),
+                                              # pv_early: P's stores through a read-only pointer (no fence of TileLang's)
+                                              ("MLA_BACKEND_SM90_PVEARLY", "pv_early", "p_shared.data, 0, 4096, 1")])
 def test_setting_off_gives_the_earlier_kernel(monkeypatch, env, field, marker):
     """Each later change to the default kernel has an env switch back (0): KV blocks by TMA (session 14), WG0's P V
     from registers (15), two-part requests merged in the split kernel (16), WG0's row sums behind its P V (17; the
     page ids read ahead, also 17, in test_producer_reads_page_ids_around_the_buffer_wait), S's row max by a tree
-    (22). Other values are refused."""
+    (22), the softmax scale inside P's exp2 and WG0's P V before P's fence (23; the rest of 23 in
+    test_wg0_follows_fa3_order). Other values are refused."""
     from mla_backend.kernels import configs
 
     monkeypatch.setenv(env, "0")

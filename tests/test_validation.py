@@ -231,3 +231,28 @@ def test_csr_last_page_len_shape():
     with pytest.raises(ValueError, match=r"kv_last_page_len must be \[batch=1\]"):
         MLADecodeMetadata.from_csr(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 16,
                                    kv_last_page_len=torch.tensor([3, 4]))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.1, float("nan"), float("inf"), None, "0.1", True])
+def test_softmax_scale_must_be_positive(prob, scale):
+    """The Hopper kernel takes S's row max on the raw scores and scales it after (exact only for a positive scale):
+    anything else is refused by name, on every path (here the CPU reference)."""
+    p, md = prob
+    with pytest.raises(MLAInputError, match=r"softmax_scale=.*finite positive float"):
+        mla_decode(p.q, p.kv_cache, md, scale)
+
+
+@pytest.mark.parametrize("k_scale", [0.0, -2.0, float("nan")])
+def test_host_k_scale_must_be_positive(prob, k_scale):
+    p, md = prob
+    with pytest.raises(MLAInputError, match=r"k_scale=.*finite positive float or an fp32 device tensor"):
+        mla_decode(p.q, p.kv_cache.to(torch.float8_e4m3fn), md, SCALE, k_scale=k_scale)
+
+
+def test_scale_types_engines_pass(prob):
+    """numpy / torch scalars and ints are numbers too (an engine's scale may be any of them)."""
+    np = pytest.importorskip("numpy")
+    p, md = prob
+    ref = mla_decode(p.q, p.kv_cache, md, SCALE)
+    for scale in (np.float32(SCALE), np.float64(SCALE), torch.tensor(SCALE, dtype=torch.float64)):
+        assert torch.equal(mla_decode(p.q, p.kv_cache, md, scale), ref)
