@@ -253,19 +253,18 @@ __device__ __forceinline__ void mla_quad_sum2(float* v) {
 // with the 128-byte swizzle that WG1's WGMMA reads: element (r, c) at r * 64 + ((c / 8) ^ (r % 8)) * 8 + c % 8.
 // stmatrix x4 number i stores columns 16 i .. 16 i + 15 of the warp's 16 rows as four 8 x 8 matrices (rows + 0 / + 8,
 // columns + 0 / + 8); lane l names row l % 8 of matrix l / 8.
-__device__ __forceinline__ void mla_store_p16(void* p, const void* frag, int i) {
+__device__ __forceinline__ void mla_store_p64(void* p, const void* frag) {
   const int t = threadIdx.x & 127;
   const unsigned* f = reinterpret_cast<const unsigned*>(frag);
   unsigned short* base = reinterpret_cast<unsigned short*>(p);
   const int row = (t >> 5) * 16 + ((t >> 3) & 1) * 8 + (t & 7);
-  const int chunk = (2 * i + ((t >> 4) & 1)) ^ (t & 7);
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(base + row * 64 + chunk * 8));
-  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
-               :: "r"(addr), "r"(f[i * 4]), "r"(f[i * 4 + 1]), "r"(f[i * 4 + 2]), "r"(f[i * 4 + 3]) : "memory");
-}
-__device__ __forceinline__ void mla_store_p64(void* p, const void* frag) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) mla_store_p16(p, frag, i);
+  for (int i = 0; i < 4; ++i) {
+    const int chunk = (2 * i + ((t >> 4) & 1)) ^ (t & 7);
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(base + row * 64 + chunk * 8));
+    asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(f[i * 4]), "r"(f[i * 4 + 1]), "r"(f[i * 4 + 2]), "r"(f[i * 4 + 3]) : "memory");
+  }
 }
 // ws WG0 (KernelConfig.tree_max): the running row max of this thread's two rows of the m64n64 accumulator S
 // (row i's 16 values at (c & 7) * 4 + i * 2 + (c >> 3)), folded by a 4-level tree instead of a 16-deep chain, then over
@@ -478,39 +477,6 @@ __device__ __forceinline__ void mla_merge2_add_cols(float* acc, const float* w_o
 '''.replace("MLA_Q_F16_SCALE", f"{2.0 ** -Q_F16_SHIFT!r}f").replace(
     "MLA_MERGE_BARRIER", str(MERGE_NAMED_BARRIER)).replace("MLA_MERGE_DONE_SHIFT", str(MERGE_DONE_SHIFT)).replace(
     "MLA_MERGE_LOADS", str(MERGE_LOADS))
-
-
-def _pv_chunk_prelude() -> str:
-    """``mla_pv_chunk`` (KernelConfig.pv_chunks): its inline PTX names the 128 accumulator registers one by one."""
-    regs = ", ".join(f"%{i}" for i in range(128))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(128))
-    issue = "\n".join(
-        f'''  if ({cond})
-    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %133, 0;\\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.{ty}.{ty} {{{regs}}}, {{%128, %129, %130, %131}}, %132, "
-                 "p, 1, 1, 1;\\n}}\\n"
-                 : {outs}
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));'''
-        for cond, ty in (("!kF16", "bf16"), ("kF16", "f16")))
-    return f'''
-// ws WG0 (KernelConfig.pv_chunks): tokens 16 kKi .. 16 kKi + 15 of WG0's P V, O[:, :256] += P[:, 16 kKi:] V[16 kKi:, :256],
-// as one RS WGMMA m64n256k16. A: this thread's 8 values of those P columns (registers 4 kKi .. 4 kKi + 3 of 16-bit P
-// in the m64n64 accumulator layout); B: V's tile [64 tokens, 256] of the buffer `odd` picks, MN-major, 128-byte
-// swizzle (16 tokens = 2048 bytes on; the descriptor TileLang's GEMM builds). wgmma.fence first (the chunk of P and
-// O's rescale were just written); the last chunk commits the group, which the caller waits for.
-template <int kKi, bool kF16>
-__device__ __forceinline__ void mla_pv_chunk(const void* p, const void* v0, const void* v1, int odd, float* d) {{
-  const unsigned* a = reinterpret_cast<const unsigned*>(p) + kKi * 4;
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(odd ? v1 : v0)) + kKi * 2048;
-  const unsigned long long desc = (1ull << 62) | (64ull << 32) | (512ull << 16) | ((addr >> 4) & 0x3FFFu);
-  asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory");
-{issue}
-  if (kKi == 3) asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");
-}}
-'''
-
-
-PRELUDE += _pv_chunk_prelude()
 
 # KernelConfig.trace_part: clock64 per (role, block g < 64, step) of one program (row block 0), written to the last
 # slot of out_partial, which no plan uses (slots go up to num_parts + batch - 2): int64 [role][g][step], then per role
@@ -795,10 +761,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # rs_pv WG0: the wait for WG1 to be done with P (g - 1) right after S (g), so that no wait (a branch) splits the
     # code from the row max to P's stores, which ptxas then schedules as one block
     pfree_early = rs_pv and cfg.pfree_early
-    # rs_pv WG0: its P V in four 16-token chunks (one RS WGMMA k-step each, mla_pv_chunk) issued as P's exp2s produce
-    # them, so the tensor pipe starts after a quarter of the exp2s; O's rescale (skipped at alpha 1) comes first
-    pv_chunks = pv_early and pfree_early and scale_in_exp and cfg.pv_chunks
-    pv_chunk_names = [f"mla_pv_chunk<{c}, {'true' if cdtype == 'float16' else 'false'}>" for c in range(4)]
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -1232,31 +1194,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             for i, j in T.Parallel(block_rows, block_n):
                 acc_s[i, j] = T.if_then_else(pos0 + j < vis0 + (row0 + i) // num_heads,
                                              acc_s[i, j] * scale_log2, -T.infinity(accum))
-
-    @T.macro
-    def wg0_pv(p_frag, kv0_l, kv1_l, acc_o_l, g, kv_len):
-        """rs_pv WG0: O[:, :256] += P V[:, :256] from P in registers. pv_chunks issued it already (mla_pv_chunk): the
-        GEMM stays only for TileLang's layout inference of P and O (a request's length is never negative)."""
-        if pv_chunks:
-            if kv_len < 0:
-                T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
-        elif kv_buffer(g) == 0:
-            T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
-        else:
-            T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
-
-    @T.macro
-    def pv_chunk(c, name, acc_s, p_frag, m_cur, scale_log2, p_shared, kv0_l, kv1_l, g, acc_o_l):
-        """pv_chunks, chunk c (a Python int): P's columns 16 c .. 16 c + 15 (exp2, 16 bits), their stmatrix for WG1,
-        then WG0's WGMMA k-step c on them."""
-        for i, j in T.Parallel(block_rows, 16):
-            acc_s[i, c * 16 + j] = T.exp2(acc_s[i, c * 16 + j] * scale_log2 - T.if_then_else(
-                m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
-        for i, j in T.Parallel(block_rows, 16):
-            p_frag[i, c * 16 + j] = T.cast(acc_s[i, c * 16 + j], cdtype)
-        T.evaluate(T.call_extern("handle", "mla_store_p16", p_shared.access_ptr("r"), p_frag.data, c))
-        T.evaluate(T.call_extern("handle", name, p_frag.data, kv0_l.access_ptr("r"), kv1_l.access_ptr("r"),
-                                 kv_buffer(g), acc_o_l.data))
 
     @T.macro
     def mask_raw(acc_s, pos0, vis0, row0):
@@ -1800,20 +1737,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 for i in T.Parallel(block_rows):
                                     alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
                                                               T.exp2(m_prev[i] - m_cur[i]))
-                                if rescale_early and not pv_chunks:
+                                if rescale_early:
                                     for i, d in T.Parallel(block_rows, HALF):
                                         acc_o_l[i, d] *= alpha[i]
-                                if pv_chunks:  # exp2s, P's stores and WG0's P V chunk by chunk
-                                    rescale_rows(acc_o_l, alpha)
-                                    pv_chunk(0, pv_chunk_names[0], acc_s, p_frag, m_cur, scale_log2, p_shared, kv0_l,
-                                             kv1_l, g, acc_o_l)
-                                    pv_chunk(1, pv_chunk_names[1], acc_s, p_frag, m_cur, scale_log2, p_shared, kv0_l,
-                                             kv1_l, g, acc_o_l)
-                                    pv_chunk(2, pv_chunk_names[2], acc_s, p_frag, m_cur, scale_log2, p_shared, kv0_l,
-                                             kv1_l, g, acc_o_l)
-                                    pv_chunk(3, pv_chunk_names[3], acc_s, p_frag, m_cur, scale_log2, p_shared, kv0_l,
-                                             kv1_l, g, acc_o_l)
-                                elif scale_in_exp:
+                                if scale_in_exp:
                                     for i, j in T.Parallel(block_rows, block_n):
                                         acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - T.if_then_else(
                                             m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
@@ -1826,8 +1753,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     for i in T.Parallel(block_rows):
                                         l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
                                 if rs_pv:
-                                    if not pv_chunks:
-                                        T.copy(acc_s, p_frag)
+                                    T.copy(acc_s, p_frag)
                                     if not pv_first and not rescale_early:
                                         rescale_rows(acc_o_l, alpha)
                                     # alpha's slot was last read by WG1 for block g - 2, before the p_free arrival
@@ -1845,17 +1771,19 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     trace(0, g, 4)
                                     # pv_early: a read-only access_ptr, or TileLang's fence-proxy pass would take the
                                     # call for a generic write and fence it before WG0's GEMM (the fence follows it)
-                                    if not pv_chunks:
-                                        T.evaluate(T.call_extern("handle", "mla_store_p64",
-                                                                 p_shared.access_ptr("r") if pv_early
-                                                                 else T.address_of(p_shared[0, 0]), p_frag.data))
+                                    T.evaluate(T.call_extern("handle", "mla_store_p64",
+                                                             p_shared.access_ptr("r") if pv_early
+                                                             else T.address_of(p_shared[0, 0]), p_frag.data))
                                     if pv_first and not pv_early:  # P goes to WG1 before WG0's own P V is issued
                                         T.fence_proxy_async()
                                         T.barrier_arrive(p_ready[0])
                                         trace(0, g, 5)
-                                    if pv_first and not rescale_early and not pv_chunks:
+                                    if pv_first and not rescale_early:
                                         rescale_rows(acc_o_l, alpha)
-                                    wg0_pv(p_frag, kv0_l, kv1_l, acc_o_l, g, kv_len)
+                                    if kv_buffer(g) == 0:
+                                        T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
+                                    else:
+                                        T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
                                     if pv_early:  # the fence waits for P's stores, now behind WG0's GEMM
                                         T.fence_proxy_async()
                                         T.barrier_arrive(p_ready[0])
