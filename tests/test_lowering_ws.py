@@ -355,7 +355,7 @@ def test_wg0_follows_fa3_order(monkeypatch, env):
                                               ("MLA_BACKEND_SM90_MERGE", "merge_pairs", "mla_merge_ticket"),
                                               ("MLA_BACKEND_SM90_PVFIRST", "pv_first", "mla_row_sum_part"),
                                               ("MLA_BACKEND_SM90_TREEMAX", "tree_max", "mla_row_max2"),
-                                              ("MLA_BACKEND_SM90_FFMA", "scale_in_exp", "mla_row_max2_scaled"),
+                                              ("MLA_BACKEND_SM90_FFMA", "scale_in_exp", "m_cur.data, scale_log2)"),
                                               # pv_early: P's stores through a read-only pointer (no fence of TileLang's)
                                               ("MLA_BACKEND_SM90_PVEARLY", "pv_early", "p_shared.data, 0, 4096, 1")])
 def test_setting_off_gives_the_earlier_kernel(monkeypatch, env, field, marker):

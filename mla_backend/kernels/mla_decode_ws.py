@@ -268,27 +268,10 @@ __device__ __forceinline__ void mla_store_p64(void* p, const void* frag) {
 }
 // ws WG0 (KernelConfig.tree_max): the running row max of this thread's two rows of the m64n64 accumulator S
 // (row i's 16 values at (c & 7) * 4 + i * 2 + (c >> 3)), folded by a 4-level tree instead of a 16-deep chain, then over
-// the quad (lanes 4k .. 4k + 3 hold the same rows). fmax is exact: the same bits as a chain.
-__device__ __forceinline__ void mla_row_max2(const float* s, float* m) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    float v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = fmaxf(s[j * 4 + i * 2], s[j * 4 + i * 2 + 1]);
-#pragma unroll
-    for (int w = 4; w >= 1; w >>= 1) {
-#pragma unroll
-      for (int j = 0; j < w; ++j) v[j] = fmaxf(v[j], v[j + w]);
-    }
-    float x = v[0];
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    m[i] = fmaxf(m[i], x);
-  }
-}
-// scale_in_exp: the same on the raw scores, the max then times the softmax scale (log2 units). scale > 0, so
-// max(scale * s) = scale * max(s) exactly (rounding is monotonic); -inf stays -inf.
-__device__ __forceinline__ void mla_row_max2_scaled(const float* s, float* m, float scale) {
+// the quad (lanes 4k .. 4k + 3 hold the same rows). fmax is exact: the same bits as a chain. scale_in_exp passes the
+// softmax scale (log2 units) and raw scores: scale > 0, so max(scale * s) = scale * max(s) exactly (rounding is
+// monotonic) and -inf stays -inf; otherwise scale is 1.
+__device__ __forceinline__ void mla_row_max2(const float* s, float* m, float scale) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     float v[8];
@@ -1725,11 +1708,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 else:
                                     mask_scale(acc_s, pos0, vis0, row0, scale_log2)
                                 T.copy(m_cur, m_prev)
-                                if scale_in_exp:
-                                    T.evaluate(T.call_extern("handle", "mla_row_max2_scaled", acc_s.data, m_cur.data,
-                                                             scale_log2))
-                                elif tree_max:
-                                    T.evaluate(T.call_extern("handle", "mla_row_max2", acc_s.data, m_cur.data))
+                                if tree_max:
+                                    T.evaluate(T.call_extern("handle", "mla_row_max2", acc_s.data, m_cur.data,
+                                                             scale_log2 if scale_in_exp else T.float32(1.0)))
                                 else:
                                     T.reduce_max(acc_s, m_cur, dim=1, clear=False)
                                 # A row that has seen nothing yet keeps max -inf: offset by 0 instead, so
