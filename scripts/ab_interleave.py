@@ -14,7 +14,7 @@ from unittest import mock
 import torch
 
 from mla_backend.bench import Timer
-from quick_time import decode_step
+from quick_time import decode_step, parse_shapes
 
 
 def back_to_back(replay, n: int = 20) -> float:
@@ -28,13 +28,12 @@ def back_to_back(replay, n: int = 20) -> float:
 
 
 def main() -> int:
-    # b,s,h,s_q,page[,fp8]: a trailing "fp8" times an e4m3 cache (quick_time's shapes)
-    shapes = [tuple(int(v) for v in x.split(",")[:5]) + (x.endswith(",fp8"),) for x in sys.argv[1].split(";")]
+    shapes = parse_shapes(sys.argv[1])
     settings = [(s.split(":", 1)[0], dict(kv.split("=", 1) for kv in s.split(":", 1)[1].split(",") if kv))
                 for s in sys.argv[2:]]
     rounds = int(os.environ.get("AB_ROUNDS", "4"))
     timer = Timer("cuda", reps=(30, 30))
-    for b, s, h, sq, ps, fp8 in shapes:
+    for (b, s, h, sq, ps), fp8 in shapes:
         steps = {}
         for name, env in settings:
             with mock.patch.dict(os.environ, env):

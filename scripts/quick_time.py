@@ -81,6 +81,11 @@ def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
     return eager, md, (bytes_moved(b * s, b, sq, h, kv.element_size()), flops(b * s, sq, h))
 
 
+def parse_shapes(text: str) -> list:
+    """"b,s,h,s_q,page[,fp8];..." -> [((b, s, h, s_q, page), fp8)]: a trailing "fp8" times an e4m3 cache."""
+    return [(tuple(int(v) for v in x[:5]), x[5:] == ["fp8"]) for x in (y.split(",") for y in text.split(";"))]
+
+
 def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
     """decode_problem's call, run once and captured: the CUDA graph's replay (as engines run decode), the eager
     call, and (bytes, flops) for the rates."""
@@ -116,8 +121,7 @@ def main() -> int:
         cases = [cases[int(i)] for i in sys.argv[sys.argv.index("--cases") + 1].split(",")]
     runs = [(c, fp8) for c in cases for fp8 in ((False, True) if fp8_mode else (False,))]
     if "--shapes" in sys.argv:
-        shapes = [x.split(",") for x in sys.argv[sys.argv.index("--shapes") + 1].split(";")]
-        runs = [(tuple(int(v) for v in x[:5]), x[5:] == ["fp8"]) for x in shapes]
+        runs = parse_shapes(sys.argv[sys.argv.index("--shapes") + 1])
     if "--precompile" in sys.argv:
         from mla_backend.kernels import runtime
 

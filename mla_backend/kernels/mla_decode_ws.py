@@ -1179,14 +1179,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                              acc_s[i, j] * scale_log2, -T.infinity(accum))
 
     @T.macro
-    def mask_raw(acc_s, pos0, vis0, row0):
-        """scale_in_exp: mask_scale without the scale (applied in P's exp2 and to the row max)."""
-        if pos0 + block_n > vis0 + row0 // num_heads:
-            for i, j in T.Parallel(block_rows, block_n):
-                acc_s[i, j] = T.if_then_else(pos0 + j < vis0 + (row0 + i) // num_heads, acc_s[i, j],
-                                             -T.infinity(accum))
-
-    @T.macro
     def pv_quarters(p, v, acc0, acc1, acc2, acc3):
         """tws WG1: O^T[256:] += V^T P^T as four 64-dim WGMMA tiles (see the allocation), one wait."""
         T.wgmma_gemm(v[:, 0:TWS_TILE], p, acc0, transpose_A=True, transpose_B=True)
@@ -1703,10 +1695,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.barrier_arrive(q_free[0])  # last read of this segment's Q
                                 if pfree_early:  # WG1's P V (g - 1) ran before S (g) on the tensor pipe: no wait
                                     T.barrier_wait(p_free[0], p_free_parity(g))
-                                if scale_in_exp:
-                                    mask_raw(acc_s, pos0, vis0, row0)
-                                else:
-                                    mask_scale(acc_s, pos0, vis0, row0, scale_log2)
+                                # scale_in_exp: S stays raw (scale 1 here) until the row max and P's exp2 apply it
+                                mask_scale(acc_s, pos0, vis0, row0, T.float32(1.0) if scale_in_exp else scale_log2)
                                 T.copy(m_cur, m_prev)
                                 if tree_max:
                                     T.evaluate(T.call_extern("handle", "mla_row_max2", acc_s.data, m_cur.data,
@@ -1721,14 +1711,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 if rescale_early:
                                     for i, d in T.Parallel(block_rows, HALF):
                                         acc_o_l[i, d] *= alpha[i]
-                                if scale_in_exp:
-                                    for i, j in T.Parallel(block_rows, block_n):
-                                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - T.if_then_else(
-                                            m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
-                                else:
-                                    for i, j in T.Parallel(block_rows, block_n):
-                                        acc_s[i, j] = T.exp2(acc_s[i, j] - T.if_then_else(
-                                            m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                                for i, j in T.Parallel(block_rows, block_n):
+                                    acc_s[i, j] = T.exp2(acc_s[i, j] * (scale_log2 if scale_in_exp else T.float32(1.0))
+                                                         - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
                                 if not pv_first:
                                     T.reduce_sum(acc_s, row_sum, dim=1)
                                     for i in T.Parallel(block_rows):
