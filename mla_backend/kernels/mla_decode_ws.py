@@ -146,6 +146,8 @@ def grows(count: int, threads: int = 384) -> int:
 # Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range
 # (its cross-warp reductions, tws only, use 1 and 2).
 WG0_NAMED_BARRIER = 15
+# Named barrier of P's hand-over from WG0 to WG1 (KernelConfig.named_p_ready), 256 threads.
+P_READY_NAMED_BARRIER = 10
 # Named barrier of both consumer warpgroups (threads 0..255) in the epilogue of a request merged in the kernel.
 MERGE_NAMED_BARRIER = 13
 # A request's merge counter: tickets in the low 16 bits, partials stored (1 << MERGE_DONE_SHIFT each) above.
@@ -265,6 +267,15 @@ __device__ __forceinline__ void mla_store_p64(void* p, const void* frag) {
     asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
                  :: "r"(addr), "r"(f[i * 4]), "r"(f[i * 4 + 1]), "r"(f[i * 4 + 2]), "r"(f[i * 4 + 3]) : "memory");
   }
+}
+// ws, KernelConfig.named_p_ready: P's hand-over from WG0 to WG1 on a named barrier (as FlashAttention-3 does) instead
+// of an mbarrier phase. WG0's 128 threads arrive without waiting, WG1's 128 wait; WG0 cannot arrive twice before WG1
+// has waited once (it waits for p_free of the block before), so arrivals and waits pair one to one.
+__device__ __forceinline__ void mla_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void mla_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 // ws WG0 (KernelConfig.tree_max): the running row max of this thread's two rows of the m64n64 accumulator S
 // (row i's 16 values at (c & 7) * 4 + i * 2 + (c >> 3)), folded by a 4-level tree instead of a 16-deep chain, then over
@@ -730,6 +741,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # ws, 16-bit cache: each tile of a KV buffer (left, right, rope) lands on its own k_ready, so WG0's S starts on
     # the left tile while the rest is in flight and WG1 waits for its V half only; the buffer is freed as one
     tile_ready = cfg.tile_ready and not seesaw and not transposed and not is_fp8
+    # tile_ready with TMA: tiles a whole block still gathers by cp.async (the LSU path beside the TMA unit); the
+    # producer fills the TMA tiles first, in S's order, so the last fill is a cp.async one whose noinc arrival covers
+    # all of the thread's earlier copies (the tail waits on it)
+    tile_letter = {PART_L: "l", PART_R: "r", PART_T: "t"}
+    cp_async_parts = [part for part in (PART_L, PART_R, PART_T)
+                      if tma_kv and tile_ready and tile_letter[part] in cfg.cp_async_tiles]
+    fill_order = [part for part in (PART_L, PART_R, PART_T) if part not in cp_async_parts] + cp_async_parts
     # ws WG0: S's row max by a tree (a prelude helper on the m64n64 accumulator) instead of TileLang's chain
     tree_max = cfg.tree_max and not seesaw and not transposed
     # rs_pv WG0, FlashAttention-3's order: P's stores for WG1, WG0's own P V issued, then the fence (it waits for the
@@ -744,6 +762,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # rs_pv WG0: the wait for WG1 to be done with P (g - 1) right after S (g), so that no wait (a branch) splits the
     # code from the row max to P's stores, which ptxas then schedules as one block
     pfree_early = rs_pv and cfg.pfree_early
+    # pv_early: P's hand-over to WG1 on a named barrier instead of the p_ready mbarrier
+    named_p_ready = pv_early and cfg.named_p_ready
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -762,10 +782,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             T.evaluate(T.call_extern("handle", "mla_trace_end", role))
 
     def last_copy_barrier(g):
-        """The k_ready barrier of block g's last copy (seesaw: its right tile)."""
+        """The k_ready barrier of block g's last copy (seesaw: its right tile; tile_ready: fill_order's last)."""
         if seesaw:
             return part_barrier(g, PART_R)
-        return part_barrier(g, PART_T) if tile_ready else kv_buffer(g)
+        return part_barrier(g, fill_order[-1]) if tile_ready else kv_buffer(g)
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -945,7 +965,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         one thread), a partial block's by the cp.async gather."""
         if seesaw:
             T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
-        if tma_kv and pos0 + block_n <= kv_len:
+        if tma_kv and part not in cp_async_parts and pos0 + block_n <= kv_len:
             slot0 = pos0 % page_size
             T.tma_copy(kv_cache[pages[0], slot0:slot0 + block_n, col0:col0 + dst.shape[1]],
                        dst, barrier=k_ready[part_barrier(g, part)])
@@ -955,14 +975,24 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             T.cp_async_barrier_noinc(k_ready[part_barrier(g, part)])
 
     @T.macro
+    def fill_tile(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, part, k_ready, k_free, t):
+        """fill_part of tile ``part`` (a Python constant) of the buffer kv_l | kv_r | k_t."""
+        if part == PART_L:
+            fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
+        elif part == PART_R:
+            fill_part(kv_cache, pages, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
+        else:
+            fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
+
+    @T.macro
     def load_parts(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, k_ready, k_free, t):
         """Block g, tile by tile, each signalled on its own ``k_ready`` in the order S reads them: seesaw (rope, left,
         right) refills each tile as soon as its last reader has released it (``k_free[part_barrier(g, part)]``);
         tile_ready (left, right, rope) after the caller waited for the whole buffer."""
         if tile_ready:
-            fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
-            fill_part(kv_cache, pages, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
-            fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
+            fill_tile(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, fill_order[0], k_ready, k_free, t)
+            fill_tile(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, fill_order[1], k_ready, k_free, t)
+            fill_tile(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, fill_order[2], k_ready, k_free, t)
         else:
             fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
             fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
@@ -1752,7 +1782,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                         T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
                                     if pv_early:  # the fence waits for P's stores, now behind WG0's GEMM
                                         T.fence_proxy_async()
-                                        T.barrier_arrive(p_ready[0])
+                                        if named_p_ready:
+                                            T.evaluate(T.call_extern("handle", "mla_bar_arrive",
+                                                                     P_READY_NAMED_BARRIER, 256))
+                                        else:
+                                            T.barrier_arrive(p_ready[0])
                                         trace(0, g, 5)
                                     if pv_first:  # the row sums (this thread's share) while the tensor cores run
                                         T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data,
@@ -1885,7 +1919,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 T.barrier_wait(k_ready[part_barrier(g, PART_R) if tile_ready else kv_buffer(g)],
                                                kv_ready_parity(g))
                                 trace(1, g, 1)
-                                T.barrier_wait(p_ready[0], p_ready_parity(g))
+                                if named_p_ready:
+                                    T.evaluate(T.call_extern("handle", "mla_bar_sync", P_READY_NAMED_BARRIER, 256))
+                                else:
+                                    T.barrier_wait(p_ready[0], p_ready_parity(g))
                                 trace(1, g, 2)
                                 for i in T.Parallel(block_rows):
                                     alpha_r[i] = (alpha_slots[alpha_slot(g) * block_rows + i] if rs_pv
