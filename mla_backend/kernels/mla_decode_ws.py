@@ -764,6 +764,12 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     pfree_early = rs_pv and cfg.pfree_early
     # pv_early: P's hand-over to WG1 on a named barrier instead of the p_ready mbarrier
     named_p_ready = pv_early and cfg.named_p_ready
+    # rs_pv with tile_ready: one arrival per consumer warpgroup on k_free (2 per phase, as CUTLASS's pipelines count)
+    # and one of WG1 on p_free, each by the warpgroup's first thread once its GEMMs have completed (a WGMMA is one
+    # operation of the whole warpgroup, and only WGMMAs read the KV buffers and P there), instead of 128 per
+    # warpgroup: fewer shared-memory atomics per block
+    few_arrivals = rs_pv and tile_ready and cfg.few_arrivals
+    k_free_count = 2 if few_arrivals else 256
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -1444,7 +1450,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 pb_ready = T.alloc_barrier(128)  # P_b (in its block's rope tile) and M of a pair written by WG1
             elif tile_ready:  # k_ready per tile (part_barrier), k_free per buffer
                 k_ready = T.alloc_barrier([128] * (2 * N_PARTS))
-                k_free = T.alloc_barrier([256, 256])
+                k_free = T.alloc_barrier([k_free_count, k_free_count])
             else:
                 k_ready = T.alloc_barrier([128, 128])
                 k_free = T.alloc_barrier([256, 256])
@@ -1452,7 +1458,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             # seesaw: both consumers read Q and swap l (256 arrivals); otherwise WG0 alone reads Q
             q_free = T.alloc_barrier(256 if seesaw else 128)
             p_ready = T.alloc_barrier(128)  # seesaw: P_a (p_shared) and m0 of a pair written by WG0
-            p_free = T.alloc_barrier(128)  # seesaw: WG1 done with P_a and m0
+            p_free = T.alloc_barrier(1 if few_arrivals else 128)  # seesaw: WG1 done with P_a and m0
             l_ready = T.alloc_barrier(256 if seesaw else 128)
             l_free = T.alloc_barrier(256 if seesaw else 128)
 
@@ -1810,7 +1816,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.barrier_arrive(p_ready[0])
                                     rescale_rows(acc_o_l, alpha)
                                     pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
-                                T.barrier_arrive(k_free[kv_buffer(g)])
+                                if few_arrivals:
+                                    if tx == 0:
+                                        T.barrier_arrive(k_free[kv_buffer(g)])
+                                else:
+                                    T.barrier_arrive(k_free[kv_buffer(g)])
 
                             if pv_first:  # each thread held its share of the row sums
                                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
@@ -1930,8 +1940,13 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 rescale_rows(acc_o_r, alpha_r)
                                 pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
                                 trace(1, g, 3)
-                                T.barrier_arrive(p_free[0])
-                                T.barrier_arrive(k_free[kv_buffer(g)])
+                                if few_arrivals:
+                                    if tx == 128:
+                                        T.barrier_arrive(p_free[0])
+                                        T.barrier_arrive(k_free[kv_buffer(g)])
+                                else:
+                                    T.barrier_arrive(p_free[0])
+                                    T.barrier_arrive(k_free[kv_buffer(g)])
 
                             T.barrier_wait(l_ready[0], seg_ready_parity(seg))
                             for i in T.Parallel(block_rows):
