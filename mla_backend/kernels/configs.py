@@ -45,11 +45,6 @@ class KernelConfig:
     pfree_early: bool = False
     # ws (pv_early): P's hand-over to WG1 on a named barrier (bar.arrive / bar.sync) instead of the p_ready mbarrier
     named_p_ready: bool = False
-    # ws (rs_pv, tile_ready): one k_free arrival per consumer warpgroup and one p_free arrival of WG1 per block
-    few_arrivals: bool = False
-    # tma_kv with tile_ready: tiles of a whole block ("l", "r", "t": left, right, rope) gathered by the producer's
-    # cp.async instead of TMA, so the LSU path and the TMA unit copy a block side by side
-    cp_async_tiles: str = ""
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -108,8 +103,6 @@ SM90_RESCALE_ENV = "MLA_BACKEND_SM90_RESCALE"  # "0": WG0's O rescale after P's 
 SM90_FFMA_ENV = "MLA_BACKEND_SM90_FFMA"  # "0": S times the scale before the row max (before session 23)
 SM90_PFREE_ENV = "MLA_BACKEND_SM90_PFREE"  # "0": WG0 waits for WG1's release of P just before P's stores (before 23)
 SM90_NAMEDP_ENV = "MLA_BACKEND_SM90_NAMEDP"  # "0": P's hand-over to WG1 on the p_ready mbarrier (before session 24)
-SM90_FEWARRIVE_ENV = "MLA_BACKEND_SM90_FEWARRIVE"  # "1": few_arrivals (experiment)
-SM90_CPASYNC_ENV = "MLA_BACKEND_SM90_CPASYNC"  # tiles of a TMA block gathered by cp.async: a subset of "lrt"
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -131,13 +124,6 @@ def config_for(arch: str) -> KernelConfig:
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
         if value == "0" and getattr(cfg, field):
             cfg = dataclasses.replace(cfg, **{field: False})
-    if os.environ.get(SM90_FEWARRIVE_ENV) == "1":
-        cfg = dataclasses.replace(cfg, few_arrivals=True)
-    tiles = os.environ.get(SM90_CPASYNC_ENV)
-    if tiles is not None:
-        if set(tiles) - set("lrt"):
-            raise ValueError(f"{SM90_CPASYNC_ENV}={tiles!r} is not supported; expected a subset of 'lrt'")
-        cfg = dataclasses.replace(cfg, cp_async_tiles="".join(sorted(set(tiles))))
     return cfg
 
 

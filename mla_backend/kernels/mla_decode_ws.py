@@ -741,13 +741,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # ws, 16-bit cache: each tile of a KV buffer (left, right, rope) lands on its own k_ready, so WG0's S starts on
     # the left tile while the rest is in flight and WG1 waits for its V half only; the buffer is freed as one
     tile_ready = cfg.tile_ready and not seesaw and not transposed and not is_fp8
-    # tile_ready with TMA: tiles a whole block still gathers by cp.async (the LSU path beside the TMA unit); the
-    # producer fills the TMA tiles first, in S's order, so the last fill is a cp.async one whose noinc arrival covers
-    # all of the thread's earlier copies (the tail waits on it)
-    tile_letter = {PART_L: "l", PART_R: "r", PART_T: "t"}
-    cp_async_parts = [part for part in (PART_L, PART_R, PART_T)
-                      if tma_kv and tile_ready and tile_letter[part] in cfg.cp_async_tiles]
-    fill_order = [part for part in (PART_L, PART_R, PART_T) if part not in cp_async_parts] + cp_async_parts
     # ws WG0: S's row max by a tree (a prelude helper on the m64n64 accumulator) instead of TileLang's chain
     tree_max = cfg.tree_max and not seesaw and not transposed
     # rs_pv WG0, FlashAttention-3's order: P's stores for WG1, WG0's own P V issued, then the fence (it waits for the
@@ -764,12 +757,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     pfree_early = rs_pv and cfg.pfree_early
     # pv_early: P's hand-over to WG1 on a named barrier instead of the p_ready mbarrier
     named_p_ready = pv_early and cfg.named_p_ready
-    # rs_pv with tile_ready: one arrival per consumer warpgroup on k_free (2 per phase, as CUTLASS's pipelines count)
-    # and one of WG1 on p_free, each by the warpgroup's first thread once its GEMMs have completed (a WGMMA is one
-    # operation of the whole warpgroup, and only WGMMAs read the KV buffers and P there), instead of 128 per
-    # warpgroup: fewer shared-memory atomics per block
-    few_arrivals = rs_pv and tile_ready and cfg.few_arrivals
-    k_free_count = 2 if few_arrivals else 256
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -788,10 +775,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             T.evaluate(T.call_extern("handle", "mla_trace_end", role))
 
     def last_copy_barrier(g):
-        """The k_ready barrier of block g's last copy (seesaw: its right tile; tile_ready: fill_order's last)."""
+        """The k_ready barrier of block g's last copy (seesaw: its right tile)."""
         if seesaw:
             return part_barrier(g, PART_R)
-        return part_barrier(g, fill_order[-1]) if tile_ready else kv_buffer(g)
+        return part_barrier(g, PART_T) if tile_ready else kv_buffer(g)
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -971,7 +958,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         one thread), a partial block's by the cp.async gather."""
         if seesaw:
             T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
-        if tma_kv and part not in cp_async_parts and pos0 + block_n <= kv_len:
+        if tma_kv and pos0 + block_n <= kv_len:
             slot0 = pos0 % page_size
             T.tma_copy(kv_cache[pages[0], slot0:slot0 + block_n, col0:col0 + dst.shape[1]],
                        dst, barrier=k_ready[part_barrier(g, part)])
@@ -981,24 +968,14 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             T.cp_async_barrier_noinc(k_ready[part_barrier(g, part)])
 
     @T.macro
-    def fill_tile(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, part, k_ready, k_free, t):
-        """fill_part of tile ``part`` (a Python constant) of the buffer kv_l | kv_r | k_t."""
-        if part == PART_L:
-            fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
-        elif part == PART_R:
-            fill_part(kv_cache, pages, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
-        else:
-            fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
-
-    @T.macro
     def load_parts(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, k_ready, k_free, t):
         """Block g, tile by tile, each signalled on its own ``k_ready`` in the order S reads them: seesaw (rope, left,
         right) refills each tile as soon as its last reader has released it (``k_free[part_barrier(g, part)]``);
         tile_ready (left, right, rope) after the caller waited for the whole buffer."""
         if tile_ready:
-            fill_tile(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, fill_order[0], k_ready, k_free, t)
-            fill_tile(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, fill_order[1], k_ready, k_free, t)
-            fill_tile(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, fill_order[2], k_ready, k_free, t)
+            fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
+            fill_part(kv_cache, pages, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
+            fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
         else:
             fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
             fill_part(kv_cache, pages, pos0, kv_len, kv_l, 0, g, PART_L, k_ready, k_free, t)
@@ -1450,7 +1427,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 pb_ready = T.alloc_barrier(128)  # P_b (in its block's rope tile) and M of a pair written by WG1
             elif tile_ready:  # k_ready per tile (part_barrier), k_free per buffer
                 k_ready = T.alloc_barrier([128] * (2 * N_PARTS))
-                k_free = T.alloc_barrier([k_free_count, k_free_count])
+                k_free = T.alloc_barrier([256, 256])
             else:
                 k_ready = T.alloc_barrier([128, 128])
                 k_free = T.alloc_barrier([256, 256])
@@ -1458,7 +1435,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             # seesaw: both consumers read Q and swap l (256 arrivals); otherwise WG0 alone reads Q
             q_free = T.alloc_barrier(256 if seesaw else 128)
             p_ready = T.alloc_barrier(128)  # seesaw: P_a (p_shared) and m0 of a pair written by WG0
-            p_free = T.alloc_barrier(1 if few_arrivals else 128)  # seesaw: WG1 done with P_a and m0
+            p_free = T.alloc_barrier(128)  # seesaw: WG1 done with P_a and m0
             l_ready = T.alloc_barrier(256 if seesaw else 128)
             l_free = T.alloc_barrier(256 if seesaw else 128)
 
@@ -1816,11 +1793,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.barrier_arrive(p_ready[0])
                                     rescale_rows(acc_o_l, alpha)
                                     pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
-                                if few_arrivals:
-                                    if tx == 0:
-                                        T.barrier_arrive(k_free[kv_buffer(g)])
-                                else:
-                                    T.barrier_arrive(k_free[kv_buffer(g)])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
 
                             if pv_first:  # each thread held its share of the row sums
                                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
@@ -1940,13 +1913,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 rescale_rows(acc_o_r, alpha_r)
                                 pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
                                 trace(1, g, 3)
-                                if few_arrivals:
-                                    if tx == 128:
-                                        T.barrier_arrive(p_free[0])
-                                        T.barrier_arrive(k_free[kv_buffer(g)])
-                                else:
-                                    T.barrier_arrive(p_free[0])
-                                    T.barrier_arrive(k_free[kv_buffer(g)])
+                                T.barrier_arrive(p_free[0])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
 
                             T.barrier_wait(l_ready[0], seg_ready_parity(seg))
                             for i in T.Parallel(block_rows):
