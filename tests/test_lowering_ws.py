@@ -258,11 +258,6 @@ def check_named_barriers_role_local(src: str, variant, kernel: str = "ws") -> di
             assert not ids_by_role[a] & ids_by_role[b], f"{a} and {b} share named barrier(s) {ids_by_role[a] & ids_by_role[b]}"
     # TileLang's cross-warp reductions synchronise on named barriers 1 and 2 (bar.sync inside AllReduce)
     assert not {"1", "2"} & set().union(*ids_by_role.values()), "a role's named barrier collides with AllReduce's"
-    # P's hand-over (named_p_ready) spans WG0 (arrives) and WG1 (waits) on an id none of TileLang's barriers use
-    assert str(ws.P_READY_NAMED_BARRIER) not in set().union(*ids_by_role.values())
-    calls = {role: ("mla_bar_arrive(" in text, "mla_bar_sync(" in text) for role, text in sections.items()}
-    if any(any(c) for c in calls.values()):
-        assert calls == {role: (role == "wg0", role == "wg1") for role in calls}, calls
     return sections
 
 
@@ -349,11 +344,7 @@ def test_wg0_follows_fa3_order(monkeypatch, env):
     row_max, exp = at(r"mla_row_max2"), at(r"T\.exp2\(acc_s\[i, j\]")
     pfree_wait = at(r"mbarrier_wait_parity\(p_free\w*\[0\]")
     rescale = at(r"acc_o_l\[i, d\] = acc_o_l\[i, d\] \* alpha\[i\]")
-    # P's hand-over: a named barrier (session 24's named_p_ready, which needs pv_early) or the p_ready mbarrier
-    named = env != "MLA_BACKEND_SM90_PVEARLY"
-    wg0_pv = at(r"wgmma_gemm\(T\.region\(p_frag")
-    p_ready = at(r'"mla_bar_arrive", 10, 256\)' if named else r"ptx_arrive_barrier\(p_ready\w*\[0\]\)")
-    assert ('"mla_bar_sync", 10, 256)' in src) == named
+    wg0_pv, p_ready = at(r"wgmma_gemm\(T\.region\(p_frag"), at(r"ptx_arrive_barrier\(p_ready\w*\[0\]\)")
     assert (pfree_wait < row_max) == (env != "MLA_BACKEND_SM90_PFREE")
     assert (rescale < exp) == (env != "MLA_BACKEND_SM90_RESCALE")
     assert (wg0_pv < p_ready) == (env != "MLA_BACKEND_SM90_PVEARLY")
@@ -366,14 +357,13 @@ def test_wg0_follows_fa3_order(monkeypatch, env):
                                               ("MLA_BACKEND_SM90_TREEMAX", "tree_max", "mla_row_max2"),
                                               ("MLA_BACKEND_SM90_FFMA", "scale_in_exp", "m_cur.data, scale_log2)"),
                                               # pv_early: P's stores through a read-only pointer (no fence of TileLang's)
-                                              ("MLA_BACKEND_SM90_PVEARLY", "pv_early", "p_shared.data, 0, 4096, 1"),
-                                              ("MLA_BACKEND_SM90_NAMEDP", "named_p_ready", '"mla_bar_sync", 10, 256)')])
+                                              ("MLA_BACKEND_SM90_PVEARLY", "pv_early", "p_shared.data, 0, 4096, 1")])
 def test_setting_off_gives_the_earlier_kernel(monkeypatch, env, field, marker):
     """Each later change to the default kernel has an env switch back (0): KV blocks by TMA (session 14), WG0's P V
     from registers (15), two-part requests merged in the split kernel (16), WG0's row sums behind its P V (17; the
     page ids read ahead, also 17, in test_producer_reads_page_ids_around_the_buffer_wait), S's row max by a tree
     (22), the softmax scale inside P's exp2 and WG0's P V before P's fence (23; the rest of 23 in
-    test_wg0_follows_fa3_order), P's hand-over to WG1 on a named barrier (24). Other values are refused."""
+    test_wg0_follows_fa3_order). Other values are refused."""
     from mla_backend.kernels import configs
 
     monkeypatch.setenv(env, "0")

@@ -43,8 +43,6 @@ class KernelConfig:
     # ws WG0 (rs_pv): the wait for WG1 to be done with the previous P right after S, not before P's stores, so no
     # branch splits the softmax for ptxas's scheduler
     pfree_early: bool = False
-    # ws (pv_early): P's hand-over to WG1 on a named barrier (bar.arrive / bar.sync) instead of the p_ready mbarrier
-    named_p_ready: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -59,7 +57,7 @@ SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True,
                      merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True, tree_max=True,
                      pv_early=True, rescale_early=True, scale_in_exp=True,
-                     pfree_early=True, named_p_ready=True)
+                     pfree_early=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
@@ -81,7 +79,7 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True,
                         tile_ready=True, tree_max=True, pv_early=True, rescale_early=True, scale_in_exp=True,
-                        pfree_early=True, named_p_ready=True)
+                        pfree_early=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
@@ -102,7 +100,6 @@ SM90_PVEARLY_ENV = "MLA_BACKEND_SM90_PVEARLY"  # "0": WG0's P V issued after the
 SM90_RESCALE_ENV = "MLA_BACKEND_SM90_RESCALE"  # "0": WG0's O rescale after P's hand-over, skipped at alpha 1 (before 23)
 SM90_FFMA_ENV = "MLA_BACKEND_SM90_FFMA"  # "0": S times the scale before the row max (before session 23)
 SM90_PFREE_ENV = "MLA_BACKEND_SM90_PFREE"  # "0": WG0 waits for WG1's release of P just before P's stores (before 23)
-SM90_NAMEDP_ENV = "MLA_BACKEND_SM90_NAMEDP"  # "0": P's hand-over to WG1 on the p_ready mbarrier (before session 24)
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -117,8 +114,7 @@ def config_for(arch: str) -> KernelConfig:
                        (SM90_PAGES_ENV, "pages_ahead"), (SM90_PVFIRST_ENV, "pv_first"),
                        (SM90_TILES_ENV, "tile_ready"), (SM90_TREEMAX_ENV, "tree_max"),
                        (SM90_PVEARLY_ENV, "pv_early"), (SM90_RESCALE_ENV, "rescale_early"),
-                       (SM90_FFMA_ENV, "scale_in_exp"), (SM90_PFREE_ENV, "pfree_early"),
-                       (SM90_NAMEDP_ENV, "named_p_ready")):
+                       (SM90_FFMA_ENV, "scale_in_exp"), (SM90_PFREE_ENV, "pfree_early")):
         value = os.environ.get(env, "1")
         if value not in ("0", "1"):
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")

@@ -146,8 +146,6 @@ def grows(count: int, threads: int = 384) -> int:
 # Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range
 # (its cross-warp reductions, tws only, use 1 and 2).
 WG0_NAMED_BARRIER = 15
-# Named barrier of P's hand-over from WG0 to WG1 (KernelConfig.named_p_ready), 256 threads.
-P_READY_NAMED_BARRIER = 10
 # Named barrier of both consumer warpgroups (threads 0..255) in the epilogue of a request merged in the kernel.
 MERGE_NAMED_BARRIER = 13
 # A request's merge counter: tickets in the low 16 bits, partials stored (1 << MERGE_DONE_SHIFT each) above.
@@ -267,15 +265,6 @@ __device__ __forceinline__ void mla_store_p64(void* p, const void* frag) {
     asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
                  :: "r"(addr), "r"(f[i * 4]), "r"(f[i * 4 + 1]), "r"(f[i * 4 + 2]), "r"(f[i * 4 + 3]) : "memory");
   }
-}
-// ws, KernelConfig.named_p_ready: P's hand-over from WG0 to WG1 on a named barrier (as FlashAttention-3 does) instead
-// of an mbarrier phase. WG0's 128 threads arrive without waiting, WG1's 128 wait; WG0 cannot arrive twice before WG1
-// has waited once (it waits for p_free of the block before), so arrivals and waits pair one to one.
-__device__ __forceinline__ void mla_bar_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void mla_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 // ws WG0 (KernelConfig.tree_max): the running row max of this thread's two rows of the m64n64 accumulator S
 // (row i's 16 values at (c & 7) * 4 + i * 2 + (c >> 3)), folded by a 4-level tree instead of a 16-deep chain, then over
@@ -755,8 +744,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # rs_pv WG0: the wait for WG1 to be done with P (g - 1) right after S (g), so that no wait (a branch) splits the
     # code from the row max to P's stores, which ptxas then schedules as one block
     pfree_early = rs_pv and cfg.pfree_early
-    # pv_early: P's hand-over to WG1 on a named barrier instead of the p_ready mbarrier
-    named_p_ready = pv_early and cfg.named_p_ready
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -1765,11 +1752,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                         T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
                                     if pv_early:  # the fence waits for P's stores, now behind WG0's GEMM
                                         T.fence_proxy_async()
-                                        if named_p_ready:
-                                            T.evaluate(T.call_extern("handle", "mla_bar_arrive",
-                                                                     P_READY_NAMED_BARRIER, 256))
-                                        else:
-                                            T.barrier_arrive(p_ready[0])
+                                        T.barrier_arrive(p_ready[0])
                                         trace(0, g, 5)
                                     if pv_first:  # the row sums (this thread's share) while the tensor cores run
                                         T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data,
@@ -1902,10 +1885,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 T.barrier_wait(k_ready[part_barrier(g, PART_R) if tile_ready else kv_buffer(g)],
                                                kv_ready_parity(g))
                                 trace(1, g, 1)
-                                if named_p_ready:
-                                    T.evaluate(T.call_extern("handle", "mla_bar_sync", P_READY_NAMED_BARRIER, 256))
-                                else:
-                                    T.barrier_wait(p_ready[0], p_ready_parity(g))
+                                T.barrier_wait(p_ready[0], p_ready_parity(g))
                                 trace(1, g, 2)
                                 for i in T.Parallel(block_rows):
                                     alpha_r[i] = (alpha_slots[alpha_slot(g) * block_rows + i] if rs_pv
