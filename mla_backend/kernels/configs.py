@@ -43,6 +43,9 @@ class KernelConfig:
     # ws WG0 (rs_pv): the wait for WG1 to be done with the previous P right after S, not before P's stores, so no
     # branch splits the softmax for ptxas's scheduler
     pfree_early: bool = False
+    # ws with tma_kv and tile_ready, an even number of row blocks: the CTA pairs of a part share each whole block by
+    # TMA multicast (a cluster of 2; opt-in experiment, MLA_BACKEND_SM90_CLUSTER=1)
+    cluster_kv: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -102,6 +105,9 @@ SM90_FFMA_ENV = "MLA_BACKEND_SM90_FFMA"  # "0": S times the scale before the row
 SM90_PFREE_ENV = "MLA_BACKEND_SM90_PFREE"  # "0": WG0 waits for WG1's release of P just before P's stores (before 23)
 
 
+SM90_CLUSTER_ENV = "MLA_BACKEND_SM90_CLUSTER"  # "1": cluster_kv (experiment)
+
+
 def config_for(arch: str) -> KernelConfig:
     """The tile configuration the kernels of ``arch`` ("sm90" or "gfx942") are built and planned with."""
     if arch != "sm90":
@@ -120,6 +126,8 @@ def config_for(arch: str) -> KernelConfig:
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
         if value == "0" and getattr(cfg, field):
             cfg = dataclasses.replace(cfg, **{field: False})
+    if os.environ.get(SM90_CLUSTER_ENV) == "1":
+        cfg = dataclasses.replace(cfg, cluster_kv=True)
     return cfg
 
 

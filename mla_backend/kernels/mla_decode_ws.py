@@ -266,6 +266,19 @@ __device__ __forceinline__ void mla_store_p64(void* p, const void* frag) {
                  :: "r"(addr), "r"(f[i * 4]), "r"(f[i * 4 + 1]), "r"(f[i * 4 + 2]), "r"(f[i * 4 + 3]) : "memory");
   }
 }
+// cluster_kv: a 64-token x 64-dim box of the cache multicast to both CTAs of a pair (mask), its bytes completing the
+// barrier at the same offset in each. kv_cache_desc is the tensor map TileLang passes for its own tma_copy of the
+// cache (the rope tile), so the macro expands only inside that kernel (CUtensorMap is declared after the prelude).
+#define MLA_TMA_MC(bar, smem, col, slot, page, mask) mla_tma_mc(kv_cache_desc, bar, smem, col, slot, page, mask)
+template <typename DescT, typename BarrierT>
+__device__ __forceinline__ void mla_tma_mc(const DescT& desc, BarrierT& bar, void* smem, int col, int slot, int page,
+                                           unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4, %5}], [%2], %6;"
+      :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(&desc), "r"((unsigned)__cvta_generic_to_shared(&bar)),
+         "r"(col), "r"(slot), "r"(page), "h"(mask) : "memory");
+}
 // ws WG0 (KernelConfig.tree_max): the running row max of this thread's two rows of the m64n64 accumulator S
 // (row i's 16 values at (c & 7) * 4 + i * 2 + (c >> 3)), folded by a 4-level tree instead of a 16-deep chain, then over
 // the quad (lanes 4k .. 4k + 3 hold the same rows). fmax is exact: the same bits as a chain. scale_in_exp passes the
@@ -730,6 +743,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # ws, 16-bit cache: each tile of a KV buffer (left, right, rope) lands on its own k_ready, so WG0's S starts on
     # the left tile while the rest is in flight and WG1 waits for its V half only; the buffer is freed as one
     tile_ready = cfg.tile_ready and not seesaw and not transposed and not is_fp8
+    # cluster_kv: the CTAs of row blocks 2i and 2i + 1 of a part (one cluster) walk the same blocks; of a whole block,
+    # rank 0 issues the left tile and rank 1 the right tile, each multicast to both, and each its own rope tile; a
+    # buffer is refilled once the consumers of both CTAs have released it (k_free counts both CTAs' arrivals)
+    cluster = cfg.cluster_kv and tma_kv and tile_ready and n_row_blocks % 2 == 0
     # ws WG0: S's row max by a tree (a prelude helper on the m64n64 accumulator) instead of TileLang's chain
     tree_max = cfg.tree_max and not seesaw and not transposed
     # rs_pv WG0, FlashAttention-3's order: P's stores for WG1, WG0's own P V issued, then the fence (it waits for the
@@ -945,7 +962,17 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         one thread), a partial block's by the cp.async gather."""
         if seesaw:
             T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
-        if tma_kv and pos0 + block_n <= kv_len:
+        if cluster and part != PART_T and pos0 + block_n <= kv_len:
+            mc_slot0 = pos0 % page_size
+            if t == 0:  # both CTAs expect the tile; one of them issues it for both
+                T.mbarrier_expect_tx(k_ready[part_barrier(g, part)], block_n * HALF * 2)
+                if T.block_rank_in_cluster() == (0 if part == PART_L else 1):
+                    for c in T.unroll(HALF // 64):
+                        T.evaluate(T.call_extern("handle", "MLA_TMA_MC", k_ready[part_barrier(g, part)],
+                                                 T.access_ptr(dst[0, c * 64], "w", 1), col0 + c * 64, mc_slot0, pages[0],
+                                                 3))
+            T.barrier_arrive(k_ready[part_barrier(g, part)])
+        elif tma_kv and pos0 + block_n <= kv_len:
             slot0 = pos0 % page_size
             T.tma_copy(kv_cache[pages[0], slot0:slot0 + block_n, col0:col0 + dst.shape[1]],
                        dst, barrier=k_ready[part_barrier(g, part)])
@@ -953,6 +980,15 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         else:
             load_part(kv_cache, pages, pos0, kv_len, dst, col0, t)
             T.cp_async_barrier_noinc(k_ready[part_barrier(g, part)])
+
+    @T.macro
+    def release_kv(k_free, g, tx):
+        """A consumer thread is done reading block g's buffer; cluster: its warp (once all of its lanes are, lane 0
+        for them) also tells the other CTA of the pair, whose producer refills both CTAs' buffers."""
+        T.barrier_arrive(k_free[kv_buffer(g)])
+        if cluster:
+            if tx % 32 == 0:
+                T.mbarrier_arrive(k_free[kv_buffer(g)], 1 - T.block_rank_in_cluster())
 
     @T.macro
     def load_parts(kv_cache, pages, pos0, kv_len, kv_l, kv_r, k_t, g, k_ready, k_free, t):
@@ -1344,7 +1380,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         merge_count: T.Tensor([num_counts], "int32"),
     ):
         prelude = PRELUDE + (trace_prelude(cfg.trace_part) if tracing else "")
-        with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=prelude) as (part, row_block):
+        with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=prelude,
+                      cluster_dims=(1, 2, 1) if cluster else None) as (part, row_block):
             q_l = T.alloc_shared([q_rows, HALF], cdtype)
             q_r = T.alloc_shared([q_rows, HALF], cdtype)
             q_t = T.alloc_shared([q_rows, ROPE_DIM], cdtype)
@@ -1414,7 +1451,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 pb_ready = T.alloc_barrier(128)  # P_b (in its block's rope tile) and M of a pair written by WG1
             elif tile_ready:  # k_ready per tile (part_barrier), k_free per buffer
                 k_ready = T.alloc_barrier([128] * (2 * N_PARTS))
-                k_free = T.alloc_barrier([256, 256])
+                k_free = (T.alloc_cluster_barrier([256 + 8, 256 + 8]) if cluster  # + one per warp of the pair's consumers
+                          else T.alloc_barrier([256, 256]))
             else:
                 k_ready = T.alloc_barrier([128, 128])
                 k_free = T.alloc_barrier([256, 256])
@@ -1776,7 +1814,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                     T.barrier_arrive(p_ready[0])
                                     rescale_rows(acc_o_l, alpha)
                                     pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
-                                T.barrier_arrive(k_free[kv_buffer(g)])
+                                release_kv(k_free, g, tx)
 
                             if pv_first:  # each thread held its share of the row sums
                                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
@@ -1894,7 +1932,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                                 pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
                                 trace(1, g, 3)
                                 T.barrier_arrive(p_free[0])
-                                T.barrier_arrive(k_free[kv_buffer(g)])
+                                release_kv(k_free, g, tx)
 
                             T.barrier_wait(l_ready[0], seg_ready_parity(seg))
                             for i in T.Parallel(block_rows):
@@ -1949,6 +1987,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     if tma_kv or is_fp8:
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
                 trace_end(2)
+            if cluster:  # no CTA exits while its pair may still copy into it or arrive on its k_free
+                T.cluster_sync()
 
     return mla_decode_split
 
