@@ -1,0 +1,1 @@
+# session 24, call 12 (carries vllm-c + unpack.sh): source .devkit/unpack.sh
