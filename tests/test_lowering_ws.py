@@ -268,19 +268,64 @@ def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
     assert not any("tl::AllReduce<" in text and "128, 32" in text for text in sections.values())
 
 
+def _tile_boxes(producer: str) -> list[int]:
+    """The bytes each whole block's tile expects on its k_ready, sorted."""
+    return sorted(int(n) for n in re.findall(r"k_ready\[[^\n]*?\]\.expect_transaction\((\d+)\)", producer))
+
+
 def test_whole_blocks_arrive_by_tma(lowered):
-    """16-bit cache, page size a multiple of 64: a block is nine 64 x 64 TMA boxes issued by one producer thread; with
-    tile_ready (default since session 20) each tile's boxes (left 4, right 4, rope 1) complete on the tile's own
-    k_ready (6 barriers of 128 arrivals); page size 1 and the fp8 cache keep cp.async."""
-    src, _ = lowered[(128, 1, 64, "bfloat16", "bfloat16")]
-    producer = _role_sections(src, (128, 1, 64, "bfloat16", "bfloat16"))["producer"]
-    assert producer.count("tl::tma_load(kv_cache_desc") == 18
-    expected = sorted(int(n) for n in re.findall(r"k_ready\[[^\n]*?\]\.expect_transaction\((\d+)\)", producer))
-    assert expected == sorted([64 * 256 * 2] * 4 + [64 * 64 * 2] * 2), expected
+    """16-bit cache, page size a multiple of 64, an even number of row blocks (cluster_kv, default since session 24):
+    the two row-block CTAs of a part are a cluster; of a whole block, rank 0's producer issues the left tile's four
+    64 x 64 boxes and rank 1's the right tile's, each multicast to both CTAs, and each CTA its own rope box. Both CTAs
+    expect every tile on its own k_ready (tile_ready: 6 barriers of 128 arrivals). k_free counts its CTA's 256
+    consumer threads and one arrival per consumer warp of the other CTA (lane 0, after the warp's GEMMs); the pair
+    synchronises after the barriers' initialisation and before exit. Page size 1 and the fp8 cache keep cp.async."""
+    variant = (128, 1, 64, "bfloat16", "bfloat16")
+    src, _ = lowered[variant]
+    sections = _role_sections(src, variant)
+    producer = sections["producer"]
+    assert producer.count("tl::tma_load(kv_cache_desc") == 2  # the rope tile of each buffer
+    assert producer.count("MLA_TMA_MC(k_ready") == 4  # left / right tile of each buffer, four boxes each
+    assert producer.count("if (tl::block_rank_in_cluster() == 0)") == 2 == producer.count(
+        "if (tl::block_rank_in_cluster() == 1)")
+    assert _tile_boxes(producer) == sorted([64 * 256 * 2] * 4 + [64 * 64 * 2] * 2)
     assert [f"k_ready[{i}].init(128);" in src for i in range(7)] == [True] * 6 + [False]
+    assert "k_free[0].init(264);" in src and "k_free[1].init(264);" in src
+    assert src.count("tl::cluster_sync();") == 2 and src.rstrip().endswith("tl::cluster_sync();\n}")
+    for role in ("wg0", "wg1"):
+        remote = sections[role].index(".arrive((1 - tl::block_rank_in_cluster()));")
+        assert any("% 32) == 0" in h for h in _thread_dependent_ifs_around(src, src.index(sections[role]) + remote))
     assert "tl_shuffle_elect<128>" in producer
     for variant in [(128, 2, 1, "bfloat16", "bfloat16"), (16, 1, 64, "bfloat16", "float8_e4m3")]:
         assert "tma_load(kv_cache_desc" not in lowered[variant][0], variant
+        assert "cluster_sync" not in lowered[variant][0], variant
+
+
+def test_whole_blocks_per_cta_without_cluster():
+    """cluster_kv off (MLA_BACKEND_SM90_CLUSTER=0, the kernel before session 24): each CTA's producer issues all nine
+    boxes of a whole block itself, one thread, on the three tiles' k_ready; no cluster barrier or sync."""
+    ctx = multiprocessing.get_context("spawn")
+    variant = (128, 1, 64, "bfloat16", "bfloat16")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        src, _ = pool.submit(_lower, variant, "tws", cluster_kv=False).result()
+    producer = _role_sections(src, variant)["producer"]
+    assert producer.count("tl::tma_load(kv_cache_desc") == 18 and "MLA_TMA_MC(" not in producer
+    assert _tile_boxes(producer) == sorted([64 * 256 * 2] * 4 + [64 * 64 * 2] * 2)
+    assert "k_free[0].init(256);" in src and "cluster" not in src.split("extern \"C\" __global__")[-1]
+
+
+def test_clusters_only_for_an_even_number_of_row_blocks():
+    """cluster_kv pairs row blocks 2i and 2i + 1 of a part: the variants with 2 or 4 row blocks and TMA blocks get the
+    multicast; one row block (h x q_len <= 64), page sizes below 64 and fp8 caches do not."""
+    from mla_backend.kernels import configs
+
+    cfg = configs.SM90_KERNELS[configs.DEFAULT_SM90_KERNEL]
+    assert cfg.cluster_kv
+    for variant, paired in [((128, 1, 64, "bfloat16", "bfloat16"), True), ((64, 2, 64, "float16", "float16"), True),
+                            ((128, 2, 128, "bfloat16", "bfloat16"), True), ((64, 1, 64, "bfloat16", "bfloat16"), False),
+                            ((32, 2, 64, "bfloat16", "bfloat16"), False), ((128, 1, 16, "bfloat16", "bfloat16"), False),
+                            ((128, 1, 64, "bfloat16", "float8_e4m3"), False)]:
+        assert ('"MLA_TMA_MC"' in ws.build_decode_kernel_ws(*variant, cfg=cfg).script()) == paired, variant
 
 
 def test_one_k_ready_per_buffer_without_tile_ready():
@@ -357,13 +402,15 @@ def test_wg0_follows_fa3_order(monkeypatch, env):
                                               ("MLA_BACKEND_SM90_TREEMAX", "tree_max", "mla_row_max2"),
                                               ("MLA_BACKEND_SM90_FFMA", "scale_in_exp", "m_cur.data, scale_log2)"),
                                               # pv_early: P's stores through a read-only pointer (no fence of TileLang's)
-                                              ("MLA_BACKEND_SM90_PVEARLY", "pv_early", "p_shared.data, 0, 4096, 1")])
+                                              ("MLA_BACKEND_SM90_PVEARLY", "pv_early", "p_shared.data, 0, 4096, 1"),
+                                              ("MLA_BACKEND_SM90_CLUSTER", "cluster_kv", '"MLA_TMA_MC"')])
 def test_setting_off_gives_the_earlier_kernel(monkeypatch, env, field, marker):
     """Each later change to the default kernel has an env switch back (0): KV blocks by TMA (session 14), WG0's P V
     from registers (15), two-part requests merged in the split kernel (16), WG0's row sums behind its P V (17; the
     page ids read ahead, also 17, in test_producer_reads_page_ids_around_the_buffer_wait), S's row max by a tree
     (22), the softmax scale inside P's exp2 and WG0's P V before P's fence (23; the rest of 23 in
-    test_wg0_follows_fa3_order). Other values are refused."""
+    test_wg0_follows_fa3_order), the row-block CTA pairs sharing each block by TMA multicast (24). Other values are
+    refused."""
     from mla_backend.kernels import configs
 
     monkeypatch.setenv(env, "0")
