@@ -60,6 +60,7 @@ included); ``s`` counts the non-empty request segments the program has started. 
     barrier        count  arrived by                      waited by (parity)
     k_ready[b]      128   WG2, cp.async noinc / arrive    WG0, WG1 for block g (b = g & 1): (g >> 1) & 1
     k_free[b]       256   WG0 + WG1 after block g         WG2 before filling block g: ((g >> 1) & 1) ^ 1
+                   (+8)   cluster_kv: lane 0 of each consumer warp of the pair's other CTA, after block g
     q_ready         128   WG2, cp.async noinc             WG0 before segment s's first S: s & 1
     q_free          128   WG0 after segment s's last S    WG2 before loading Q of segment s: (s & 1) ^ 1
     p_ready         128   WG0 after writing P, alpha(g)   WG1 for block g: g & 1
