@@ -220,17 +220,18 @@ def test_no_recompile_across_batches():
     assert runtime.STATS.compiled == compiled
 
 
-def test_cuda_graph_replay_with_new_lengths():
-    _kernel_or_skip()
-    batch, heads, page_size, max_pages = 8, 16, 64, 40
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 1), (128, 2)])  # h=128: the row-block CTA pairs (clusters)
+def test_cuda_graph_replay_with_new_lengths(heads, q_len):
+    _kernel_or_skip(heads=heads, q_len=q_len)
+    batch, page_size, max_pages = 8, 64, 40
     g = torch.Generator(device="cpu").manual_seed(3)
     kv_cache = torch.randn(400, page_size, 576, generator=g).bfloat16().cuda()
     table = torch.randperm(400, generator=g)[: batch * max_pages].int().view(batch, max_pages).cuda()
     kv_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, heads, 576, generator=g).bfloat16().cuda()
-    md = MLADecodeMetadata.from_block_table(table, kv_lens, page_size)
-    planner = SplitPlanner(batch, heads, 1, "cuda")
-    out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(batch * q_len, heads, 576, generator=g).bfloat16().cuda()
+    md = MLADecodeMetadata.from_block_table(table, kv_lens, page_size, q_len=q_len)
+    planner = SplitPlanner(batch, heads, q_len, "cuda")
+    out = torch.empty(batch * q_len, heads, 512, dtype=torch.bfloat16, device="cuda")
 
     def step(lens):
         kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
@@ -244,7 +245,8 @@ def test_cuda_graph_replay_with_new_lengths():
         mla_decode(q, kv_cache, md, SCALE, out=out, check_indices=False)
     for seed in range(3):
         lens = torch.randint(0, max_pages * page_size, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
-        lens[0] = 1
+        lens = [max(n, q_len) for n in lens]  # each query token sees itself and the tokens before it
+        lens[0] = q_len
         step(lens)
         out.fill_(float("nan"))
         graph.replay()
