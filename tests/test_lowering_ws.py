@@ -96,6 +96,13 @@ def _lower(variant, kernel: str = "ws", **overrides):
     return art.kernel_source, max(sizes, default=0)
 
 
+def _lower_apart(variant, kernel: str = "ws", **overrides):
+    """``_lower`` in a fresh worker process, for one variant outside the module's fixtures."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(_lower, variant, kernel, **overrides).result()
+
+
 @pytest.fixture(scope="module")
 def lowered():
     ctx = multiprocessing.get_context("spawn")
@@ -193,9 +200,7 @@ def test_ws_kernel_lowers(lowered, variant):
 
 def test_seesaw_kernel_lowers():
     """The seesaw schedule (opt-in, MLA_BACKEND_SM90_KERNEL=seesaw): padded MTP row block, fp16."""
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        src, smem = pool.submit(_lower, (16, 2, 16, "float16", "float16"), "seesaw").result()
+    src, smem = _lower_apart((16, 2, 16, "float16", "float16"), "seesaw")
     assert "tl::wgmma_ss<" in src and "tl::wgmma_rs<" in src, "S and the other's P @ V via shared, own P from registers"
     assert src.count(f"warpgroup_reg_alloc<{ws.REGS_SEESAW}>") == 2
     assert f"warpgroup_reg_dealloc<{ws.REGS_SEESAW_PRODUCER}>" in src
@@ -304,10 +309,8 @@ def test_whole_blocks_arrive_by_tma(lowered):
 def test_whole_blocks_per_cta_without_cluster():
     """cluster_kv off (MLA_BACKEND_SM90_CLUSTER=0, the kernel before session 24): each CTA's producer issues all nine
     boxes of a whole block itself, one thread, on the three tiles' k_ready; no cluster barrier or sync."""
-    ctx = multiprocessing.get_context("spawn")
     variant = (128, 1, 64, "bfloat16", "bfloat16")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        src, _ = pool.submit(_lower, variant, "tws", cluster_kv=False).result()
+    src, _ = _lower_apart(variant, "tws", cluster_kv=False)
     producer = _role_sections(src, variant)["producer"]
     assert producer.count("tl::tma_load(kv_cache_desc") == 18 and "MLA_TMA_MC(" not in producer
     assert _tile_boxes(producer) == sorted([64 * 256 * 2] * 4 + [64 * 64 * 2] * 2)
@@ -331,10 +334,8 @@ def test_clusters_only_for_an_even_number_of_row_blocks():
 def test_one_k_ready_per_buffer_without_tile_ready():
     """tile_ready off (MLA_BACKEND_SM90_TILES=0, the kernel before session 20): each buffer's nine boxes complete on
     that buffer's one k_ready, 73 728 bytes expected on it."""
-    ctx = multiprocessing.get_context("spawn")
     variant = (128, 1, 64, "bfloat16", "bfloat16")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        src, _ = pool.submit(_lower, variant, "tws", tile_ready=False).result()
+    src, _ = _lower_apart(variant, "tws", tile_ready=False)
     producer = _role_sections(src, variant)["producer"]
     for buf in (0, 1):
         loads = re.findall(rf"tl::tma_load\(kv_cache_desc, k_ready\[{buf}\]", producer)
@@ -362,9 +363,7 @@ def test_wg0_multiplies_p_from_registers(lowered):
 
 def test_seesaw_tiles_arrive_by_tma():
     """seesaw, page 64: each tile (rope, left, right) of a whole block is its own TMA copy on its own k_ready."""
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        src, _ = pool.submit(_lower, (32, 2, 64, "bfloat16", "bfloat16"), "seesaw").result()
+    src, _ = _lower_apart((32, 2, 64, "bfloat16", "bfloat16"), "seesaw")
     assert src.count("tl::tma_load(kv_cache_desc") == 18
     expected = sorted(int(n) for n in re.findall(r"k_ready\[[^\n]*?\]\.expect_transaction\((\d+)\)", src))
     assert expected == sorted([64 * 64 * 2] * 2 + [64 * 256 * 2] * 4), expected

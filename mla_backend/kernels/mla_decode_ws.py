@@ -963,20 +963,19 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         one thread), a partial block's by the cp.async gather."""
         if seesaw:
             T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
-        if cluster and part != PART_T and pos0 + block_n <= kv_len:
-            mc_slot0 = pos0 % page_size
-            if t == 0:  # both CTAs expect the tile; one of them issues it for both
-                T.mbarrier_expect_tx(k_ready[part_barrier(g, part)], block_n * HALF * 2)
-                if T.block_rank_in_cluster() == (0 if part == PART_L else 1):
-                    for c in T.unroll(HALF // 64):
-                        T.evaluate(T.call_extern("handle", "MLA_TMA_MC", k_ready[part_barrier(g, part)],
-                                                 T.access_ptr(dst[0, c * 64], "w", 1), col0 + c * 64, mc_slot0, pages[0],
-                                                 3))
-            T.barrier_arrive(k_ready[part_barrier(g, part)])
-        elif tma_kv and pos0 + block_n <= kv_len:
+        if tma_kv and pos0 + block_n <= kv_len:
             slot0 = pos0 % page_size
-            T.tma_copy(kv_cache[pages[0], slot0:slot0 + block_n, col0:col0 + dst.shape[1]],
-                       dst, barrier=k_ready[part_barrier(g, part)])
+            if cluster and part != PART_T:
+                if t == 0:  # both CTAs expect the tile; one of them issues it for both
+                    T.mbarrier_expect_tx(k_ready[part_barrier(g, part)], block_n * HALF * 2)
+                    if T.block_rank_in_cluster() == (0 if part == PART_L else 1):
+                        for c in T.unroll(HALF // 64):
+                            T.evaluate(T.call_extern("handle", "MLA_TMA_MC", k_ready[part_barrier(g, part)],
+                                                     T.access_ptr(dst[0, c * 64], "w", 1), col0 + c * 64, slot0,
+                                                     pages[0], 3))
+            else:
+                T.tma_copy(kv_cache[pages[0], slot0:slot0 + block_n, col0:col0 + dst.shape[1]],
+                           dst, barrier=k_ready[part_barrier(g, part)])
             T.barrier_arrive(k_ready[part_barrier(g, part)])
         else:
             load_part(kv_cache, pages, pos0, kv_len, dst, col0, t)
