@@ -46,6 +46,10 @@ class KernelConfig:
     # ws with tma_kv and tile_ready, an even number of row blocks: the row-block CTAs of a part run as clusters of two
     # that share each whole block by TMA multicast (each CTA issues half of it for both)
     cluster_kv: bool = False
+    # cluster_kv (opt-in, session 25 experiments): the rope box multicast as well; the boxes of both 256-dim tiles
+    # issued by the two ranks in turn instead of one tile per rank
+    cluster_rope: bool = False
+    cluster_mix: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -106,6 +110,9 @@ SM90_RESCALE_ENV = "MLA_BACKEND_SM90_RESCALE"  # "0": WG0's O rescale after P's 
 SM90_FFMA_ENV = "MLA_BACKEND_SM90_FFMA"  # "0": S times the scale before the row max (before session 23)
 SM90_PFREE_ENV = "MLA_BACKEND_SM90_PFREE"  # "0": WG0 waits for WG1's release of P just before P's stores (before 23)
 SM90_CLUSTER_ENV = "MLA_BACKEND_SM90_CLUSTER"  # "0": each row-block CTA loads every block itself (before session 24)
+# Opt-in ("1") settings of the Hopper kernels, off by default
+SM90_CLUSTER_ROPE_ENV = "MLA_BACKEND_SM90_CLUSTER_ROPE"  # "1": cluster_kv multicasts the rope box too
+SM90_CLUSTER_MIX_ENV = "MLA_BACKEND_SM90_CLUSTER_MIX"  # "1": cluster_kv ranks issue alternate boxes of both tiles
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -127,6 +134,12 @@ def config_for(arch: str) -> KernelConfig:
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
         if value == "0" and getattr(cfg, field):
             cfg = dataclasses.replace(cfg, **{field: False})
+    for env, field in ((SM90_CLUSTER_ROPE_ENV, "cluster_rope"), (SM90_CLUSTER_MIX_ENV, "cluster_mix")):
+        value = os.environ.get(env, "0")
+        if value not in ("0", "1"):
+            raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
+        if value == "1":
+            cfg = dataclasses.replace(cfg, **{field: True})
     return cfg
 
 

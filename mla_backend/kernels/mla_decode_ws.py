@@ -748,6 +748,17 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # rank 0 issues the left tile and rank 1 the right tile, each multicast to both, and each its own rope tile; a
     # buffer is refilled once the consumers of both CTAs have released it (k_free counts both CTAs' arrivals)
     cluster = cfg.cluster_kv and tma_kv and tile_ready and n_row_blocks % 2 == 0
+    # cluster_kv: the rope box multicast too, by rank g % 2 (else each CTA loads its own); cluster_mix: each rank
+    # issues every other box of both 256-dim tiles (else rank 0 the left tile, rank 1 the right)
+    cluster_rope = cluster and cfg.cluster_rope
+    cluster_mix = cluster and cfg.cluster_mix
+
+    def box_issuer(part, c, g):
+        """The rank of a cluster_kv pair that issues box c (64 dims) of tile ``part`` of block g for both CTAs."""
+        if part == PART_T:
+            return g % 2
+        return c % 2 if cluster_mix else (0 if part == PART_L else 1)
+
     # ws WG0: S's row max by a tree (a prelude helper on the m64n64 accumulator) instead of TileLang's chain
     tree_max = cfg.tree_max and not seesaw and not transposed
     # rs_pv WG0, FlashAttention-3's order: P's stores for WG1, WG0's own P V issued, then the fence (it waits for the
@@ -965,11 +976,11 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
         if tma_kv and pos0 + block_n <= kv_len:
             slot0 = pos0 % page_size
-            if cluster and part != PART_T:
-                if t == 0:  # both CTAs expect the tile; one of them issues it for both
-                    T.mbarrier_expect_tx(k_ready[part_barrier(g, part)], block_n * HALF * 2)
-                    if T.block_rank_in_cluster() == (0 if part == PART_L else 1):
-                        for c in T.unroll(HALF // 64):
+            if cluster and (part != PART_T or cluster_rope):
+                if t == 0:  # both CTAs expect the tile; one of them issues each box for both
+                    T.mbarrier_expect_tx(k_ready[part_barrier(g, part)], block_n * dst.shape[1] * 2)
+                    for c in T.unroll(dst.shape[1] // 64):
+                        if T.block_rank_in_cluster() == box_issuer(part, c, g):
                             T.evaluate(T.call_extern("handle", "MLA_TMA_MC", k_ready[part_barrier(g, part)],
                                                      T.access_ptr(dst[0, c * 64], "w", 1), col0 + c * 64, slot0,
                                                      pages[0], 3))
@@ -1952,6 +1963,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 T.set_max_nreg(regs_producer, grows(regs_producer, threads))
                 t = tx - 256 if n_producers == 1 else (tx - 256) % 128
                 pw = (tx - 256) // 128  # producer warpgroup (rr_fp8: it converts the blocks g with g % n == pw)
+                if cluster_rope and part_hi < part_lo:
+                    # never taken: with every tile multicast, this tma_copy is what makes TileLang pass the cache's
+                    # tensor map (kv_cache_desc), which MLA_TMA_MC issues through
+                    T.tma_copy(kv_cache[0, 0:block_n, KV_LORA_RANK:HEAD_DIM], k0_t, barrier=k_ready[0])
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
                     req_hi = cu_blocks[req + 1]
