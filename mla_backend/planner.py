@@ -149,6 +149,10 @@ class SplitPlanner:
         torch.cumsum(blocks, 0, out=cu[1:])
         total = cu[batch:]  # [1]
         width = torch.clamp((total + (self.num_parts - 1)) // self.num_parts, min=min_blocks_per_part(p.rows))
+        if os.environ.get("MLA_BACKEND_PLAN_ALIGN") == "1":  # session 25 experiment: parts aligned to the longest request
+            longest = blocks.max().reshape(1)
+            width = torch.where(longest >= width, -(-longest // torch.clamp(longest // width, min=1)),
+                                longest * -(-width // longest))
         p.blocks_per_part.copy_(width)
         lo = self._part_ids * width
         hi = torch.minimum(lo + width, total)
