@@ -5,7 +5,9 @@ No host sync and no ``.item()``: every output is a device tensor computed by one
 the buffers' sizes depend only on (max batch, SM count, heads x q_len), so an engine can plan into
 persistent buffers outside a CUDA graph and replay the graph with new lengths.
 
-Part ``p`` covers flat blocks ``[p * W, min((p + 1) * W, total))`` with ``W = blocks_per_part``.
+Part ``p`` covers flat blocks ``[p * W, min((p + 1) * W, total))`` with ``W = blocks_per_part``: the even cut
+``ceil(total / num_parts)``, or the cut aligned to the longest request where that is cheaper by ``plan_cost``
+(equal lengths then give parts of whole requests, or of equal pieces of one, instead of parts that straddle two).
 A request covering blocks ``[cu[r], cu[r+1])`` is split iff ``cu[r] // W != (cu[r+1] - 1) // W``;
 its partial from part ``p`` goes to slot ``p + r``, so ``num_slots = num_parts + max_batch``.
 """
@@ -30,6 +32,11 @@ MIN_BLOCKS_PER_PART_WIDE = 2
 SMALL_PARTIAL_ROWS = 32
 KV_LORA_RANK = 512
 MIN_BLOCK_ROWS = 16  # the fewest rows of any kernel config's tile: merge counters for every kernel's row blocks
+# What a request segment costs a part beyond its blocks, in blocks: its Q, its partial written and merged, the
+# pipeline's restart. Fitted to session 25's A/B on the H100 (benchmarks/RESULTS.md): parts aligned to equal requests
+# (1-3 blocks wider, half the segments) were 2.4-9.8% faster at h=128 / 64 / 32 x s_q 2, 1% at h=16 b=128, and a 3%
+# wider cut with a third fewer segments (b=128 s_k=16384 h=128: 497 -> 512) 1-3.6% slower: about 8 blocks.
+SEGMENT_COST_BLOCKS = 8
 
 
 @dataclass
@@ -60,6 +67,31 @@ class SplitPlan:
 def min_blocks_per_part(rows: int) -> int:
     """The fewest KV blocks a part of a plan for ``rows`` (heads x q_len) query rows holds."""
     return MIN_BLOCKS_PER_PART if rows <= SMALL_PARTIAL_ROWS else MIN_BLOCKS_PER_PART_WIDE
+
+
+def aligned_width(longest, even):
+    """The narrowest width >= ``even`` that cuts a request of ``longest`` blocks into equal whole pieces (a divisor
+    ``ceil(longest / k)``) or packs whole such requests (a multiple of ``longest``); ints or int tensors, longest >= 1."""
+    if isinstance(longest, torch.Tensor):
+        return torch.where(longest >= even, -(-longest // torch.clamp(longest // even, min=1)),
+                           longest * -(-even // longest))
+    return -(-longest // (longest // even)) if longest >= even else longest * -(-even // longest)
+
+
+PLAN_ALIGN_ENV = "MLA_BACKEND_PLAN_ALIGN"  # "0": always the even cut (the plans before session 25)
+
+
+def segment_cost_blocks() -> int:
+    """``SEGMENT_COST_BLOCKS``, or 0 (no cut but the even one is ever cheaper) under ``MLA_BACKEND_PLAN_ALIGN=0``."""
+    value = os.environ.get(PLAN_ALIGN_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PLAN_ALIGN_ENV}={value!r} is not supported; expected 0 or 1")
+    return SEGMENT_COST_BLOCKS if value == "1" else 0
+
+
+def plan_cost(width, segments, num_parts, segment_cost):
+    """A plan's cost in blocks x parts: each part's width plus what its share of the request segments costs."""
+    return width * num_parts + segment_cost * segments
 
 
 def num_parts_for(num_sms: int, num_heads: int, q_len: int, block_rows: int = 64) -> int:
@@ -116,6 +148,7 @@ class SplitPlanner:
         self.max_batch, self.block_n = max_batch, block_n or default_block_n(device)
         self.num_sms = num_sms or device_sm_count(device)
         self.num_parts = num_parts_for(self.num_sms, num_heads, q_len)
+        self.segment_cost = segment_cost_blocks()
         rows = num_heads * q_len
         i32 = dict(dtype=INDEX_DTYPE, device=device)
         self._plan = SplitPlan(
@@ -142,17 +175,21 @@ class SplitPlanner:
         p = self._plan
         if self._kernel is not None and batch > 0 and kv_lens.dtype == INDEX_DTYPE and kv_lens.is_contiguous():
             self._kernel(kv_lens, p.cu_blocks, p.part_begin_req, p.part_end_req, p.blocks_per_part, self.num_parts,
-                         min_blocks_per_part(p.rows))
+                         min_blocks_per_part(p.rows), self.segment_cost)
             return p
         blocks = (kv_lens + (self.block_n - 1)) // self.block_n
         cu = p.cu_blocks[: batch + 1]
         torch.cumsum(blocks, 0, out=cu[1:])
         total = cu[batch:]  # [1]
-        width = torch.clamp((total + (self.num_parts - 1)) // self.num_parts, min=min_blocks_per_part(p.rows))
-        if os.environ.get("MLA_BACKEND_PLAN_ALIGN") == "1":  # session 25 experiment: parts aligned to the longest request
-            longest = blocks.max().reshape(1)
-            width = torch.where(longest >= width, -(-longest // torch.clamp(longest // width, min=1)),
-                                longest * -(-width // longest))
+        even = torch.clamp((total + (self.num_parts - 1)) // self.num_parts, min=min_blocks_per_part(p.rows))
+        longest = torch.clamp(blocks.max().reshape(1), min=1) if batch else torch.ones_like(even)
+        aligned = aligned_width(longest, even)
+
+        def segments(w):  # request segments of the cut of width w: the parts each non-empty request touches
+            return torch.where(blocks > 0, (cu[1:] - 1) // w - cu[:-1] // w + 1, 0).sum()
+
+        width = torch.where(plan_cost(aligned, segments(aligned), self.num_parts, self.segment_cost)
+                            < plan_cost(even, segments(even), self.num_parts, self.segment_cost), aligned, even)
         p.blocks_per_part.copy_(width)
         lo = self._part_ids * width
         hi = torch.minimum(lo + width, total)

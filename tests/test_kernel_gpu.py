@@ -272,7 +272,8 @@ def test_strided_query_views():
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 2), (32, 1)])
 def test_plan_kernel_matches_torch_planner(heads, q_len, monkeypatch):
     """The one-launch planner (sm90) writes the same plan as the torch ops: ragged lengths with zeros and block
-    edges, batches from 1 to the planner's max, an all-empty batch, three part counts (heads x q_len)."""
+    edges, equal lengths (where the cut aligned to the requests wins), batches from 1 to the planner's max, an
+    all-empty batch, three part counts (heads x q_len)."""
     _kernel_or_skip(heads=heads, q_len=q_len)
     import random
 
@@ -288,6 +289,8 @@ def test_plan_kernel_matches_torch_planner(heads, q_len, monkeypatch):
         lens = [rng.choice([0, 1, 63, 64, 65, rng.randrange(1, 40000)]) for _ in range(batch)]
         if trial == 0:
             lens = [0] * batch
+        elif trial % 3 == 0:  # equal lengths: 4096 .. 32768 tokens or a random count
+            lens = [rng.choice([4096, 8192, 16384, 32768, rng.randrange(1, 40000)])] * batch
         kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         a, b = fused.plan(kv_lens), torch_ops.plan(kv_lens)
         for name in ("blocks_per_part", "part_begin_req", "part_end_req"):

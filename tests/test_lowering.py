@@ -107,14 +107,16 @@ def test_combine_kernel_lowers(cuda_lowered, variant):
 @pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=_vid)
 def test_plan_kernel_lowers(cuda_lowered, variant):
     """The planner in one launch: a prefix sum of KV blocks in shared memory (one warp's CumSum1D over the scan
-    buffer), then a binary search per part; batch and part count stay runtime arguments."""
+    buffer), the longest request and the segments of two cuts folded by warp shuffles (one shared slot per warp and
+    sum), then a binary search per part; batch, part count and segment cost stay runtime arguments."""
     art = cuda_lowered("plan", variant)
     src = art.kernel_source
     n = scan_size(variant[0])
     assert re.search(r'extern "C" __global__ void\b.*mla_plan', src)
-    assert f"tl::CumSum1D<256, false>::run((&(cu_s[0])), (&(cu_s[0])), {n});" in src
-    assert "int batch" in src and "int num_parts" in src and "int min_blocks" in src
-    assert _smem_bytes(art.device_mod) == 4 * n
+    assert re.search(rf"tl::CumSum1D<256, false>::run\(\(&\(.*\[0\]\)\), \(&\(.*\[0\]\)\), {n}\);", src)
+    assert "int batch" in src and "int num_parts" in src and "int min_blocks" in src and "int segment_cost" in src
+    assert src.count("tl::warp_reduce_max(") == 1 and src.count("tl::warp_reduce_sum(") == 2
+    assert _smem_bytes(art.device_mod) == 4 * n + 4 * 3 * 8
 
 
 @pytest.mark.parametrize("kind,variant", [("split", SPLIT_VARIANTS[0]), ("split", SPLIT_VARIANTS[4]),

@@ -12,7 +12,8 @@ import torch
 from mla_backend import SplitPlanner, mla_decode_reference, plan_split_kv
 from mla_backend.kernels import configs
 from mla_backend.kernels.configs import MAX_PARTS
-from mla_backend.planner import min_blocks_per_part, num_parts_for, warm_up_plan_kernels
+from mla_backend.planner import (PLAN_ALIGN_ENV, SEGMENT_COST_BLOCKS, min_blocks_per_part, num_parts_for, plan_cost,
+                                 warm_up_plan_kernels)
 from mla_problems import SCALE, make_problem
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
@@ -249,3 +250,55 @@ def test_short_batch_parts_hold_two_blocks_past_32_rows(heads, q_len, width):
     (rows x 2 KB) would outweigh its 72 KB block, so parts hold two (session 19: b=1 h=128 24.8 -> 21.8 µs)."""
     plan = SplitPlanner(1, heads, q_len, device="cpu", num_sms=132).plan(torch.tensor([4096], dtype=torch.int32))
     assert int(plan.blocks_per_part[0]) == width
+
+
+def width_and_segments(batch, tokens, heads, q_len, env=None, monkeypatch=None):
+    """Width of the plan for ``batch`` requests of ``tokens`` each on 132 SMs, and its request segments."""
+    if env is not None:
+        monkeypatch.setenv(PLAN_ALIGN_ENV, env)
+    plan = SplitPlanner(batch, heads, q_len, device="cpu", num_sms=132, block_n=64).plan(
+        torch.full((batch,), tokens, dtype=torch.int32))
+    return int(plan.blocks_per_part[0]), len(segments(plan, batch))
+
+
+@pytest.mark.parametrize("batch,tokens,heads,q_len,even,aligned", [
+    (64, 4096, 128, 1, 63, 64),  # 64 parts of one request instead of 66 that each straddle two
+    (128, 4096, 64, 1, 63, 64),
+    (64, 4096, 64, 2, 63, 64),
+    (128, 4096, 128, 1, 125, 128),  # two whole requests per part
+    (16, 16384, 128, 1, 63, 64),  # four equal pieces of each request
+    (128, 16384, 16, 1, 249, 256),
+])
+def test_equal_lengths_get_parts_aligned_to_the_requests(batch, tokens, heads, q_len, even, aligned, monkeypatch):
+    """Session 25 (benchmarks/RESULTS.md): at fixed lengths, parts 1-7 blocks wider than the even cut that hold whole
+    requests (or equal pieces of one) were 1-10% faster on the H100 than parts that straddle requests."""
+    width, segs = width_and_segments(batch, tokens, heads, q_len)
+    even_width, even_segs = width_and_segments(batch, tokens, heads, q_len, "0", monkeypatch)
+    assert (width, even_width) == (aligned, even)
+    blocks = tokens // 64
+    assert segs == batch * max(1, blocks // aligned) < even_segs  # no request straddles a part boundary
+    assert plan_cost(width, segs, num_parts_for(132, heads, q_len), SEGMENT_COST_BLOCKS) < plan_cost(
+        even_width, even_segs, num_parts_for(132, heads, q_len), SEGMENT_COST_BLOCKS)
+
+
+@pytest.mark.parametrize("batch,tokens,heads,q_len", [(128, 16384, 128, 1), (64, 32768, 128, 1), (128, 32768, 16, 1)])
+def test_a_much_wider_aligned_cut_keeps_the_even_one(batch, tokens, heads, q_len):
+    """497 -> 512 blocks per part (3%) for a third fewer segments measured 1-3.6% slower: the cost keeps the even cut."""
+    width, _ = width_and_segments(batch, tokens, heads, q_len)
+    assert width == -(-batch * tokens // 64 // num_parts_for(132, heads, q_len))
+
+
+def test_ragged_lengths_keep_the_even_cut_unless_aligning_is_cheaper():
+    """Aligning to the longest of ragged requests cuts few segments: the plan is the even one there."""
+    gen = torch.Generator().manual_seed(0)
+    for batch, tokens, heads in [(64, 16384, 16), (128, 8192, 128), (128, 32768, 16)]:
+        lens = torch.clamp(torch.normal(float(tokens), tokens / 2, (batch,), generator=gen), min=1).int()
+        plan = SplitPlanner(batch, heads, 1, device="cpu", num_sms=132, block_n=64).plan(lens)
+        total = int(((lens + 63) // 64).sum())
+        assert int(plan.blocks_per_part[0]) == -(-total // num_parts_for(132, heads, 1))
+
+
+def test_plan_align_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(PLAN_ALIGN_ENV, "2")
+    with pytest.raises(ValueError, match="MLA_BACKEND_PLAN_ALIGN='2' is not supported; expected 0 or 1"):
+        SplitPlanner(4, 16, 1, device="cpu", num_sms=132)

@@ -50,8 +50,6 @@ class KernelConfig:
     # issued by the two ranks in turn instead of one tile per rank
     cluster_rope: bool = False
     cluster_mix: bool = False
-    # ws / tws with tile_ready and TMA blocks (opt-in, session 25): a segment's first block is issued before its Q
-    q_after_first: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -115,7 +113,6 @@ SM90_CLUSTER_ENV = "MLA_BACKEND_SM90_CLUSTER"  # "0": each row-block CTA loads e
 # Opt-in ("1") settings of the Hopper kernels, off by default
 SM90_CLUSTER_ROPE_ENV = "MLA_BACKEND_SM90_CLUSTER_ROPE"  # "1": cluster_kv multicasts the rope box too
 SM90_CLUSTER_MIX_ENV = "MLA_BACKEND_SM90_CLUSTER_MIX"  # "1": cluster_kv ranks issue alternate boxes of both tiles
-SM90_QLATE_ENV = "MLA_BACKEND_SM90_QLATE"  # "1": a segment's first block issued before its Q
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -137,8 +134,7 @@ def config_for(arch: str) -> KernelConfig:
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
         if value == "0" and getattr(cfg, field):
             cfg = dataclasses.replace(cfg, **{field: False})
-    for env, field in ((SM90_CLUSTER_ROPE_ENV, "cluster_rope"), (SM90_CLUSTER_MIX_ENV, "cluster_mix"),
-                       (SM90_QLATE_ENV, "q_after_first")):
+    for env, field in ((SM90_CLUSTER_ROPE_ENV, "cluster_rope"), (SM90_CLUSTER_MIX_ENV, "cluster_mix")):
         value = os.environ.get(env, "0")
         if value not in ("0", "1"):
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")

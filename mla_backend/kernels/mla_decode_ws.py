@@ -751,9 +751,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # cluster_kv: the rope box multicast too, by rank g % 2 (else each CTA loads its own); cluster_mix: each rank
     # issues every other box of both 256-dim tiles (else rank 0 the left tile, rank 1 the right)
     cluster_rope = cluster and cfg.cluster_rope
-    # the producer issues a segment's first block before it waits for the previous segment's Q to be read and loads
-    # this one's (the block's buffer is free earlier: its last user is two blocks back)
-    q_after_first = cfg.q_after_first and tile_ready and tma_kv and not seesaw
     cluster_mix = cluster and cfg.cluster_mix
 
     def box_issuer(part, c, g):
@@ -1052,10 +1049,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         elif is_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
             fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
             fp8_issue_row(kv_cache, pages[0], blk_lo * block_n, kv_len, raw, 0, 0, t)
-        if not q_after_first:
-            T.barrier_wait(q_free[0], seg_free_parity(seg))
-            load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
-            T.cp_async_barrier_noinc(q_ready[0])
+        T.barrier_wait(q_free[0], seg_free_parity(seg))
+        load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
+        T.cp_async_barrier_noinc(q_ready[0])
         for blk in T.serial(blk_hi - blk_lo):
             g = g0 + blk
             pos0 = (blk_lo + blk) * block_n
@@ -1120,10 +1116,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     else:
                         T.cp_async_barrier_noinc(k_ready[kv_buffer(g)])
                 trace(2, g, 3)
-            if q_after_first and blk == 0:  # the segment's Q once its first block is on its way
-                T.barrier_wait(q_free[0], seg_free_parity(seg))
-                load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t)
-                T.cp_async_barrier_noinc(q_ready[0])
 
     @T.macro
     def rr_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,

@@ -23,8 +23,12 @@ def scan_size(max_batch: int) -> int:
 
 def build_plan_kernel(max_batch: int, block_n: int):
     """Returns ``mla_plan(kv_lens, cu_blocks, part_begin_req, part_end_req, blocks_per_part, num_parts,
-    min_blocks)``: kv_lens int32 ``[batch]`` (1 <= batch <= max_batch); cu_blocks int32 ``[>= batch + 1]``;
-    part_begin_req / part_end_req int32 ``[>= num_parts]``; blocks_per_part int32 ``[1]``; num_parts <= 256."""
+    min_blocks, segment_cost)``: kv_lens int32 ``[batch]`` (1 <= batch <= max_batch); cu_blocks int32 ``[>= batch + 1]``;
+    part_begin_req / part_end_req int32 ``[>= num_parts]``; blocks_per_part int32 ``[1]``; num_parts <= 256.
+    The width is the torch planner's: the even cut or the one aligned to the longest request, by ``plan_cost`` with
+    ``segment_cost`` blocks per segment (0: always the even cut); each thread folds its requests, then warp shuffles
+    and one shared slot per warp."""
+    warps = THREADS // 32
     n = scan_size(max_batch)
     steps = n.bit_length()  # binary-search rounds over n entries
     batch = T.dynamic("batch")
@@ -40,9 +44,20 @@ def build_plan_kernel(max_batch: int, block_n: int):
         blocks_per_part: T.Tensor([1], "int32"),
         num_parts: T.int32,
         min_blocks: T.int32,
+        segment_cost: T.int32,
     ):
         with T.Kernel(1, threads=THREADS):
             cu_s = T.alloc_shared([n], "int32")  # cu_s[r] = cu_blocks[r + 1]
+            # per warp: its longest request (blocks), its requests' segments under the even and the aligned cut
+            warp_stat = T.alloc_shared([3, warps], "int32")
+            acc = T.alloc_var("int32")
+            acc_aligned = T.alloc_var("int32")
+            longest = T.alloc_var("int32")
+            seg_even = T.alloc_var("int32")
+            seg_aligned = T.alloc_var("int32")
+            even = T.alloc_var("int32")
+            aligned = T.alloc_var("int32")
+            width = T.alloc_var("int32")
             # a part's search window [lo, hi) for its first request (b) and its last (e)
             b_lo = T.alloc_var("int32")
             b_hi = T.alloc_var("int32")
@@ -51,9 +66,43 @@ def build_plan_kernel(max_batch: int, block_n: int):
             tx = T.get_thread_binding()
             for i in T.Parallel(n):
                 cu_s[i] = T.if_then_else(i < batch, (kv_lens[T.min(i, batch - 1)] + (block_n - 1)) // block_n, 0)
+            acc = 0
+            for k in T.serial(n // THREADS):  # entries past the batch hold 0
+                acc = T.max(acc, cu_s[k * THREADS + tx])
+            acc = T.warp_reduce_max(acc)
+            if tx % 32 == 0:
+                warp_stat[0, tx // 32] = acc
             T.cumsum(cu_s, dim=0)
             total = cu_s[batch - 1]
-            width = T.max((total + (num_parts - 1)) // num_parts, min_blocks)
+            longest = 1
+            for w in T.serial(warps):
+                longest = T.max(longest, warp_stat[0, w])
+            even = T.max((total + (num_parts - 1)) // num_parts, min_blocks)
+            if longest >= even:
+                aligned = (longest + longest // even - 1) // (longest // even)
+            else:
+                aligned = longest * ((even + longest - 1) // longest)
+            acc = 0
+            acc_aligned = 0
+            for k in T.serial(n // THREADS):  # request i's segments: the parts its blocks [lo, hi) touch
+                hi = cu_s[k * THREADS + tx]
+                lo = T.if_then_else(k * THREADS + tx > 0, cu_s[T.max(k * THREADS + tx - 1, 0)], 0)
+                if hi > lo:  # (past the batch hi == lo == total)
+                    acc = acc + (hi - 1) // even - lo // even + 1
+                    acc_aligned = acc_aligned + (hi - 1) // aligned - lo // aligned + 1
+            acc = T.warp_reduce_sum(acc)
+            acc_aligned = T.warp_reduce_sum(acc_aligned)
+            if tx % 32 == 0:
+                warp_stat[1, tx // 32] = acc
+                warp_stat[2, tx // 32] = acc_aligned
+            T.sync_threads()
+            seg_even = 0
+            seg_aligned = 0
+            for w in T.serial(warps):
+                seg_even = seg_even + warp_stat[1, w]
+                seg_aligned = seg_aligned + warp_stat[2, w]
+            width = T.if_then_else(aligned * num_parts + segment_cost * seg_aligned
+                                   < even * num_parts + segment_cost * seg_even, aligned, even)
             for i in T.Parallel(n):
                 if i < batch:
                     cu_blocks[i + 1] = cu_s[i]
