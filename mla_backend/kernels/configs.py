@@ -46,10 +46,8 @@ class KernelConfig:
     # ws with tma_kv and tile_ready, an even number of row blocks: the row-block CTAs of a part run as clusters of two
     # that share each whole block by TMA multicast (each CTA issues half of it for both)
     cluster_kv: bool = False
-    # cluster_kv (opt-in, session 25 experiments): the rope box multicast as well; the boxes of both 256-dim tiles
-    # issued by the two ranks in turn instead of one tile per rank
+    # cluster_kv: the rope box multicast as well (by rank g % 2 for block g), not loaded by each CTA
     cluster_rope: bool = False
-    cluster_mix: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -64,7 +62,7 @@ SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True,
                      merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True, tree_max=True,
                      pv_early=True, rescale_early=True, scale_in_exp=True,
-                     pfree_early=True, cluster_kv=True)
+                     pfree_early=True, cluster_kv=True, cluster_rope=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
@@ -84,11 +82,12 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 # elsewhere; MLA_BACKEND_SM90_TILES=0 keeps one per buffer). Since session 22 WG0 takes S's row max by a tree (tree_max,
 # same bits: 0.5-3% at h=128 on an H200, level on an H100; MLA_BACKEND_SM90_TREEMAX=0 keeps TileLang's chain).
 # Since session 24 the row-block CTAs of a part run as clusters of two that share each whole block by TMA multicast
-# (cluster_kv: 6-9% faster at h=128 and h=64 s_q=2 in the A/B; MLA_BACKEND_SM90_CLUSTER=0 loads per CTA).
+# (cluster_kv: 6-9% faster at h=128 and h=64 s_q=2 in the A/B; MLA_BACKEND_SM90_CLUSTER=0 loads per CTA); since
+# session 25 the rope box too (cluster_rope: ~1% there, side by side and in the A/B; MLA_BACKEND_SM90_CLUSTER_ROPE=0).
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True,
                         tile_ready=True, tree_max=True, pv_early=True, rescale_early=True, scale_in_exp=True,
-                        pfree_early=True, cluster_kv=True)
+                        pfree_early=True, cluster_kv=True, cluster_rope=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
@@ -110,9 +109,7 @@ SM90_RESCALE_ENV = "MLA_BACKEND_SM90_RESCALE"  # "0": WG0's O rescale after P's 
 SM90_FFMA_ENV = "MLA_BACKEND_SM90_FFMA"  # "0": S times the scale before the row max (before session 23)
 SM90_PFREE_ENV = "MLA_BACKEND_SM90_PFREE"  # "0": WG0 waits for WG1's release of P just before P's stores (before 23)
 SM90_CLUSTER_ENV = "MLA_BACKEND_SM90_CLUSTER"  # "0": each row-block CTA loads every block itself (before session 24)
-# Opt-in ("1") settings of the Hopper kernels, off by default
-SM90_CLUSTER_ROPE_ENV = "MLA_BACKEND_SM90_CLUSTER_ROPE"  # "1": cluster_kv multicasts the rope box too
-SM90_CLUSTER_MIX_ENV = "MLA_BACKEND_SM90_CLUSTER_MIX"  # "1": cluster_kv ranks issue alternate boxes of both tiles
+SM90_CLUSTER_ROPE_ENV = "MLA_BACKEND_SM90_CLUSTER_ROPE"  # "0": each CTA of a pair loads its rope box (before 25)
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -128,18 +125,12 @@ def config_for(arch: str) -> KernelConfig:
                        (SM90_TILES_ENV, "tile_ready"), (SM90_TREEMAX_ENV, "tree_max"),
                        (SM90_PVEARLY_ENV, "pv_early"), (SM90_RESCALE_ENV, "rescale_early"),
                        (SM90_FFMA_ENV, "scale_in_exp"), (SM90_PFREE_ENV, "pfree_early"),
-                       (SM90_CLUSTER_ENV, "cluster_kv")):
+                       (SM90_CLUSTER_ENV, "cluster_kv"), (SM90_CLUSTER_ROPE_ENV, "cluster_rope")):
         value = os.environ.get(env, "1")
         if value not in ("0", "1"):
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
         if value == "0" and getattr(cfg, field):
             cfg = dataclasses.replace(cfg, **{field: False})
-    for env, field in ((SM90_CLUSTER_ROPE_ENV, "cluster_rope"), (SM90_CLUSTER_MIX_ENV, "cluster_mix")):
-        value = os.environ.get(env, "0")
-        if value not in ("0", "1"):
-            raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
-        if value == "1":
-            cfg = dataclasses.replace(cfg, **{field: True})
     return cfg
 
 

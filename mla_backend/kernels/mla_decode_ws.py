@@ -748,16 +748,12 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # rank 0 issues the left tile and rank 1 the right tile, each multicast to both, and each its own rope tile; a
     # buffer is refilled once the consumers of both CTAs have released it (k_free counts both CTAs' arrivals)
     cluster = cfg.cluster_kv and tma_kv and tile_ready and n_row_blocks % 2 == 0
-    # cluster_kv: the rope box multicast too, by rank g % 2 (else each CTA loads its own); cluster_mix: each rank
-    # issues every other box of both 256-dim tiles (else rank 0 the left tile, rank 1 the right)
+    # cluster_kv: the rope box multicast too, by rank g % 2 (else each CTA loads its own)
     cluster_rope = cluster and cfg.cluster_rope
-    cluster_mix = cluster and cfg.cluster_mix
 
-    def box_issuer(part, c, g):
-        """The rank of a cluster_kv pair that issues box c (64 dims) of tile ``part`` of block g for both CTAs."""
-        if part == PART_T:
-            return g % 2
-        return c % 2 if cluster_mix else (0 if part == PART_L else 1)
+    def box_issuer(part, g):
+        """The rank of a cluster_kv pair that issues tile ``part`` of block g for both CTAs."""
+        return g % 2 if part == PART_T else (0 if part == PART_L else 1)
 
     # ws WG0: S's row max by a tree (a prelude helper on the m64n64 accumulator) instead of TileLang's chain
     tree_max = cfg.tree_max and not seesaw and not transposed
@@ -980,7 +976,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 if t == 0:  # both CTAs expect the tile; one of them issues each box for both
                     T.mbarrier_expect_tx(k_ready[part_barrier(g, part)], block_n * dst.shape[1] * 2)
                     for c in T.unroll(dst.shape[1] // 64):
-                        if T.block_rank_in_cluster() == box_issuer(part, c, g):
+                        if T.block_rank_in_cluster() == box_issuer(part, g):
                             T.evaluate(T.call_extern("handle", "MLA_TMA_MC", k_ready[part_barrier(g, part)],
                                                      T.access_ptr(dst[0, c * 64], "w", 1), col0 + c * 64, slot0,
                                                      pages[0], 3))
