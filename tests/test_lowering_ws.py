@@ -281,7 +281,9 @@ def _tile_boxes(producer: str) -> list[int]:
 def test_whole_blocks_arrive_by_tma(lowered):
     """16-bit cache, page size a multiple of 64, an even number of row blocks (cluster_kv, default since session 24):
     the two row-block CTAs of a part are a cluster; of a whole block, rank 0's producer issues the left tile's four
-    64 x 64 boxes and rank 1's the right tile's, each multicast to both CTAs, and each CTA its own rope box. Both CTAs
+    64 x 64 boxes and rank 1's the right tile's, and rank g % 2 the rope box of block g (cluster_rope, session 25),
+    each multicast to both CTAs. The one tma_copy left is never taken (part_hi < part_lo): it makes TileLang pass
+    the cache's tensor map, which the multicast issues through. Both CTAs
     expect every tile on its own k_ready (tile_ready: 6 barriers of 128 arrivals). k_free counts its CTA's 256
     consumer threads and one arrival per consumer warp of the other CTA (lane 0, after the warp's GEMMs); the pair
     synchronises after the barriers' initialisation and before exit. Page size 1 and the fp8 cache keep cp.async."""
@@ -289,11 +291,14 @@ def test_whole_blocks_arrive_by_tma(lowered):
     src, _ = lowered[variant]
     sections = _role_sections(src, variant)
     producer = sections["producer"]
-    assert producer.count("tl::tma_load(kv_cache_desc") == 2  # the rope tile of each buffer
-    assert producer.count("MLA_TMA_MC(k_ready") == 4  # left / right tile of each buffer, four boxes each
+    assert producer.count("tl::tma_load(kv_cache_desc") == 1
+    assert re.search(r"if \(part_hi < \(\(\(int\)blockIdx\.x\) \* width\)\) \{\s*if \(tl::tl_shuffle_elect<128>\(\)\) \{\s*"
+                     r"k_ready\[0\]\.expect_transaction\(8192\);\s*tl::tma_load\(kv_cache_desc", producer)
+    assert producer.count("MLA_TMA_MC(k_ready") == 6  # left / right (four boxes each) and rope tile of each buffer
     assert producer.count("if (tl::block_rank_in_cluster() == 0)") == 2 == producer.count(
         "if (tl::block_rank_in_cluster() == 1)")
-    assert _tile_boxes(producer) == sorted([64 * 256 * 2] * 4 + [64 * 64 * 2] * 2)
+    assert len(re.findall(r"if \(tl::block_rank_in_cluster\(\) == \(\(max\(.*\) & 1\)\) \{", producer)) == 2  # rope: g % 2
+    assert _tile_boxes(producer) == sorted([64 * 256 * 2] * 4 + [64 * 64 * 2] * 3)  # + the never-taken copy's
     assert [f"k_ready[{i}].init(128);" in src for i in range(7)] == [True] * 6 + [False]
     assert "k_free[0].init(264);" in src and "k_free[1].init(264);" in src
     assert src.count("tl::cluster_sync();") == 2 and src.rstrip().endswith("tl::cluster_sync();\n}")
@@ -304,6 +309,17 @@ def test_whole_blocks_arrive_by_tma(lowered):
     for variant in [(128, 2, 1, "bfloat16", "bfloat16"), (16, 1, 64, "bfloat16", "float8_e4m3")]:
         assert "tma_load(kv_cache_desc" not in lowered[variant][0], variant
         assert "cluster_sync" not in lowered[variant][0], variant
+
+
+def test_rope_box_per_cta_with_cluster_rope_off():
+    """cluster_rope off (MLA_BACKEND_SM90_CLUSTER_ROPE=0, session 24's pairs): the tiles of 256 dims are multicast, and
+    each CTA loads its own rope box with tma_copy (one per buffer)."""
+    variant = (128, 1, 64, "bfloat16", "bfloat16")
+    src, _ = _lower_apart(variant, "tws", cluster_rope=False)
+    producer = _role_sections(src, variant)["producer"]
+    assert producer.count("tl::tma_load(kv_cache_desc") == 2 and producer.count("MLA_TMA_MC(k_ready") == 4
+    assert "if (part_hi < (((int)blockIdx.x) * width)) {" not in producer  # no never-taken tma_copy needed
+    assert _tile_boxes(producer) == sorted([64 * 256 * 2] * 4 + [64 * 64 * 2] * 2)
 
 
 def test_whole_blocks_per_cta_without_cluster():
@@ -402,14 +418,17 @@ def test_wg0_follows_fa3_order(monkeypatch, env):
                                               ("MLA_BACKEND_SM90_FFMA", "scale_in_exp", "m_cur.data, scale_log2)"),
                                               # pv_early: P's stores through a read-only pointer (no fence of TileLang's)
                                               ("MLA_BACKEND_SM90_PVEARLY", "pv_early", "p_shared.data, 0, 4096, 1"),
-                                              ("MLA_BACKEND_SM90_CLUSTER", "cluster_kv", '"MLA_TMA_MC"')])
+                                              ("MLA_BACKEND_SM90_CLUSTER", "cluster_kv", '"MLA_TMA_MC"'),
+                                              # cluster_rope: the rope box multicast by rank g % 2
+                                              ("MLA_BACKEND_SM90_CLUSTER_ROPE", "cluster_rope",
+                                               "T.block_rank_in_cluster() == g % 2")])
 def test_setting_off_gives_the_earlier_kernel(monkeypatch, env, field, marker):
     """Each later change to the default kernel has an env switch back (0): KV blocks by TMA (session 14), WG0's P V
     from registers (15), two-part requests merged in the split kernel (16), WG0's row sums behind its P V (17; the
     page ids read ahead, also 17, in test_producer_reads_page_ids_around_the_buffer_wait), S's row max by a tree
     (22), the softmax scale inside P's exp2 and WG0's P V before P's fence (23; the rest of 23 in
-    test_wg0_follows_fa3_order), the row-block CTA pairs sharing each block by TMA multicast (24). Other values are
-    refused."""
+    test_wg0_follows_fa3_order), the row-block CTA pairs sharing each block by TMA multicast (24), the rope box
+    multicast too (25). Other values are refused."""
     from mla_backend.kernels import configs
 
     monkeypatch.setenv(env, "0")
