@@ -34,8 +34,8 @@ KV_LORA_RANK = 512
 MIN_BLOCK_ROWS = 16  # the fewest rows of any kernel config's tile: merge counters for every kernel's row blocks
 # What a request segment costs a part beyond its blocks, in blocks: its Q, its partial written and merged, the
 # pipeline's restart. Fitted to session 25's A/B on the H100 (benchmarks/RESULTS.md): parts aligned to equal requests
-# (1-3 blocks wider, half the segments) were 2.4-9.8% faster at h=128 / 64 / 32 x s_q 2, 1% at h=16 b=128, and a 3%
-# wider cut with a third fewer segments (b=128 s_k=16384 h=128: 497 -> 512) 1-3.6% slower: about 8 blocks.
+# (1-3 blocks wider, half the segments) were 2.4-9.8% faster at h=128 / 64 / 32 x s_q 2, 7 wider 1% faster at h=16
+# b=128, and a 3% wider cut with a third fewer segments (b=128 s_k=16384 h=128: 497 -> 512) 1-3.6% slower.
 SEGMENT_COST_BLOCKS = 8
 
 
@@ -69,13 +69,11 @@ def min_blocks_per_part(rows: int) -> int:
     return MIN_BLOCKS_PER_PART if rows <= SMALL_PARTIAL_ROWS else MIN_BLOCKS_PER_PART_WIDE
 
 
-def aligned_width(longest, even):
-    """The narrowest width >= ``even`` that cuts a request of ``longest`` blocks into equal whole pieces (a divisor
-    ``ceil(longest / k)``) or packs whole such requests (a multiple of ``longest``); ints or int tensors, longest >= 1."""
-    if isinstance(longest, torch.Tensor):
-        return torch.where(longest >= even, -(-longest // torch.clamp(longest // even, min=1)),
-                           longest * -(-even // longest))
-    return -(-longest // (longest // even)) if longest >= even else longest * -(-even // longest)
+def aligned_width(longest: torch.Tensor, even: torch.Tensor) -> torch.Tensor:
+    """The narrowest width >= ``even`` that cuts a request of ``longest`` (>= 1) blocks into equal whole pieces
+    (``ceil(longest / k)``) or packs whole such requests (a multiple of ``longest``); int tensors ``[1]``."""
+    return torch.where(longest >= even, -(-longest // torch.clamp(longest // even, min=1)),
+                       longest * -(-even // longest))
 
 
 PLAN_ALIGN_ENV = "MLA_BACKEND_PLAN_ALIGN"  # "0": always the even cut (the plans before session 25)

@@ -745,8 +745,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # the left tile while the rest is in flight and WG1 waits for its V half only; the buffer is freed as one
     tile_ready = cfg.tile_ready and not seesaw and not transposed and not is_fp8
     # cluster_kv: the CTAs of row blocks 2i and 2i + 1 of a part (one cluster) walk the same blocks; of a whole block,
-    # rank 0 issues the left tile and rank 1 the right tile, each multicast to both, and each its own rope tile; a
-    # buffer is refilled once the consumers of both CTAs have released it (k_free counts both CTAs' arrivals)
+    # rank 0 issues the left tile and rank 1 the right tile, each multicast to both (the rope tile: below); a buffer
+    # is refilled once the consumers of both CTAs have released it (k_free counts both CTAs' arrivals)
     cluster = cfg.cluster_kv and tma_kv and tile_ready and n_row_blocks % 2 == 0
     # cluster_kv: the rope box multicast too, by rank g % 2 (else each CTA loads its own)
     cluster_rope = cluster and cfg.cluster_rope
