@@ -48,9 +48,6 @@ class KernelConfig:
     cluster_kv: bool = False
     # cluster_kv: the rope box multicast as well (by rank g % 2 for block g), not loaded by each CTA
     cluster_rope: bool = False
-    # tma_kv with tile_ready, 16-bit cache, page size 16 or 32 (opt-in, session 25): whole blocks by TMA, one box per
-    # page and 64 dims (and the pairs where the row blocks allow), instead of the cp.async gather
-    tma_pages: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -113,7 +110,6 @@ SM90_FFMA_ENV = "MLA_BACKEND_SM90_FFMA"  # "0": S times the scale before the row
 SM90_PFREE_ENV = "MLA_BACKEND_SM90_PFREE"  # "0": WG0 waits for WG1's release of P just before P's stores (before 23)
 SM90_CLUSTER_ENV = "MLA_BACKEND_SM90_CLUSTER"  # "0": each row-block CTA loads every block itself (before session 24)
 SM90_CLUSTER_ROPE_ENV = "MLA_BACKEND_SM90_CLUSTER_ROPE"  # "0": each CTA of a pair loads its rope box (before 25)
-SM90_TMA_PAGES_ENV = "MLA_BACKEND_SM90_TMA_PAGES"  # "1" (opt-in): page sizes 16 / 32 by TMA, one box per page
 
 
 def config_for(arch: str) -> KernelConfig:
@@ -135,11 +131,6 @@ def config_for(arch: str) -> KernelConfig:
             raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
         if value == "0" and getattr(cfg, field):
             cfg = dataclasses.replace(cfg, **{field: False})
-    value = os.environ.get(SM90_TMA_PAGES_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{SM90_TMA_PAGES_ENV}={value!r} is not supported; expected 0 or 1")
-    if value == "1":
-        cfg = dataclasses.replace(cfg, tma_pages=True)
     return cfg
 
 

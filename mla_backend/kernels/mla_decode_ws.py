@@ -271,15 +271,6 @@ __device__ __forceinline__ void mla_store_p64(void* p, const void* frag) {
 // barrier at the same offset in each. kv_cache_desc is the tensor map TileLang passes for its own tma_copy of the
 // cache (the rope tile), so the macro expands only inside that kernel (CUtensorMap is declared after the prelude).
 #define MLA_TMA_MC(bar, smem, col, slot, page, mask) mla_tma_mc(kv_cache_desc, bar, smem, col, slot, page, mask)
-// tma_pages without a pair: the same box, to this CTA only
-#define MLA_TMA(bar, smem, col, slot, page) mla_tma(kv_cache_desc, bar, smem, col, slot, page)
-template <typename DescT, typename BarrierT>
-__device__ __forceinline__ void mla_tma(const DescT& desc, BarrierT& bar, void* smem, int col, int slot, int page) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];"
-      :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(&desc), "r"((unsigned)__cvta_generic_to_shared(&bar)),
-         "r"(col), "r"(slot), "r"(page) : "memory");
-}
 template <typename DescT, typename BarrierT>
 __device__ __forceinline__ void mla_tma_mc(const DescT& desc, BarrierT& bar, void* smem, int col, int slot, int page,
                                            unsigned short mask) {
@@ -756,11 +747,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
     # cluster_kv: the CTAs of row blocks 2i and 2i + 1 of a part (one cluster) walk the same blocks; of a whole block,
     # rank 0 issues the left tile and rank 1 the right tile, each multicast to both (the rope tile: below); a buffer
     # is refilled once the consumers of both CTAs have released it (k_free counts both CTAs' arrivals)
-    # tma_pages, 16-bit cache with page size 16 or 32 (tile_ready): a whole block's tiles arrive by TMA as one box per
-    # page and 64 dims (each box's page from the producer's page ids), not by the cp.async gather
-    tma_pages = cfg.tma_pages and cfg.tma_kv and tile_ready and not is_fp8 and page_size in (16, 32)
-    tma_blocks = tma_kv or tma_pages  # whole blocks arrive by TMA
-    cluster = cfg.cluster_kv and tma_blocks and tile_ready and n_row_blocks % 2 == 0
+    cluster = cfg.cluster_kv and tma_kv and tile_ready and n_row_blocks % 2 == 0
     # cluster_kv: the rope box multicast too, by rank g % 2 (else each CTA loads its own)
     cluster_rope = cluster and cfg.cluster_rope
 
@@ -983,25 +970,9 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
         one thread), a partial block's by the cp.async gather."""
         if seesaw:
             T.barrier_wait(k_free[part_barrier(g, part)], kv_free_parity(g))
-        if tma_blocks and pos0 + block_n <= kv_len:
+        if tma_kv and pos0 + block_n <= kv_len:
             slot0 = pos0 % page_size
-            if tma_pages:  # thread 0's pages[r] is the page of row 16 r: box s (page_size rows) is on pages[s * ps / 16]
-                if t == 0:
-                    T.mbarrier_expect_tx(k_ready[part_barrier(g, part)], block_n * dst.shape[1] * 2)
-                    for s in T.unroll(block_n // page_size):
-                        for c in T.unroll(dst.shape[1] // 64):
-                            if cluster and (part != PART_T or cluster_rope):
-                                if T.block_rank_in_cluster() == box_issuer(part, g):
-                                    T.evaluate(T.call_extern(
-                                        "handle", "MLA_TMA_MC", k_ready[part_barrier(g, part)],
-                                        T.access_ptr(dst[s * page_size, c * 64], "w", 1), col0 + c * 64, 0,
-                                        pages[s * page_size // 16], 3))
-                            else:
-                                T.evaluate(T.call_extern(
-                                    "handle", "MLA_TMA", k_ready[part_barrier(g, part)],
-                                    T.access_ptr(dst[s * page_size, c * 64], "w", 1), col0 + c * 64, 0,
-                                    pages[s * page_size // 16]))
-            elif cluster and (part != PART_T or cluster_rope):
+            if cluster and (part != PART_T or cluster_rope):
                 if t == 0:  # both CTAs expect the tile; one of them issues each box for both
                     T.mbarrier_expect_tx(k_ready[part_barrier(g, part)], block_n * dst.shape[1] * 2)
                     for c in T.unroll(dst.shape[1] // 64):
@@ -1988,11 +1959,10 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                 T.set_max_nreg(regs_producer, grows(regs_producer, threads))
                 t = tx - 256 if n_producers == 1 else (tx - 256) % 128
                 pw = (tx - 256) // 128  # producer warpgroup (rr_fp8: it converts the blocks g with g % n == pw)
-                if (cluster_rope or tma_pages) and part_hi < part_lo:
-                    # never taken: with every tile issued by MLA_TMA_MC / MLA_TMA, this tma_copy is what makes
-                    # TileLang pass the cache's tensor map (kv_cache_desc, boxes of 64 dims x min(page, 64) rows)
-                    T.tma_copy(kv_cache[0, 0:T.min(page_size, block_n), KV_LORA_RANK:HEAD_DIM],
-                               k0_t[0:T.min(page_size, block_n), :], barrier=k_ready[0])
+                if cluster_rope and part_hi < part_lo:
+                    # never taken: with every tile multicast, this tma_copy is what makes TileLang pass the cache's
+                    # tensor map (kv_cache_desc), which MLA_TMA_MC issues through
+                    T.tma_copy(kv_cache[0, 0:block_n, KV_LORA_RANK:HEAD_DIM], k0_t, barrier=k_ready[0])
                 for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                     req_lo = cu_blocks[req]
                     req_hi = cu_blocks[req + 1]
@@ -2020,12 +1990,12 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     # (registers, plain arrivals) waits for none of them: then also the block before (a gather,
                     # maybe) and the last segment's Q. (cp.async.wait_group would make TileLang add a named barrier
                     # whose id collides with WG0's.)
-                    if tma_blocks and part_hi - part_lo > 1:
+                    if tma_kv and part_hi - part_lo > 1:
                         T.barrier_wait(k_ready[last_copy_barrier(part_hi - part_lo - 2)],
                                        kv_ready_parity(part_hi - part_lo - 2))
                     T.barrier_wait(k_ready[last_copy_barrier(part_hi - part_lo - 1)],
                                    kv_ready_parity(part_hi - part_lo - 1))
-                    if tma_blocks or is_fp8:
+                    if tma_kv or is_fp8:
                         T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
                 trace_end(2)
             if cluster:  # no CTA exits while its pair may still copy into it or arrive on its k_free
