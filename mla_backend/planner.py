@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.configs import MAX_PARTS, config_for
+from .kernels.configs import MAX_PARTS, config_for, env_switch
 from .metadata import INDEX_DTYPE, MLADecodeMetadata
 
 # A part may hold a single block where its partial is small: the combine merges a request's partials with all their
@@ -81,10 +81,7 @@ PLAN_ALIGN_ENV = "MLA_BACKEND_PLAN_ALIGN"  # "0": always the even cut (the plans
 
 def segment_cost_blocks() -> int:
     """``SEGMENT_COST_BLOCKS``, or 0 (no cut but the even one is ever cheaper) under ``MLA_BACKEND_PLAN_ALIGN=0``."""
-    value = os.environ.get(PLAN_ALIGN_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{PLAN_ALIGN_ENV}={value!r} is not supported; expected 0 or 1")
-    return SEGMENT_COST_BLOCKS if value == "1" else 0
+    return SEGMENT_COST_BLOCKS if env_switch(PLAN_ALIGN_ENV) else 0
 
 
 def plan_cost(width, segments, num_parts, segment_cost):

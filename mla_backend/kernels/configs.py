@@ -112,6 +112,14 @@ SM90_CLUSTER_ENV = "MLA_BACKEND_SM90_CLUSTER"  # "0": each row-block CTA loads e
 SM90_CLUSTER_ROPE_ENV = "MLA_BACKEND_SM90_CLUSTER_ROPE"  # "0": each CTA of a pair loads its rope box (before 25)
 
 
+def env_switch(env: str) -> bool:
+    """An on/off setting: unset or "1" is on, "0" off; any other value is refused, naming the variable."""
+    value = os.environ.get(env, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
+    return value == "1"
+
+
 def config_for(arch: str) -> KernelConfig:
     """The tile configuration the kernels of ``arch`` ("sm90" or "gfx942") are built and planned with."""
     if arch != "sm90":
@@ -126,10 +134,7 @@ def config_for(arch: str) -> KernelConfig:
                        (SM90_PVEARLY_ENV, "pv_early"), (SM90_RESCALE_ENV, "rescale_early"),
                        (SM90_FFMA_ENV, "scale_in_exp"), (SM90_PFREE_ENV, "pfree_early"),
                        (SM90_CLUSTER_ENV, "cluster_kv"), (SM90_CLUSTER_ROPE_ENV, "cluster_rope")):
-        value = os.environ.get(env, "1")
-        if value not in ("0", "1"):
-            raise ValueError(f"{env}={value!r} is not supported; expected 0 or 1")
-        if value == "0" and getattr(cfg, field):
+        if not env_switch(env) and getattr(cfg, field):
             cfg = dataclasses.replace(cfg, **{field: False})
     return cfg
 

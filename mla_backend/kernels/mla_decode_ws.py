@@ -268,8 +268,9 @@ __device__ __forceinline__ void mla_store_p64(void* p, const void* frag) {
   }
 }
 // cluster_kv: a 64-token x 64-dim box of the cache multicast to both CTAs of a pair (mask), its bytes completing the
-// barrier at the same offset in each. kv_cache_desc is the tensor map TileLang passes for its own tma_copy of the
-// cache (the rope tile), so the macro expands only inside that kernel (CUtensorMap is declared after the prelude).
+// barrier at the same offset in each. kv_cache_desc is the tensor map TileLang passes for a tma_copy of the cache in
+// the kernel (the rope tile's, or with cluster_rope a never-taken one), so the macro expands only inside that kernel
+// (CUtensorMap is declared after the prelude).
 #define MLA_TMA_MC(bar, smem, col, slot, page, mask) mla_tma_mc(kv_cache_desc, bar, smem, col, slot, page, mask)
 template <typename DescT, typename BarrierT>
 __device__ __forceinline__ void mla_tma_mc(const DescT& desc, BarrierT& bar, void* smem, int col, int slot, int page,
@@ -975,8 +976,8 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             if cluster and (part != PART_T or cluster_rope):
                 if t == 0:  # both CTAs expect the tile; one of them issues each box for both
                     T.mbarrier_expect_tx(k_ready[part_barrier(g, part)], block_n * dst.shape[1] * 2)
-                    for c in T.unroll(dst.shape[1] // 64):
-                        if T.block_rank_in_cluster() == box_issuer(part, g):
+                    if T.block_rank_in_cluster() == box_issuer(part, g):
+                        for c in T.unroll(dst.shape[1] // 64):
                             T.evaluate(T.call_extern("handle", "MLA_TMA_MC", k_ready[part_barrier(g, part)],
                                                      T.access_ptr(dst[0, c * 64], "w", 1), col0 + c * 64, slot0,
                                                      pages[0], 3))
