@@ -131,8 +131,7 @@ def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
 
 def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, softmax_scale, k_scale, out):
     from .kernels.configs import config_for
-    from .kernels.mla_decode import use_grouped_combine, use_wide_combine
-    from .kernels.runtime import get_kernels
+    from .kernels.runtime import get_kernels, pick_combine
 
     num_tokens, num_heads, _ = q_nope.shape
     device = q_nope.device
@@ -166,14 +165,8 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
     kernels.split(q_nope, q_pe, kv_cache, k_scale_t, metadata.page_table, metadata.page_table_start, metadata.kv_lens,
           metadata.qo_indptr, cu_blocks, plan.part_begin_req, plan.part_end_req, plan.blocks_per_part,
           _scalar(softmax_scale, device), out, lse, plan.out_partial, plan.lse_partial, plan.merge_count)
-    # a short batch's requests have many parts each: the wide combine keeps all their partial rows in flight. The
-    # combine runs whatever the split kernel merged itself: it writes empty requests and merges the requests with
+    # The combine runs whatever the split kernel merged itself: it writes empty requests and merges the requests with
     # more parts than that (the host does not know the lengths).
-    if use_wide_combine(batch, plan.rows, plan.num_parts):
-        combine = kernels.combine_wide
-    elif use_grouped_combine(batch, plan.rows, plan.num_parts, kernels.merged):
-        combine = kernels.combine_grouped
-    else:
-        combine = kernels.combine
+    combine = pick_combine(kernels, batch, plan.rows, plan.num_parts)
     combine(metadata.qo_indptr, cu_blocks, plan.blocks_per_part, plan.out_partial, plan.lse_partial, out, lse)
     return out, lse

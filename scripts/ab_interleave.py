@@ -33,11 +33,11 @@ def main() -> int:
                 for s in sys.argv[2:]]
     rounds = int(os.environ.get("AB_ROUNDS", "4"))
     timer = Timer("cuda", reps=(30, 30))
-    for (b, s, h, sq, ps), fp8 in shapes:
+    for (b, s, h, sq, ps), opts in shapes:
         steps = {}
         for name, env in settings:
             with mock.patch.dict(os.environ, env):
-                steps[name] = decode_step(b, s, h, sq, ps, fp8)  # keeps the inputs the graph reads alive
+                steps[name] = decode_step(b, s, h, sq, ps, **opts)  # keeps the inputs the graph reads alive
         flops = steps[settings[0][0]][2][1]
         res = {name: ([], [], []) for name, _ in settings}
         for _ in range(rounds):
@@ -50,7 +50,8 @@ def main() -> int:
         cells = " | ".join(f"{name} flushed {statistics.median(f):7.1f} us ({flops / statistics.median(f) / 1e6:5.1f} TF)"
                            f" b2b {statistics.median(bb):7.1f} eager {statistics.median(e):7.1f}"
                            for name, (f, bb, e) in res.items())
-        print(f"b={b} s={s} h={h} s_q={sq} page={ps}{' fp8' if fp8 else ''}: {cells}", flush=True)
+        print(f"b={b} s={s} h={h} s_q={sq} page={ps}{' fp8' if opts['fp8'] else ''}{' ragged' if opts['ragged'] else ''}: "
+              f"{cells}", flush=True)
     return 0
 
 

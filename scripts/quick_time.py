@@ -4,7 +4,8 @@
 ``--fp8``: h=16 cases with a bf16 and an e4m3 cache (k_scale 0.5) in the same run.
 ``--fp16``: fp16 q / output (and bf16 -> fp16 cache) instead of bf16.
 ``--cases 0,2``: only these entries of the case list (indices).
-``--shapes 1,4096,16,1,64;128,16384,128,1,64,fp8``: these (b, s, h, s_q, page[, fp8]) problems instead.
+``--shapes 1,4096,16,1,64;128,16384,128,1,64,fp8``: these (b, s, h, s_q, page[, fp8][, ragged]) problems instead
+(ragged: the bench's lengths ~N(s, s/2)).
 ``--kineto``: also the split and combine kernels' own GPU time (profiler, graph replays).
 ``--precompile N``: only compile the Hopper kernel variants of the selected problems into TileLang's disk cache,
 N at a time (no GPU needed), for a later timing run to load.
@@ -62,16 +63,20 @@ def q_dtype() -> torch.dtype:
     return torch.float16 if "--fp16" in sys.argv else torch.bfloat16
 
 
-def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
-    """A fixed-length bf16 problem with pages in random order, planned: the eager call, its metadata (``md.plan``
-    holds the workspaces) and (bytes, flops) for the rates."""
-    pages = b * s // ps
+def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, ragged: bool = False):
+    """A bf16 problem (fixed lengths, or the bench's ragged ones) with pages in random order, planned: the eager
+    call, its metadata (``md.plan`` holds the workspaces) and (bytes, flops) for the rates."""
+    from mla_backend.bench import Config, seq_lens
+
+    len_list = seq_lens(Config(b, s, h, sq, ragged, ps))
+    width = -(-max(len_list) // ps)  # pages per row of the block table
     dtype = q_dtype()
-    kv = torch.randn(pages, ps, 576, dtype=dtype, device="cuda")
+    kv = torch.randn(b * width, ps, 576, dtype=dtype, device="cuda")
     if fp8:
         kv = (kv * 2).to(torch.float8_e4m3fn)
-    table = torch.randperm(pages, device="cuda").int().view(b, s // ps)
-    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    table = torch.randperm(b * width, device="cuda").int().view(b, width)
+    lens = torch.tensor(len_list, dtype=torch.int32, device="cuda")
+    s = sum(len_list) // b
     q = torch.randn(b * sq, h, 576, dtype=dtype, device="cuda")
     md = MLADecodeMetadata.from_block_table(table, lens, ps, q_len=sq)
     md.plan = SplitPlanner(b, h, sq, "cuda").plan(lens)
@@ -82,14 +87,20 @@ def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
 
 
 def parse_shapes(text: str) -> list:
-    """"b,s,h,s_q,page[,fp8];..." -> [((b, s, h, s_q, page), fp8)]: a trailing "fp8" times an e4m3 cache."""
-    return [(tuple(int(v) for v in x[:5]), x[5:] == ["fp8"]) for x in (y.split(",") for y in text.split(";"))]
+    """"b,s,h,s_q,page[,fp8][,ragged];..." -> [((b, s, h, s_q, page), {"fp8": .., "ragged": ..})]: a trailing "fp8"
+    times an e4m3 cache, "ragged" the bench's ragged lengths."""
+    shapes = []
+    for x in (y.split(",") for y in text.split(";")):
+        if not set(x[5:]) <= {"fp8", "ragged"}:
+            raise SystemExit(f"--shapes: unknown flag(s) {x[5:]} (fp8, ragged)")
+        shapes.append((tuple(int(v) for v in x[:5]), {"fp8": "fp8" in x[5:], "ragged": "ragged" in x[5:]}))
+    return shapes
 
 
-def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False):
+def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, ragged: bool = False):
     """decode_problem's call, run once and captured: the CUDA graph's replay (as engines run decode), the eager
     call, and (bytes, flops) for the rates."""
-    eager, _, rates = decode_problem(b, s, h, sq, ps, fp8)
+    eager, _, rates = decode_problem(b, s, h, sq, ps, fp8, ragged)
     eager()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -119,23 +130,24 @@ def main() -> int:
     cases = FP8_CASES if fp8_mode else CASES
     if "--cases" in sys.argv:
         cases = [cases[int(i)] for i in sys.argv[sys.argv.index("--cases") + 1].split(",")]
-    runs = [(c, fp8) for c in cases for fp8 in ((False, True) if fp8_mode else (False,))]
+    runs = [(c, {"fp8": fp8, "ragged": False}) for c in cases for fp8 in ((False, True) if fp8_mode else (False,))]
     if "--shapes" in sys.argv:
         runs = parse_shapes(sys.argv[sys.argv.index("--shapes") + 1])
     if "--precompile" in sys.argv:
         from mla_backend.kernels import runtime
 
         dtype, workers = q_dtype(), int(sys.argv[sys.argv.index("--precompile") + 1])
-        variants = [(h, sq, ps, dtype, torch.float8_e4m3fn if fp8 else dtype, "sm90") for (_, _, h, sq, ps), fp8 in runs]
+        variants = [(h, sq, ps, dtype, torch.float8_e4m3fn if o["fp8"] else dtype, "sm90") for (_, _, h, sq, ps), o in runs]
         print(f"precompiled {len(set(variants))} variant(s) in {runtime.warmup(variants, workers=workers):.1f} s")
         return 0
-    for (b, s, h, sq, ps), fp8 in runs:
-        replay, eager, (nbytes, flop) = decode_step(b, s, h, sq, ps, fp8)
+    for (b, s, h, sq, ps), opts in runs:
+        fp8 = opts["fp8"]
+        replay, eager, (nbytes, flop) = decode_step(b, s, h, sq, ps, **opts)
         if "--ncu" in sys.argv:
             continue
         t_eager = do_bench(eager, warmup=50, rep=300, return_mode="median") * 1e-3  # s
         t = do_bench(replay, warmup=50, rep=300, return_mode="median") * 1e-3
-        print(f"{kernel}{'-fp16' if '--fp16' in sys.argv else ''}{'-fp8' if fp8 else ''} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
+        print(f"{kernel}{'-fp16' if '--fp16' in sys.argv else ''}{'-fp8' if fp8 else ''}{' ragged' if opts['ragged'] else ''} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
               f"{t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s {flop/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us"
               + (kernel_times(replay) if "--kineto" in sys.argv else ""), flush=True)
         torch.cuda.empty_cache()

@@ -120,19 +120,36 @@ def test_fp16():
 @pytest.mark.parametrize("lens,heads,q_len,kind", [([20000], 16, 1, "wide"), ([9000, 0], 16, 1, "wide"),
                                                     ([5000], 128, 1, "row"), ([0, 1, 63, 65, 3000, 8192] * 7, 16, 1, "row"),
                                                     ([0, 1, 63, 65, 3000, 8192] * 6 + [20000, 5, 100, 7], 128, 2,
-                                                     "grouped")])
+                                                     "tiled")])
 def test_combine_paths(lens, heads, q_len, kind):
-    """Short batches take the wide combine (b=1: over 64 parts, so past its first loads too), large ones whose
-    two-part requests the split kernel merges the grouped combine (16 rows per program: here the long request's
-    many parts and the empty requests), others the per-row combine; all against the reference (LSE included)."""
-    _kernel_or_skip(heads=heads, q_len=q_len)
-    from mla_backend.kernels.mla_decode import use_grouped_combine, use_wide_combine
+    """Short batches take the wide combine (b=1: over 64 parts, so past its first loads too), large ones the tiled
+    combine (16 rows per program: here the long request's many parts and the empty requests), others the per-row
+    combine; all against the reference (LSE included)."""
+    impl = _kernel_or_skip(heads=heads, q_len=q_len)
+    from mla_backend.kernels.runtime import get_kernels, pick_combine
 
     q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, 64, BF16, seed=21)
     md.plan = SplitPlanner(len(lens), heads, q_len, "cuda").plan(md.kv_lens)
-    wide = use_wide_combine(len(lens), heads * q_len, md.plan.num_parts)
-    grouped = use_grouped_combine(len(lens), heads * q_len, md.plan.num_parts, 2)
-    assert (wide, grouped and not wide) == (kind == "wide", kind == "grouped")
+    kernels = get_kernels(heads, q_len, 64, BF16, BF16, impl.split("-", 1)[1])
+    by_kind = {"row": kernels.combine, "wide": kernels.combine_wide, "tiled": kernels.combine_tiled}
+    assert pick_combine(kernels, len(lens), heads * q_len, md.plan.num_parts) is by_kind[kind]
+    check(q, kv_cache, md, k_scale, BF16)
+
+
+@pytest.mark.parametrize("heads,q_len,page_size", [(1, 1, 64), (16, 3, 16)])
+@pytest.mark.parametrize("choice", ["row", "wide", "grouped", "tiled"])
+def test_every_combine(choice, heads, q_len, page_size, monkeypatch):
+    """Each combine forced (MLA_BACKEND_COMBINE) on one plan with empty requests, requests of one part, of two (which
+    the split kernel merges) and of up to ~80 parts; 1 and 48 rows (the tiled combine's 16-row tiles clamped and
+    whole). Against the reference."""
+    _kernel_or_skip(heads=heads, q_len=q_len, page_size=page_size)
+    monkeypatch.setenv("MLA_BACKEND_COMBINE", choice)
+    lens = [0, 1, 63, 65, 3000, 8192, 20000, 5, 0, 700]
+    q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, page_size, BF16, seed=31 + heads)
+    md.plan = SplitPlanner(len(lens), heads, q_len, "cuda").plan(md.kv_lens)
+    cu, width = md.plan.cu_blocks.cpu(), int(md.plan.blocks_per_part)
+    parts = [(int(cu[r + 1]) - 1) // width - int(cu[r]) // width + 1 for r in range(len(lens)) if cu[r + 1] > cu[r]]
+    assert 1 in parts and 2 in parts and max(parts) > 8, parts
     check(q, kv_cache, md, k_scale, BF16)
 
 

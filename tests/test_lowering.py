@@ -24,7 +24,8 @@ from tilelang import tvm  # noqa: E402  (TileLang's bundled TVM)
 from tvm.target import Target  # noqa: E402
 
 from mla_backend.kernels import configs  # noqa: E402
-from mla_backend.kernels.mla_decode import build_combine_kernel, build_decode_kernel  # noqa: E402
+from mla_backend.kernels.mla_decode import (build_combine_kernel, build_decode_kernel,  # noqa: E402
+                                            build_tiled_combine_kernel)
 from mla_backend.kernels.plan_kernel import build_plan_kernel, scan_size  # noqa: E402
 
 CUDA = configs.target_for_arch("sm90")  # "cuda -arch=sm_90a"
@@ -44,6 +45,8 @@ SPLIT_VARIANTS = [
 # (num_heads, q_len, dtype, wide): the per-row combine and the wide one (short batches, per 128 dims)
 COMBINE_VARIANTS = [(16, 1, "bfloat16", False), (128, 2, "bfloat16", False), (16, 2, "float16", False),
                     (16, 1, "bfloat16", True), (128, 2, "float16", True)]
+# (num_heads, q_len, dtype) of the tiled combine (16 rows per program): whole tiles, and 1 and 24 rows (clamped)
+TILED_VARIANTS = [(16, 1, "bfloat16"), (128, 2, "bfloat16"), (1, 1, "float16"), (8, 3, "bfloat16")]
 # (max_batch, block_n) of the one-launch planner: the smallest scan buffer, and 1024 entries (4 per thread)
 PLAN_VARIANTS = [(8, 64), (1000, 64)]
 
@@ -57,6 +60,8 @@ def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
         return build_decode_kernel(*variant, cfg)
     if kind == "plan":
         return build_plan_kernel(*variant)
+    if kind == "tiled":
+        return build_tiled_combine_kernel(*variant, merged=2)
     *shape, wide = variant
     return build_combine_kernel(*shape, wide=wide)  # the combines serve every config
 
@@ -104,6 +109,20 @@ def test_combine_kernel_lowers(cuda_lowered, variant):
         assert head.count("*(float4*)(out_partial") == 1 and "for (int u = 0; u < 16; ++u)" in head, head[-3000:]
 
 
+@pytest.mark.parametrize("variant", TILED_VARIANTS, ids=_vid)
+def test_tiled_combine_lowers(cuda_lowered, variant):
+    """16 rows per program: each row's 8 lanes reduce its partial LSEs by three xor shuffles (max, then sum) into
+    weights in shared memory (16 rows x MAX_PARTS), then every thread adds float4s of the 16 partial rows, 4 parts
+    back to back; requests of at most two parts (merged by the split kernel) are skipped."""
+    art = cuda_lowered("tiled", variant)
+    src = art.kernel_source
+    assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine_tiled', src)
+    assert src.count("__shfl_xor_sync(") == 2 and "(4 >> delta" in src, "the LSE reductions are not 8-lane shuffles"
+    assert "if (2 < n_read)" in src
+    assert src.count("*(float4*)(out_partial") == 1 and "for (int u = 0; u < 4; ++u)" in src
+    assert _smem_bytes(art.device_mod) == 16 * 256 * 4
+
+
 @pytest.mark.parametrize("variant", PLAN_VARIANTS, ids=_vid)
 def test_plan_kernel_lowers(cuda_lowered, variant):
     """The planner in one launch: a prefix sum of KV blocks in shared memory (one warp's CumSum1D over the scan
@@ -121,6 +140,7 @@ def test_plan_kernel_lowers(cuda_lowered, variant):
 
 @pytest.mark.parametrize("kind,variant", [("split", SPLIT_VARIANTS[0]), ("split", SPLIT_VARIANTS[4]),
                                           ("combine", COMBINE_VARIANTS[1]), ("combine", COMBINE_VARIANTS[3]),
+                                          ("tiled", TILED_VARIANTS[3]),
                                           ("plan", PLAN_VARIANTS[1])], ids=lambda v: _vid(v) if isinstance(v, tuple) else v)
 def test_nvcc_compiles_for_sm90a(cuda_lowered, kind, variant, tmp_path):
     """The flags TileLang's own nvcc callback uses (tilelang.engine.lower.tilelang_callback_cuda_compile),

@@ -312,6 +312,106 @@ def use_wide_combine(batch: int, rows: int, num_parts: int) -> bool:
     return batch * rows <= COMBINE_WIDE_MAX_PROGRAMS and num_parts >= COMBINE_WIDE_MIN_PARTS * batch
 
 
+# The tiled combine: a program per (request, COMBINE_TILE_ROWS rows) merges them side by side, so a large batch whose
+# requests mostly need no merge (unsplit, or two-part ones the split kernel merged) launches few programs, and one
+# that does need it waits on two load rounds (LSEs, then partials) for all its rows, not on one pair per row.
+COMBINE_TILE_ROWS = 16
+COMBINE_TILE_LANES = 8  # threads per row reducing its partial LSEs (shuffles within 8 lanes)
+COMBINE_TILE_UNROLL = 4  # parts whose partial tiles are loaded back to back
+# mla_decode picks it from this many per-row programs (batch x rows): below, the per-row and wide combines spread a
+# short batch's merge over more SMs.
+COMBINE_TILED_MIN_PROGRAMS = 1024
+
+
+def use_tiled_combine(batch: int, rows: int) -> bool:
+    """Whether ``mla_decode`` merges with the tiled combine (where the variant has one)."""
+    return batch * rows >= COMBINE_TILED_MIN_PROGRAMS
+
+
+def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: int = 0):
+    """The combine of :func:`build_combine_kernel` (same arguments and results) with one program per (request,
+    ``COMBINE_TILE_ROWS`` rows): each row's ``COMBINE_TILE_LANES`` threads reduce its partial LSEs into normalised
+    weights in shared memory (up to ``MAX_PARTS`` parts), then the 128 threads sum the partial tiles
+    ``[COMBINE_TILE_ROWS, 512]`` of ``COMBINE_TILE_UNROLL`` parts at a time."""
+    rows = num_heads * q_len
+    accum = "float32"
+    tile_rows, lanes = COMBINE_TILE_ROWS, COMBINE_TILE_LANES
+    threads = tile_rows * lanes
+
+    num_tokens = T.dynamic("num_tokens")
+    batch = T.dynamic("batch")
+    num_slots = T.dynamic("num_slots")
+
+    @T.prim_func
+    def mla_decode_combine_tiled(
+        qo_indptr: T.Tensor([batch + 1], "int32"),
+        cu_blocks: T.Tensor([batch + 1], "int32"),
+        blocks_per_part: T.Tensor([1], "int32"),
+        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
+        lse_partial: T.Tensor([num_slots, rows], accum),
+        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        lse: T.Tensor([num_tokens, num_heads], accum),
+    ):
+        with T.Kernel(batch, T.ceildiv(rows, tile_rows), threads=threads) as (req, tile):
+            weight_s = T.alloc_shared([tile_rows, MAX_PARTS], accum)  # per row, its parts' merge weights
+            acc = T.alloc_fragment([tile_rows, KV_LORA_RANK], accum)
+            top = T.alloc_var(accum)  # this row's largest partial LSE (log2), then the offset
+            total = T.alloc_var(accum)  # sum of exp2(LSE - offset) over the row's parts
+            first = T.alloc_var("int32")  # the request's first part (its partial slots are first + i + req)
+            n_read = T.alloc_var("int32")  # its number of parts
+            tx = T.get_thread_binding()
+            r = tx // lanes
+            lane = tx % lanes
+            row0 = tile * tile_rows
+            row = T.min(row0 + r, rows - 1)  # this thread's row for the LSE loads (clamped: a last partial tile)
+            tok0 = qo_indptr[req]
+            width = blocks_per_part[0]
+            req_lo = cu_blocks[req]
+            req_hi = cu_blocks[req + 1]
+            first = req_lo // width
+            n_read = T.min((req_hi - 1) // width - first + 1, MAX_PARTS)
+            if req_hi == req_lo:
+                for i, d in T.Parallel(tile_rows, KV_LORA_RANK):
+                    if row0 + i < rows:
+                        out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d] = T.cast(0, dtype)
+                if lane == 0 and row0 + r < rows:
+                    lse[tok0 + (row0 + r) // num_heads, (row0 + r) % num_heads] = -T.infinity(accum)
+            elif n_read > max(1, merged):
+                # lane l walks parts l, l + 8, ...: the row's max, then its weights and their sum
+                top = -T.infinity(accum)
+                for k in T.serial(T.ceildiv(T.max(n_read - lane, 0), lanes)):
+                    top = T.max(top, lse_partial[first + lane + k * lanes + req, row])
+                for delta in T.unroll(3):
+                    top = T.max(top, T.shfl_xor(top, 4 >> delta))
+                top = T.if_then_else(top == -T.infinity(accum), 0, top)  # every part saw nothing: weights 0, no NaN
+                total = 0
+                for k in T.serial(T.ceildiv(T.max(n_read - lane, 0), lanes)):
+                    weight_s[r, lane + k * lanes] = T.exp2(lse_partial[first + lane + k * lanes + req, row] - top)
+                    total += weight_s[r, lane + k * lanes]
+                for delta in T.unroll(3):
+                    total += T.shfl_xor(total, 4 >> delta)
+                for k in T.serial(T.ceildiv(T.max(n_read - lane, 0), lanes)):
+                    weight_s[r, lane + k * lanes] = T.if_then_else(total > 0, weight_s[r, lane + k * lanes] / total, 0)
+                if lane == 0 and row0 + r < rows:
+                    lse[tok0 + (row0 + r) // num_heads, (row0 + r) % num_heads] = T.if_then_else(
+                        total > 0, (T.log2(total) + top) * LN2, -T.infinity(accum))
+                T.sync_threads()
+                T.clear(acc)
+                # past the last part: the last part's tile again, weighted 0 (no branch between the loads)
+                for j0 in T.serial(T.ceildiv(n_read, COMBINE_TILE_UNROLL)):
+                    for u in T.unroll(COMBINE_TILE_UNROLL):
+                        j = j0 * COMBINE_TILE_UNROLL + u
+                        jc = T.min(j, n_read - 1)
+                        for i, d in T.Parallel(tile_rows, KV_LORA_RANK):
+                            acc[i, d] += T.if_then_else(j < n_read, weight_s[i, jc], 0) * out_partial[
+                                first + jc + req, T.min(row0 + i, rows - 1), d]
+                for i, d in T.Parallel(tile_rows, KV_LORA_RANK):
+                    if row0 + i < rows:
+                        out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d] = T.cast(acc[i, d], dtype)
+
+    return mla_decode_combine_tiled
+
+
 def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False, merged: int = 0,
                          rows_per_program: int = 1):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
