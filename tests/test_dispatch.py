@@ -83,24 +83,26 @@ def test_sm90_kernel_choice_follows_the_environment(monkeypatch):
 
 
 def test_combine_choice_by_shape_and_environment(monkeypatch):
-    """A short batch with many parts per request merges with the wide combine, one of >= 1024 rows in all with the
-    tiled one where the variant has it (sm90), else per row; MLA_BACKEND_COMBINE forces one and is validated."""
+    """A short batch with many parts per request merges with the wide combine; one of >= 1024 rows in all with the
+    tiled one where the variant has it (sm90) and it has 64 rows or more, or no more parts than requests; else per
+    row. MLA_BACKEND_COMBINE forces one and is validated."""
     from mla_backend.kernels.runtime import COMBINE_ENV, Kernels, pick_combine
 
-    row, wide, grouped, tiled = "row", "wide", "grouped", "tiled"  # stand-ins for the compiled kernels
-    sm90 = Kernels(None, row, wide, grouped, tiled, 2)
-    gfx942 = Kernels(None, row, wide, None, None, 0)
+    row, wide, tiled = "row", "wide", "tiled"  # stand-ins for the compiled kernels
+    sm90 = Kernels(None, row, wide, tiled, 2)
+    gfx942 = Kernels(None, row, wide, None, 0)
     monkeypatch.delenv(COMBINE_ENV, raising=False)
     assert pick_combine(sm90, 1, 16, 132) == wide  # b=1 h=16: 16 programs, 132 parts
     assert pick_combine(sm90, 16, 16, 132) == row  # 256 rows in all
-    assert pick_combine(sm90, 64, 128, 66) == tiled and pick_combine(sm90, 128, 16, 132) == tiled
+    assert pick_combine(sm90, 64, 128, 66) == tiled and pick_combine(sm90, 16, 64, 66) == tiled
+    assert pick_combine(sm90, 128, 32, 132) == row and pick_combine(sm90, 256, 16, 132) == tiled
     assert pick_combine(gfx942, 64, 128, 66) == row
-    monkeypatch.setenv(COMBINE_ENV, "grouped")
-    assert pick_combine(sm90, 1, 16, 132) == grouped
-    with pytest.raises(ValueError, match=r"MLA_BACKEND_COMBINE='grouped': this kernel variant has no grouped"):
+    monkeypatch.setenv(COMBINE_ENV, "tiled")
+    assert pick_combine(sm90, 1, 16, 132) == tiled
+    with pytest.raises(ValueError, match=r"MLA_BACKEND_COMBINE='tiled': this kernel variant has no tiled"):
         pick_combine(gfx942, 1, 16, 132)
-    monkeypatch.setenv(COMBINE_ENV, "fast")
-    with pytest.raises(ValueError, match=r"MLA_BACKEND_COMBINE='fast' is not supported; expected one of"):
+    monkeypatch.setenv(COMBINE_ENV, "grouped")
+    with pytest.raises(ValueError, match=r"MLA_BACKEND_COMBINE='grouped' is not supported; expected one of"):
         pick_combine(sm90, 1, 16, 132)
 
 

@@ -293,39 +293,29 @@ COMBINE_WIDE_MAX_PROGRAMS = 32
 COMBINE_WIDE_MIN_PARTS = 8
 
 
-# Where the split kernel merges two-part requests itself and parts are no more than requests (each part as long as
-# an average request: most split requests have two parts), a large batch's combine has little to do but still
-# launches a program per (request, row): b=64 x 256 rows, 11.5 us on the H100 for nothing. From
-# COMBINE_GROUPED_MIN_PROGRAMS of those, a program walks COMBINE_GROUP_ROWS rows of its request instead (5.2 us).
-# With more parts than requests (b=64 h=64: 132 parts, requests of three) it has real work, and is slower (22 vs 12).
-COMBINE_GROUP_ROWS = 16
-COMBINE_GROUPED_MIN_PROGRAMS = 4096
-
-
-def use_grouped_combine(batch: int, rows: int, num_parts: int, merged: int) -> bool:
-    """Whether ``mla_decode`` merges with the grouped combine (``merged``: parts the split kernel merges itself)."""
-    return merged >= 2 and num_parts <= batch and batch * rows >= COMBINE_GROUPED_MIN_PROGRAMS
-
-
 def use_wide_combine(batch: int, rows: int, num_parts: int) -> bool:
     """Whether ``mla_decode`` merges with the wide combine: ``rows`` = heads x q_len, ``num_parts`` the plan's."""
     return batch * rows <= COMBINE_WIDE_MAX_PROGRAMS and num_parts >= COMBINE_WIDE_MIN_PARTS * batch
 
 
-# The tiled combine: a program per (request, COMBINE_TILE_ROWS rows) merges them side by side, so a large batch whose
-# requests mostly need no merge (unsplit, or two-part ones the split kernel merged) launches few programs, and one
-# that does need it waits on two load rounds (LSEs, then partials) for all its rows, not on one pair per row.
+# The tiled combine: a program per (request, COMBINE_TILE_ROWS rows) merges them side by side. A large batch's combine
+# often has nothing to do (requests unsplit, or of two parts the split kernel merged) but still launches its programs:
+# at b=64 x 128 rows, 8192 per-row programs take 6.6 us on the H100 for nothing, 512 tiled ones 2.3 (end to end
+# b=64 s_k=4096 h=64 s_q=2: 153.7 -> 149.4 us), and with work (ragged lengths) the tiled one is faster from 64 rows
+# (b=64 h=128: 9.3 -> 7.1 us; b=128 h=128 s_q=2, where the split kernel merges most: 21.3 -> 4.1). Below 64 rows a
+# request's few tiled programs are slower where there is work (h=16 b=64 ragged 4.5 -> 6.3 us, h=32 b=32 5.0 -> 8.6),
+# so those take it only where parts are no more than requests (most requests whole). Session 26, call 1.
 COMBINE_TILE_ROWS = 16
 COMBINE_TILE_LANES = 8  # threads per row reducing its partial LSEs (shuffles within 8 lanes)
 COMBINE_TILE_UNROLL = 4  # parts whose partial tiles are loaded back to back
-# mla_decode picks it from this many per-row programs (batch x rows): below, the per-row and wide combines spread a
-# short batch's merge over more SMs.
-COMBINE_TILED_MIN_PROGRAMS = 1024
+COMBINE_TILED_MIN_PROGRAMS = 1024  # per-row programs (batch x rows) from which the tiled combine may take over
+COMBINE_TILED_MIN_ROWS = 64
 
 
-def use_tiled_combine(batch: int, rows: int) -> bool:
-    """Whether ``mla_decode`` merges with the tiled combine (where the variant has one)."""
-    return batch * rows >= COMBINE_TILED_MIN_PROGRAMS
+def use_tiled_combine(batch: int, rows: int, num_parts: int) -> bool:
+    """Whether ``mla_decode`` merges with the tiled combine (where the variant has one): ``rows`` = heads x q_len,
+    ``num_parts`` the plan's."""
+    return batch * rows >= COMBINE_TILED_MIN_PROGRAMS and (rows >= COMBINE_TILED_MIN_ROWS or num_parts <= batch)
 
 
 def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: int = 0):
@@ -412,15 +402,12 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
     return mla_decode_combine_tiled
 
 
-def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False, merged: int = 0,
-                         rows_per_program: int = 1):
+def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False, merged: int = 0):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
 
     One program per (request, row), or with ``wide`` per (request, row, 128-dim chunk); requests whose single
     part wrote the output directly return, and so do those of up to ``merged`` parts, which the split kernel
-    merged itself (``configs.merged_parts``). With ``rows_per_program`` a program walks that many rows of its request
-    (a large batch whose split requests the split kernel merged: most programs have nothing to do, and fewer of
-    them launch faster). The request's partial LSEs become merge weights in shared memory:
+    merged itself (``configs.merged_parts``). The request's partial LSEs become merge weights in shared memory:
     more than ``COMBINE_SERIAL_LSE`` parts (up to ``MAX_PARTS``, two per thread) are reduced across the block
     (max, then the sum of exp2), fewer are walked serially by every thread (no block barrier). The 512-wide rows
     are summed ``COMBINE_UNROLL`` at a time, then ``COMBINE_TAIL`` at a time from clamped indices (no branch
@@ -447,7 +434,7 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
         out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
         lse: T.Tensor([num_tokens, num_heads], accum),
     ):
-        with T.Kernel(batch, T.ceildiv(rows, rows_per_program), n_chunks, threads=threads) as (req, row_group, chunk):
+        with T.Kernel(batch, rows, n_chunks, threads=threads) as (req, row, chunk):
             lse_f = T.alloc_fragment([MAX_PARTS], accum)  # partial LSEs, then their exp2 weights
             weight_s = T.alloc_shared([MAX_PARTS], accum)
             lse_s = T.alloc_shared([COMBINE_SERIAL_LSE], accum)
@@ -468,98 +455,95 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
             req_hi = cu_blocks[req + 1]
             first = req_lo // width
             n_read = T.min((req_hi - 1) // width - first + 1, MAX_PARTS)
-            for row_step in T.serial(rows_per_program):
-                row = row_group * rows_per_program + row_step
-                if row < rows:
-                    tok = qo_indptr[req] + row // num_heads
-                    head = row % num_heads
-                    d0 = chunk * COMBINE_WIDE_DIMS if wide else 0
-                    if req_hi == req_lo:
-                        for d in T.Parallel(KV_LORA_RANK // n_chunks):
-                            out[tok, head, d0 + d] = T.cast(0, dtype)
-                        if chunk == 0:
-                            lse[tok, head] = -T.infinity(accum)
-                    elif n_read > max(1, merged):
-                        if wide:
-                            tx = T.get_thread_binding()
-                            grp = tx // lanes
-                            col = d0 + (tx % lanes) * 4
-                            # warp grp sums parts grp, grp + 4, ...; the first COMBINE_WIDE_LOADS of them are loaded now
-                            # (past the last part: the last part again, weighted 0 below)
-                            for u in T.unroll(COMBINE_WIDE_LOADS):
-                                for k in T.vectorized(4):
-                                    raw[u, k] = out_partial[first + T.min(grp + u * COMBINE_WIDE_GROUPS, n_read - 1) + req,
-                                                            row, col + k]
-                        # merge weights: weight_s[i] = part i's share; lse_max / lse_sum: the log2 LSE's offset and sum
-                        if n_read > COMBINE_SERIAL_LSE:
-                            # many parts (small batches): LSE max and sum reduced across the block, two per thread
-                            for i in T.Parallel(MAX_PARTS):
-                                lse_f[i] = T.if_then_else(i < n_read, lse_partial[first + i + req, row], -T.infinity(accum))
-                            T.reduce_max(lse_f, lse_max, dim=0, clear=True)
-                            # all partials -inf (row saw nothing): offset 0 keeps exp2 at 0 instead of NaN
-                            lse_max[0] = T.if_then_else(lse_max[0] == -T.infinity(accum), 0, lse_max[0])
-                            for i in T.Parallel(MAX_PARTS):
-                                lse_f[i] = T.exp2(lse_f[i] - lse_max[0])
-                            T.reduce_sum(lse_f, lse_sum, dim=0)
-                            for i in T.Parallel(MAX_PARTS):
-                                weight_s[i] = T.if_then_else(lse_sum[0] > 0, lse_f[i] / lse_sum[0], 0)
-                        else:
-                            # a few parts (most requests of a large batch): every thread walks them, no block barrier
-                            for i in T.Parallel(COMBINE_SERIAL_LSE):
-                                lse_s[i] = T.if_then_else(i < n_read, lse_partial[first + i + req, row], -T.infinity(accum))
-                            lse_top = -T.infinity(accum)
-                            for i in T.serial(n_read):
-                                lse_top = T.max(lse_top, lse_s[i])
-                            lse_top = T.if_then_else(lse_top == -T.infinity(accum), 0, lse_top)
-                            lse_acc = 0
-                            for i in T.serial(n_read):
-                                lse_acc += T.exp2(lse_s[i] - lse_top)
-                            for i in T.Parallel(COMBINE_SERIAL_LSE):
-                                weight_s[i] = T.if_then_else(lse_acc > 0, T.exp2(lse_s[i] - lse_top) / lse_acc, 0)
-                            lse_max[0] = lse_top
-                            lse_sum[0] = lse_acc
-                        if wide:
+            tok = qo_indptr[req] + row // num_heads
+            head = row % num_heads
+            d0 = chunk * COMBINE_WIDE_DIMS if wide else 0
+            if req_hi == req_lo:
+                for d in T.Parallel(KV_LORA_RANK // n_chunks):
+                    out[tok, head, d0 + d] = T.cast(0, dtype)
+                if chunk == 0:
+                    lse[tok, head] = -T.infinity(accum)
+            elif n_read > max(1, merged):
+                if wide:
+                    tx = T.get_thread_binding()
+                    grp = tx // lanes
+                    col = d0 + (tx % lanes) * 4
+                    # warp grp sums parts grp, grp + 4, ...; the first COMBINE_WIDE_LOADS of them are loaded now
+                    # (past the last part: the last part again, weighted 0 below)
+                    for u in T.unroll(COMBINE_WIDE_LOADS):
+                        for k in T.vectorized(4):
+                            raw[u, k] = out_partial[first + T.min(grp + u * COMBINE_WIDE_GROUPS, n_read - 1) + req,
+                                                    row, col + k]
+                # merge weights: weight_s[i] = part i's share; lse_max / lse_sum: the log2 LSE's offset and sum
+                if n_read > COMBINE_SERIAL_LSE:
+                    # many parts (small batches): LSE max and sum reduced across the block, two per thread
+                    for i in T.Parallel(MAX_PARTS):
+                        lse_f[i] = T.if_then_else(i < n_read, lse_partial[first + i + req, row], -T.infinity(accum))
+                    T.reduce_max(lse_f, lse_max, dim=0, clear=True)
+                    # all partials -inf (row saw nothing): offset 0 keeps exp2 at 0 instead of NaN
+                    lse_max[0] = T.if_then_else(lse_max[0] == -T.infinity(accum), 0, lse_max[0])
+                    for i in T.Parallel(MAX_PARTS):
+                        lse_f[i] = T.exp2(lse_f[i] - lse_max[0])
+                    T.reduce_sum(lse_f, lse_sum, dim=0)
+                    for i in T.Parallel(MAX_PARTS):
+                        weight_s[i] = T.if_then_else(lse_sum[0] > 0, lse_f[i] / lse_sum[0], 0)
+                else:
+                    # a few parts (most requests of a large batch): every thread walks them, no block barrier
+                    for i in T.Parallel(COMBINE_SERIAL_LSE):
+                        lse_s[i] = T.if_then_else(i < n_read, lse_partial[first + i + req, row], -T.infinity(accum))
+                    lse_top = -T.infinity(accum)
+                    for i in T.serial(n_read):
+                        lse_top = T.max(lse_top, lse_s[i])
+                    lse_top = T.if_then_else(lse_top == -T.infinity(accum), 0, lse_top)
+                    lse_acc = 0
+                    for i in T.serial(n_read):
+                        lse_acc += T.exp2(lse_s[i] - lse_top)
+                    for i in T.Parallel(COMBINE_SERIAL_LSE):
+                        weight_s[i] = T.if_then_else(lse_acc > 0, T.exp2(lse_s[i] - lse_top) / lse_acc, 0)
+                    lse_max[0] = lse_top
+                    lse_sum[0] = lse_acc
+                if wide:
+                    for k in T.vectorized(4):
+                        acc_w[k] = 0
+                    for u in T.unroll(COMBINE_WIDE_LOADS):
+                        j = grp + u * COMBINE_WIDE_GROUPS
+                        for k in T.vectorized(4):
+                            acc_w[k] += T.if_then_else(j < n_read, weight_s[T.min(j, n_read - 1)], 0) * raw[u, k]
+                    # parts past the first 4 x COMBINE_WIDE_LOADS (more than 64 parts): COMBINE_TAIL per round
+                    n_rest = n_read - COMBINE_WIDE_GROUPS * COMBINE_WIDE_LOADS
+                    for i0 in T.serial(T.ceildiv(T.max(n_rest, 0), COMBINE_WIDE_GROUPS * COMBINE_TAIL)):
+                        for u in T.unroll(COMBINE_TAIL):
+                            j = COMBINE_WIDE_GROUPS * (COMBINE_WIDE_LOADS + i0 * COMBINE_TAIL + u) + grp
+                            i = T.min(j, n_read - 1)
+                            w = T.if_then_else(j < n_read, weight_s[i], 0)
                             for k in T.vectorized(4):
-                                acc_w[k] = 0
-                            for u in T.unroll(COMBINE_WIDE_LOADS):
-                                j = grp + u * COMBINE_WIDE_GROUPS
-                                for k in T.vectorized(4):
-                                    acc_w[k] += T.if_then_else(j < n_read, weight_s[T.min(j, n_read - 1)], 0) * raw[u, k]
-                            # parts past the first 4 x COMBINE_WIDE_LOADS (more than 64 parts): COMBINE_TAIL per round
-                            n_rest = n_read - COMBINE_WIDE_GROUPS * COMBINE_WIDE_LOADS
-                            for i0 in T.serial(T.ceildiv(T.max(n_rest, 0), COMBINE_WIDE_GROUPS * COMBINE_TAIL)):
-                                for u in T.unroll(COMBINE_TAIL):
-                                    j = COMBINE_WIDE_GROUPS * (COMBINE_WIDE_LOADS + i0 * COMBINE_TAIL + u) + grp
-                                    i = T.min(j, n_read - 1)
-                                    w = T.if_then_else(j < n_read, weight_s[i], 0)
-                                    for k in T.vectorized(4):
-                                        acc_w[k] += w * out_partial[first + i + req, row, col + k]
-                            for k in T.vectorized(4):
-                                sums[grp, (tx % lanes) * 4 + k] = acc_w[k]
-                            for d in T.Parallel(COMBINE_WIDE_DIMS):
-                                out[tok, head, d0 + d] = T.cast(sums[0, d] + sums[1, d] + sums[2, d] + sums[3, d], dtype)
-                        else:
-                            T.clear(acc)
-                            n_full = n_read // COMBINE_UNROLL
-                            for i0 in T.serial(n_full):
-                                for u in T.unroll(COMBINE_UNROLL):
-                                    for d in T.Parallel(KV_LORA_RANK):
-                                        acc[d] += weight_s[i0 * COMBINE_UNROLL + u] * out_partial[
-                                            first + i0 * COMBINE_UNROLL + u + req, row, d]
-                            # the rest (most requests: 2 parts) COMBINE_TAIL at a time; past the last part, the last row
-                            # is re-read with weight 0
-                            for i0 in T.serial(T.ceildiv(n_read - n_full * COMBINE_UNROLL, COMBINE_TAIL)):
-                                for u in T.unroll(COMBINE_TAIL):
-                                    j = n_full * COMBINE_UNROLL + i0 * COMBINE_TAIL + u
-                                    i = T.min(j, n_read - 1)
-                                    w = T.if_then_else(j < n_read, weight_s[i], 0)
-                                    for d in T.Parallel(KV_LORA_RANK):
-                                        acc[d] += w * out_partial[first + i + req, row, d]
+                                acc_w[k] += w * out_partial[first + i + req, row, col + k]
+                    for k in T.vectorized(4):
+                        sums[grp, (tx % lanes) * 4 + k] = acc_w[k]
+                    for d in T.Parallel(COMBINE_WIDE_DIMS):
+                        out[tok, head, d0 + d] = T.cast(sums[0, d] + sums[1, d] + sums[2, d] + sums[3, d], dtype)
+                else:
+                    T.clear(acc)
+                    n_full = n_read // COMBINE_UNROLL
+                    for i0 in T.serial(n_full):
+                        for u in T.unroll(COMBINE_UNROLL):
                             for d in T.Parallel(KV_LORA_RANK):
-                                out[tok, head, d] = T.cast(acc[d], dtype)
-                        # lse_max is the offset (0 where every partial was -inf, and then lse_sum is 0)
-                        if chunk == 0:
-                            lse[tok, head] = T.if_then_else(lse_sum[0] > 0, (T.log2(lse_sum[0]) + lse_max[0]) * LN2,
-                                                            -T.infinity(accum))
+                                acc[d] += weight_s[i0 * COMBINE_UNROLL + u] * out_partial[
+                                    first + i0 * COMBINE_UNROLL + u + req, row, d]
+                    # the rest (most requests: 2 parts) COMBINE_TAIL at a time; past the last part, the last row
+                    # is re-read with weight 0
+                    for i0 in T.serial(T.ceildiv(n_read - n_full * COMBINE_UNROLL, COMBINE_TAIL)):
+                        for u in T.unroll(COMBINE_TAIL):
+                            j = n_full * COMBINE_UNROLL + i0 * COMBINE_TAIL + u
+                            i = T.min(j, n_read - 1)
+                            w = T.if_then_else(j < n_read, weight_s[i], 0)
+                            for d in T.Parallel(KV_LORA_RANK):
+                                acc[d] += w * out_partial[first + i + req, row, d]
+                    for d in T.Parallel(KV_LORA_RANK):
+                        out[tok, head, d] = T.cast(acc[d], dtype)
+                # lse_max is the offset (0 where every partial was -inf, and then lse_sum is 0)
+                if chunk == 0:
+                    lse[tok, head] = T.if_then_else(lse_sum[0] > 0, (T.log2(lse_sum[0]) + lse_max[0]) * LN2,
+                                                    -T.infinity(accum))
 
     return mla_decode_combine

@@ -32,13 +32,11 @@ class CompileStats:
 
 
 class Kernels(NamedTuple):
-    """The compiled kernels of one variant: the split kernel and the two combines (``mla_decode`` picks one)."""
+    """The compiled kernels of one variant: the split kernel and its combines (``pick_combine`` picks one)."""
 
     split: Any
     combine: Any  # one program per (request, row)
     combine_wide: Any  # per (request, row, 128 dims): short batches with many parts per request
-    combine_grouped: Any  # per (request, COMBINE_GROUP_ROWS rows): large batches whose two-part requests ``split``
-    # merged itself (None where it merges none)
     combine_tiled: Any  # per (request, COMBINE_TILE_ROWS rows) side by side: large batches (sm90 only, else None)
     merged: int  # parts of a request the split kernel merges itself (configs.merged_parts)
 
@@ -46,14 +44,15 @@ class Kernels(NamedTuple):
 # MLA_BACKEND_COMBINE: which combine mla_decode launches; "auto" picks by shape (pick_combine), the others force one
 # (an A/B aid: scripts/ab_interleave.py)
 COMBINE_ENV = "MLA_BACKEND_COMBINE"
-COMBINE_CHOICES = ("auto", "row", "wide", "grouped", "tiled")
+COMBINE_CHOICES = ("auto", "row", "wide", "tiled")
 
 
 def pick_combine(kernels: "Kernels", batch: int, rows: int, num_parts: int):
     """The combine kernel ``mla_decode`` launches after ``kernels.split`` for ``batch`` requests of ``rows`` (heads x
     q_len) rows under a plan of ``num_parts`` parts: the wide one for a short batch with many parts per request, the
-    tiled one for a large batch (where built), else one program per row."""
-    from .mla_decode import use_grouped_combine, use_tiled_combine, use_wide_combine
+    tiled one for a large batch of 64 rows or more, or whose parts are no more than its requests (sm90), else one
+    program per row."""
+    from .mla_decode import use_tiled_combine, use_wide_combine
 
     choice = os.environ.get(COMBINE_ENV, "auto")
     if choice not in COMBINE_CHOICES:
@@ -61,14 +60,11 @@ def pick_combine(kernels: "Kernels", batch: int, rows: int, num_parts: int):
     if choice == "auto":
         if use_wide_combine(batch, rows, num_parts):
             choice = "wide"
-        elif kernels.combine_tiled is not None and use_tiled_combine(batch, rows):
+        elif kernels.combine_tiled is not None and use_tiled_combine(batch, rows, num_parts):
             choice = "tiled"
-        elif kernels.combine_grouped is not None and use_grouped_combine(batch, rows, num_parts, kernels.merged):
-            choice = "grouped"
         else:
             choice = "row"
-    kernel = {"row": kernels.combine, "wide": kernels.combine_wide, "grouped": kernels.combine_grouped,
-              "tiled": kernels.combine_tiled}[choice]
+    kernel = {"row": kernels.combine, "wide": kernels.combine_wide, "tiled": kernels.combine_tiled}[choice]
     if kernel is None:
         raise ValueError(f"{COMBINE_ENV}={choice!r}: this kernel variant has no {choice} combine")
     return kernel
@@ -115,11 +111,10 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
             build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
             target=target, pass_configs=pass_configs)
         merged = merged_parts(cfg)  # requests the split kernel merges: the combine skips them
-        combine, combine_wide, combine_grouped = (
-            tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged,
-                                                  rows_per_program=group), target=target, pass_configs=pass_configs)
-            if group else None
-            for wide, group in ((False, 1), (True, 1), (False, mla_decode.COMBINE_GROUP_ROWS if merged else 0)))
+        combine, combine_wide = (
+            tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged),
+                             target=target, pass_configs=pass_configs)
+            for wide in (False, True))
         combine_tiled = (tilelang.compile(mla_decode.build_tiled_combine_kernel(num_heads, q_len, tl_dtype(dtype),
                                                                                 merged=merged),
                                           target=target, pass_configs=pass_configs) if arch == "sm90" else None)
@@ -130,7 +125,7 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         # A disk-cache hit takes well under a second; a real compile takes several.
         logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s (%s) ready in %.2fs (%s)", num_heads, q_len,
                     page_size, dtype, kv_dtype, arch, cfg.kernel, seconds, "disk cache hit" if seconds < 1.5 else "compiled")
-        _KERNELS[key] = kernels = Kernels(split, combine, combine_wide, combine_grouped, combine_tiled, merged)
+        _KERNELS[key] = kernels = Kernels(split, combine, combine_wide, combine_tiled, merged)
         return kernels
 
 
