@@ -25,7 +25,7 @@ from tvm.target import Target  # noqa: E402
 
 from mla_backend.kernels import configs  # noqa: E402
 from mla_backend.kernels.mla_decode import (build_combine_kernel, build_decode_kernel,  # noqa: E402
-                                            build_tiled_combine_kernel)
+                                            build_tiled_combine_kernel, tiled_combine_chunks)
 from mla_backend.kernels.plan_kernel import build_plan_kernel, scan_size  # noqa: E402
 
 CUDA = configs.target_for_arch("sm90")  # "cuda -arch=sm_90a"
@@ -61,7 +61,7 @@ def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
     if kind == "plan":
         return build_plan_kernel(*variant)
     if kind == "tiled":
-        return build_tiled_combine_kernel(*variant, merged=2)
+        return build_tiled_combine_kernel(*variant, merged=2, chunks=tiled_combine_chunks(variant[0] * variant[1]))
     *shape, wide = variant
     return build_combine_kernel(*shape, wide=wide)  # the combines serve every config
 
@@ -111,15 +111,19 @@ def test_combine_kernel_lowers(cuda_lowered, variant):
 
 @pytest.mark.parametrize("variant", TILED_VARIANTS, ids=_vid)
 def test_tiled_combine_lowers(cuda_lowered, variant):
-    """16 rows per program: each row's 8 lanes reduce its partial LSEs by three xor shuffles (max, then sum) into
-    weights in shared memory (16 rows x MAX_PARTS), then every thread adds float4s of the 16 partial rows, 4 parts
-    back to back; requests of at most two parts (merged by the split kernel) are skipped."""
+    """16 rows per program (and below 64 rows a quarter of the columns): each row's 8 lanes reduce its partial LSEs by
+    three xor shuffles (max, then sum) into weights in shared memory (16 rows x MAX_PARTS), then every thread adds
+    float4s of the 16 partial rows, 4 parts back to back; requests of at most two parts (merged by the split kernel)
+    are skipped."""
     art = cuda_lowered("tiled", variant)
     src = art.kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine_tiled', src)
     assert src.count("__shfl_xor_sync(") == 2 and "(4 >> delta" in src, "the LSE reductions are not 8-lane shuffles"
     assert "if (2 < n_read)" in src
     assert src.count("*(float4*)(out_partial") == 1 and "for (int u = 0; u < 4; ++u)" in src
+    narrow = variant[0] * variant[1] < 64
+    assert ("((int)blockIdx.z)) * (int64_t)128)" in src) == narrow  # the chunk's 128 columns
+    assert re.search(r"float acc\[(\d+)\]", src).group(1) == ("16" if narrow else "64")
     assert _smem_bytes(art.device_mod) == 16 * 256 * 4
 
 

@@ -303,30 +303,38 @@ def use_wide_combine(batch: int, rows: int, num_parts: int) -> bool:
 # at b=64 x 128 rows, 8192 per-row programs take 6.6 us on the H100 for nothing, 512 tiled ones 2.3 (end to end
 # b=64 s_k=4096 h=64 s_q=2: 153.7 -> 149.4 us), and with work (ragged lengths) the tiled one is faster from 64 rows
 # (b=64 h=128: 9.3 -> 7.1 us; b=128 h=128 s_q=2, where the split kernel merges most: 21.3 -> 4.1). Below 64 rows a
-# request's few tiled programs are slower where there is work (h=16 b=64 ragged 4.5 -> 6.3 us, h=32 b=32 5.0 -> 8.6),
-# so those take it only where parts are no more than requests (most requests whole). Session 26, call 1.
+# request's one or two whole-width programs were slower where there is work (h=16 b=64 ragged 4.5 -> 6.3 us, h=32
+# b=32 5.0 -> 8.6; session 26, call 1), so there each program takes a quarter of the 512 columns.
 COMBINE_TILE_ROWS = 16
 COMBINE_TILE_LANES = 8  # threads per row reducing its partial LSEs (shuffles within 8 lanes)
 COMBINE_TILE_UNROLL = 4  # parts whose partial tiles are loaded back to back
-COMBINE_TILED_MIN_PROGRAMS = 1024  # per-row programs (batch x rows) from which the tiled combine may take over
-COMBINE_TILED_MIN_ROWS = 64
+COMBINE_TILED_MIN_PROGRAMS = 1024  # per-row programs (batch x rows) from which the tiled combine takes over
+COMBINE_TILE_NARROW_ROWS = 64  # below this many rows, COMBINE_TILE_NARROW_CHUNKS programs per tile
+COMBINE_TILE_NARROW_CHUNKS = 4
+
+
+def tiled_combine_chunks(rows: int) -> int:
+    """Column chunks (programs per 16-row tile) of the tiled combine for ``rows`` = heads x q_len."""
+    return COMBINE_TILE_NARROW_CHUNKS if rows < COMBINE_TILE_NARROW_ROWS else 1
 
 
 def use_tiled_combine(batch: int, rows: int, num_parts: int) -> bool:
     """Whether ``mla_decode`` merges with the tiled combine (where the variant has one): ``rows`` = heads x q_len,
     ``num_parts`` the plan's."""
-    return batch * rows >= COMBINE_TILED_MIN_PROGRAMS and (rows >= COMBINE_TILED_MIN_ROWS or num_parts <= batch)
+    return batch * rows >= COMBINE_TILED_MIN_PROGRAMS
 
 
-def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: int = 0):
+def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: int = 0, chunks: int = 1):
     """The combine of :func:`build_combine_kernel` (same arguments and results) with one program per (request,
-    ``COMBINE_TILE_ROWS`` rows): each row's ``COMBINE_TILE_LANES`` threads reduce its partial LSEs into normalised
-    weights in shared memory (up to ``MAX_PARTS`` parts), then the 128 threads sum the partial tiles
-    ``[COMBINE_TILE_ROWS, 512]`` of ``COMBINE_TILE_UNROLL`` parts at a time."""
+    ``COMBINE_TILE_ROWS`` rows, 512 / ``chunks`` columns): each row's ``COMBINE_TILE_LANES`` threads reduce its partial
+    LSEs into normalised weights in shared memory (up to ``MAX_PARTS`` parts), then the 128 threads sum the partial
+    tiles ``[COMBINE_TILE_ROWS, 512 / chunks]`` of ``COMBINE_TILE_UNROLL`` parts at a time. The chunks' programs each
+    reduce the LSEs (chunk 0 writes ``lse``)."""
     rows = num_heads * q_len
     accum = "float32"
     tile_rows, lanes = COMBINE_TILE_ROWS, COMBINE_TILE_LANES
     threads = tile_rows * lanes
+    cols = KV_LORA_RANK // chunks
 
     num_tokens = T.dynamic("num_tokens")
     batch = T.dynamic("batch")
@@ -342,9 +350,9 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
         out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
         lse: T.Tensor([num_tokens, num_heads], accum),
     ):
-        with T.Kernel(batch, T.ceildiv(rows, tile_rows), threads=threads) as (req, tile):
+        with T.Kernel(batch, T.ceildiv(rows, tile_rows), chunks, threads=threads) as (req, tile, chunk):
             weight_s = T.alloc_shared([tile_rows, MAX_PARTS], accum)  # per row, its parts' merge weights
-            acc = T.alloc_fragment([tile_rows, KV_LORA_RANK], accum)
+            acc = T.alloc_fragment([tile_rows, cols], accum)
             top = T.alloc_var(accum)  # this row's largest partial LSE (log2), then the offset
             total = T.alloc_var(accum)  # sum of exp2(LSE - offset) over the row's parts
             first = T.alloc_var("int32")  # the request's first part (its partial slots are first + i + req)
@@ -361,10 +369,10 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
             first = req_lo // width
             n_read = T.min((req_hi - 1) // width - first + 1, MAX_PARTS)
             if req_hi == req_lo:
-                for i, d in T.Parallel(tile_rows, KV_LORA_RANK):
+                for i, d in T.Parallel(tile_rows, cols):
                     if row0 + i < rows:
-                        out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d] = T.cast(0, dtype)
-                if lane == 0 and row0 + r < rows:
+                        out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, chunk * cols + d] = T.cast(0, dtype)
+                if lane == 0 and row0 + r < rows and chunk == 0:
                     lse[tok0 + (row0 + r) // num_heads, (row0 + r) % num_heads] = -T.infinity(accum)
             elif n_read > max(1, merged):
                 # lane l walks parts l, l + 8, ...: the row's max, then its weights and their sum
@@ -382,7 +390,7 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
                     total += T.shfl_xor(total, 4 >> delta)
                 for k in T.serial(T.ceildiv(T.max(n_read - lane, 0), lanes)):
                     weight_s[r, lane + k * lanes] = T.if_then_else(total > 0, weight_s[r, lane + k * lanes] / total, 0)
-                if lane == 0 and row0 + r < rows:
+                if lane == 0 and row0 + r < rows and chunk == 0:
                     lse[tok0 + (row0 + r) // num_heads, (row0 + r) % num_heads] = T.if_then_else(
                         total > 0, (T.log2(total) + top) * LN2, -T.infinity(accum))
                 T.sync_threads()
@@ -392,12 +400,13 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
                     for u in T.unroll(COMBINE_TILE_UNROLL):
                         j = j0 * COMBINE_TILE_UNROLL + u
                         jc = T.min(j, n_read - 1)
-                        for i, d in T.Parallel(tile_rows, KV_LORA_RANK):
+                        for i, d in T.Parallel(tile_rows, cols):
                             acc[i, d] += T.if_then_else(j < n_read, weight_s[i, jc], 0) * out_partial[
-                                first + jc + req, T.min(row0 + i, rows - 1), d]
-                for i, d in T.Parallel(tile_rows, KV_LORA_RANK):
+                                first + jc + req, T.min(row0 + i, rows - 1), chunk * cols + d]
+                for i, d in T.Parallel(tile_rows, cols):
                     if row0 + i < rows:
-                        out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, d] = T.cast(acc[i, d], dtype)
+                        out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, chunk * cols + d] = T.cast(
+                            acc[i, d], dtype)
 
     return mla_decode_combine_tiled
 

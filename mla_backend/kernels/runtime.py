@@ -50,8 +50,7 @@ COMBINE_CHOICES = ("auto", "row", "wide", "tiled")
 def pick_combine(kernels: "Kernels", batch: int, rows: int, num_parts: int):
     """The combine kernel ``mla_decode`` launches after ``kernels.split`` for ``batch`` requests of ``rows`` (heads x
     q_len) rows under a plan of ``num_parts`` parts: the wide one for a short batch with many parts per request, the
-    tiled one for a large batch of 64 rows or more, or whose parts are no more than its requests (sm90), else one
-    program per row."""
+    tiled one for a large batch (sm90), else one program per row."""
     from .mla_decode import use_tiled_combine, use_wide_combine
 
     choice = os.environ.get(COMBINE_ENV, "auto")
@@ -115,9 +114,9 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
             tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged),
                              target=target, pass_configs=pass_configs)
             for wide in (False, True))
-        combine_tiled = (tilelang.compile(mla_decode.build_tiled_combine_kernel(num_heads, q_len, tl_dtype(dtype),
-                                                                                merged=merged),
-                                          target=target, pass_configs=pass_configs) if arch == "sm90" else None)
+        combine_tiled = (tilelang.compile(mla_decode.build_tiled_combine_kernel(
+            num_heads, q_len, tl_dtype(dtype), merged=merged, chunks=mla_decode.tiled_combine_chunks(num_heads * q_len)),
+            target=target, pass_configs=pass_configs) if arch == "sm90" else None)
         seconds = time.perf_counter() - start
         STATS.compiled += 1
         STATS.seconds += seconds
