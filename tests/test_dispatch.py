@@ -83,7 +83,7 @@ def test_sm90_kernel_choice_follows_the_environment(monkeypatch):
 
 
 def test_combine_choice_by_shape_and_environment(monkeypatch):
-    """A short batch with many parts per request merges with the wide combine; one of >= 1024 rows in all with the
+    """A short batch with many parts per request merges with the wide combine; one of >= 2048 rows in all with the
     tiled one where the variant has it (sm90); else per row. MLA_BACKEND_COMBINE forces one and is validated."""
     from mla_backend.kernels.runtime import COMBINE_ENV, Kernels, pick_combine
 
@@ -93,8 +93,8 @@ def test_combine_choice_by_shape_and_environment(monkeypatch):
     monkeypatch.delenv(COMBINE_ENV, raising=False)
     assert pick_combine(sm90, 1, 16, 132) == wide  # b=1 h=16: 16 programs, 132 parts
     assert pick_combine(sm90, 16, 16, 132) == row  # 256 rows in all
-    assert pick_combine(sm90, 64, 128, 66) == tiled and pick_combine(sm90, 16, 64, 66) == tiled
-    assert pick_combine(sm90, 128, 32, 132) == tiled and pick_combine(sm90, 32, 16, 132) == row
+    assert pick_combine(sm90, 64, 128, 66) == tiled and pick_combine(sm90, 16, 128, 66) == tiled
+    assert pick_combine(sm90, 128, 32, 132) == tiled and pick_combine(sm90, 64, 16, 132) == row
     assert pick_combine(gfx942, 64, 128, 66) == row
     monkeypatch.setenv(COMBINE_ENV, "tiled")
     assert pick_combine(sm90, 1, 16, 132) == tiled
