@@ -237,17 +237,25 @@ def test_no_recompile_across_batches():
     assert runtime.STATS.compiled == compiled
 
 
-@pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 1), (128, 2)])  # h=128: the row-block CTA pairs (clusters)
-def test_cuda_graph_replay_with_new_lengths(heads, q_len):
-    _kernel_or_skip(heads=heads, q_len=q_len)
-    batch, page_size, max_pages = 8, 64, 40
+# h=128: the row-block CTA pairs (clusters); batch x heads x q_len >= 2048: the tiled combine (below 64 rows with column
+# chunks)
+@pytest.mark.parametrize("heads,q_len,batch,max_pages", [(16, 1, 8, 40), (128, 1, 8, 40), (128, 2, 8, 40),
+                                                         (128, 1, 24, 12), (16, 1, 160, 6)])
+def test_cuda_graph_replay_with_new_lengths(heads, q_len, batch, max_pages):
+    impl = _kernel_or_skip(heads=heads, q_len=q_len)
+    from mla_backend.kernels.runtime import get_kernels, pick_combine
+
+    page_size, num_pages = 64, batch * max_pages + 16
     g = torch.Generator(device="cpu").manual_seed(3)
-    kv_cache = torch.randn(400, page_size, 576, generator=g).bfloat16().cuda()
-    table = torch.randperm(400, generator=g)[: batch * max_pages].int().view(batch, max_pages).cuda()
+    kv_cache = torch.randn(num_pages, page_size, 576, generator=g).bfloat16().cuda()
+    table = torch.randperm(num_pages, generator=g)[: batch * max_pages].int().view(batch, max_pages).cuda()
     kv_lens = torch.zeros(batch, dtype=torch.int32, device="cuda")
     q = torch.randn(batch * q_len, heads, 576, generator=g).bfloat16().cuda()
     md = MLADecodeMetadata.from_block_table(table, kv_lens, page_size, q_len=q_len)
     planner = SplitPlanner(batch, heads, q_len, "cuda")
+    kernels = get_kernels(heads, q_len, page_size, BF16, BF16, impl.split("-", 1)[1])
+    tiled = pick_combine(kernels, batch, heads * q_len, planner.num_parts) is kernels.combine_tiled
+    assert tiled == (batch * heads * q_len >= 2048)
     out = torch.empty(batch * q_len, heads, 512, dtype=torch.bfloat16, device="cuda")
 
     def step(lens):
