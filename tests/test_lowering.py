@@ -111,14 +111,15 @@ def test_combine_kernel_lowers(cuda_lowered, variant):
 
 @pytest.mark.parametrize("variant", TILED_VARIANTS, ids=_vid)
 def test_tiled_combine_lowers(cuda_lowered, variant):
-    """16 rows per program (and below 64 rows a quarter of the columns): each row's 8 lanes reduce its partial LSEs by
-    three xor shuffles (max, then sum) into weights in shared memory (16 rows x MAX_PARTS), then every thread adds
-    float4s of the 16 partial rows, 4 parts back to back; requests of at most two parts (merged by the split kernel)
-    are skipped."""
+    """16 rows per program (and below 64 rows a quarter of the columns): each row's 8 lanes take its partial LSEs'
+    max by three xor shuffles and write exp2(LSE - max) to shared memory (16 rows x MAX_PARTS), summed in part order
+    by every lane (the per-row combine's order); then every thread adds float4s of the 16 partial rows, 4 parts back to
+    back; requests of at most two parts (merged by the split kernel) are skipped."""
     art = cuda_lowered("tiled", variant)
     src = art.kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine_tiled', src)
-    assert src.count("__shfl_xor_sync(") == 2 and "(4 >> delta" in src, "the LSE reductions are not 8-lane shuffles"
+    assert src.count("__shfl_xor_sync(") == 1 and "(4 >> delta" in src, "the LSE max is not an 8-lane shuffle"
+    assert re.search(r"for \(int j = 0; j < n_read; \+\+j\) \{\s*total = \(total \+ weight_s\[", src), "sum not in part order"
     assert "if (2 < n_read)" in src
     assert src.count("*(float4*)(out_partial") == 1 and "for (int u = 0; u < 4; ++u)" in src
     narrow = variant[0] * variant[1] < 64

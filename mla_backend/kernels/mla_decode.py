@@ -327,10 +327,11 @@ def use_tiled_combine(batch: int, rows: int, num_parts: int) -> bool:
 
 def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: int = 0, chunks: int = 1):
     """The combine of :func:`build_combine_kernel` (same arguments and results) with one program per (request,
-    ``COMBINE_TILE_ROWS`` rows, 512 / ``chunks`` columns): each row's ``COMBINE_TILE_LANES`` threads reduce its partial
+    ``COMBINE_TILE_ROWS`` rows, 512 / ``chunks`` columns): each row's ``COMBINE_TILE_LANES`` threads turn its partial
     LSEs into normalised weights in shared memory (up to ``MAX_PARTS`` parts), then the 128 threads sum the partial
     tiles ``[COMBINE_TILE_ROWS, 512 / chunks]`` of ``COMBINE_TILE_UNROLL`` parts at a time. The chunks' programs each
-    reduce the LSEs (chunk 0 writes ``lse``)."""
+    reduce the LSEs (chunk 0 writes ``lse``). Up to ``COMBINE_SERIAL_LSE`` parts the result has the per-row combine's
+    bits (the same sums in the same order)."""
     rows = num_heads * q_len
     accum = "float32"
     tile_rows, lanes = COMBINE_TILE_ROWS, COMBINE_TILE_LANES
@@ -376,19 +377,23 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
                 if lane == 0 and row0 + r < rows and chunk == 0:
                     lse[tok0 + (row0 + r) // num_heads, (row0 + r) % num_heads] = -T.infinity(accum)
             elif n_read > max(1, merged):
-                # lane l walks parts l, l + 8, ...: the row's max, then its weights and their sum
+                # lane l walks parts l, l + 8, ...: the row's max (exact in any order), then exp2(LSE - max) into
+                # weight_s; every lane sums the row's weights in part order, as the per-row combine does up to
+                # COMBINE_SERIAL_LSE parts, so that the two give the same bits there (which one runs depends on the
+                # batch size, and vLLM's full CUDA graphs pad the batch)
                 top = -T.infinity(accum)
                 for k in T.serial(T.ceildiv(T.max(n_read - lane, 0), lanes)):
                     top = T.max(top, lse_partial[first + lane + k * lanes + req, row])
                 for delta in T.unroll(3):
                     top = T.max(top, T.shfl_xor(top, 4 >> delta))
                 top = T.if_then_else(top == -T.infinity(accum), 0, top)  # every part saw nothing: weights 0, no NaN
-                total = 0
                 for k in T.serial(T.ceildiv(T.max(n_read - lane, 0), lanes)):
                     weight_s[r, lane + k * lanes] = T.exp2(lse_partial[first + lane + k * lanes + req, row] - top)
-                    total += weight_s[r, lane + k * lanes]
-                for delta in T.unroll(3):
-                    total += T.shfl_xor(total, 4 >> delta)
+                T.sync_threads()
+                total = 0
+                for j in T.serial(n_read):
+                    total += weight_s[r, j]
+                T.sync_threads()
                 for k in T.serial(T.ceildiv(T.max(n_read - lane, 0), lanes)):
                     weight_s[r, lane + k * lanes] = T.if_then_else(total > 0, weight_s[r, lane + k * lanes] / total, 0)
                 if lane == 0 and row0 + r < rows and chunk == 0:
