@@ -113,8 +113,8 @@ def test_combine_kernel_lowers(cuda_lowered, variant):
 def test_tiled_combine_lowers(cuda_lowered, variant):
     """16 rows per program (and below 64 rows a quarter of the columns): each row's 8 lanes take its partial LSEs'
     max by three xor shuffles and write exp2(LSE - max) to shared memory (16 rows x MAX_PARTS), summed in part order
-    by every lane (the per-row combine's order); then every thread adds float4s of the 16 partial rows, 4 parts back to
-    back; requests of at most two parts (merged by the split kernel) are skipped."""
+    by every lane (the per-row combine's order); then every thread loads float4s of the 16 partial rows, 4 parts back
+    to back, and adds each term by one fma; requests of at most two parts (merged by the split kernel) are skipped."""
     art = cuda_lowered("tiled", variant)
     src = art.kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine_tiled', src)
@@ -122,6 +122,7 @@ def test_tiled_combine_lowers(cuda_lowered, variant):
     assert re.search(r"for \(int j = 0; j < n_read; \+\+j\) \{\s*total = \(total \+ weight_s\[", src), "sum not in part order"
     assert "if (2 < n_read)" in src
     assert src.count("*(float4*)(out_partial") == 1 and "for (int u = 0; u < 4; ++u)" in src
+    assert "= __fmaf_rn(" in src, "the partial rows' terms are not added by an explicit fma (the per-row combine's bits)"
     narrow = variant[0] * variant[1] < 64
     assert ("((int)blockIdx.z)) * (int64_t)128)" in src) == narrow  # the chunk's 128 columns
     assert re.search(r"float acc\[(\d+)\]", src).group(1) == ("16" if narrow else "64")

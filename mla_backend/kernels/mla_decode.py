@@ -355,6 +355,7 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
         with T.Kernel(batch, T.ceildiv(rows, tile_rows), chunks, threads=threads) as (req, tile, chunk):
             weight_s = T.alloc_shared([tile_rows, MAX_PARTS], accum)  # per row, its parts' merge weights
             acc = T.alloc_fragment([tile_rows, cols], accum)
+            part_tile = T.alloc_fragment([tile_rows, cols], accum)  # one part's partial rows, loaded as float4s
             top = T.alloc_var(accum)  # this row's largest partial LSE (log2), then the offset
             total = T.alloc_var(accum)  # sum of exp2(LSE - offset) over the row's parts
             first = T.alloc_var("int32")  # the request's first part (its partial slots are first + i + req)
@@ -407,8 +408,12 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
                         j = j0 * COMBINE_TILE_UNROLL + u
                         jc = T.min(j, n_read - 1)
                         for i, d in T.Parallel(tile_rows, cols):
-                            acc[i, d] += T.if_then_else(j < n_read, weight_s[i, jc], 0) * out_partial[
-                                first + jc + req, T.min(row0 + i, rows - 1), chunk * cols + d]
+                            part_tile[i, d] = out_partial[first + jc + req, T.min(row0 + i, rows - 1), chunk * cols + d]
+                        # one rounding per term, as in the per-row combine (whose multiply-add nvcc contracts; here
+                        # the loads' bounds branches split them, so the fma is explicit)
+                        for i, d in T.Parallel(tile_rows, cols):
+                            acc[i, d] = T.ieee_fmaf(T.if_then_else(j < n_read, weight_s[i, jc], 0), part_tile[i, d],
+                                                    acc[i, d])
                 for i, d in T.Parallel(tile_rows, cols):
                     if row0 + i < rows:
                         out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, chunk * cols + d] = T.cast(
