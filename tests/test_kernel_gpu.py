@@ -159,7 +159,7 @@ def test_tiled_and_row_combines_agree_bit_for_bit(heads, q_len, monkeypatch):
     bits, so a step's output does not depend on which one its batch size picks (vLLM's full CUDA graphs pad it)."""
     _kernel_or_skip(heads=heads, q_len=q_len)
     lens = [0, 1, 300, 1000, 2000, 700, 64, 3000, 129, 5]
-    q, kv_cache, md, _ = make_problem(lens, heads, q_len, 64, BF16, seed=41 + heads)
+    q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, 64, BF16, seed=41 + heads)
     md.plan = SplitPlanner(len(lens), heads, q_len, "cuda", num_sms=16 * -(-heads * q_len // 64)).plan(md.kv_lens)
     cu, width = md.plan.cu_blocks.cpu(), int(md.plan.blocks_per_part)
     parts = [(int(cu[r + 1]) - 1) // width - int(cu[r]) // width + 1 for r in range(len(lens)) if cu[r + 1] > cu[r]]
@@ -170,7 +170,7 @@ def test_tiled_and_row_combines_agree_bit_for_bit(heads, q_len, monkeypatch):
         out = torch.full((q.shape[0], heads, 512), float("nan"), dtype=BF16, device="cuda")
         results[choice] = mla_decode(q, kv_cache, md, SCALE, out=out, return_lse=True)
     assert torch.equal(results["row"][0], results["tiled"][0]) and torch.equal(results["row"][1], results["tiled"][1])
-    check(q, kv_cache, md, None, BF16)
+    check(q, kv_cache, md, k_scale, BF16)
 
 
 @pytest.mark.parametrize("heads,q_len,kv_dtype", [(16, 1, BF16), (16, 1, FP8), (64, 1, BF16), (128, 2, BF16)])
