@@ -319,9 +319,8 @@ def tiled_combine_chunks(rows: int) -> int:
     return COMBINE_TILE_NARROW_CHUNKS if rows < COMBINE_TILE_NARROW_ROWS else 1
 
 
-def use_tiled_combine(batch: int, rows: int, num_parts: int) -> bool:
-    """Whether ``mla_decode`` merges with the tiled combine (where the variant has one): ``rows`` = heads x q_len,
-    ``num_parts`` the plan's."""
+def use_tiled_combine(batch: int, rows: int) -> bool:
+    """Whether ``mla_decode`` merges with the tiled combine (where the variant has one): ``rows`` = heads x q_len."""
     return batch * rows >= COMBINE_TILED_MIN_PROGRAMS
 
 

@@ -59,7 +59,7 @@ def pick_combine(kernels: "Kernels", batch: int, rows: int, num_parts: int):
     if choice == "auto":
         if use_wide_combine(batch, rows, num_parts):
             choice = "wide"
-        elif kernels.combine_tiled is not None and use_tiled_combine(batch, rows, num_parts):
+        elif kernels.combine_tiled is not None and use_tiled_combine(batch, rows):
             choice = "tiled"
         else:
             choice = "row"
