@@ -76,14 +76,14 @@ def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, 
         kv = (kv * 2).to(torch.float8_e4m3fn)
     table = torch.randperm(b * width, device="cuda").int().view(b, width)
     lens = torch.tensor(len_list, dtype=torch.int32, device="cuda")
-    s = sum(len_list) // b
     q = torch.randn(b * sq, h, 576, dtype=dtype, device="cuda")
     md = MLADecodeMetadata.from_block_table(table, lens, ps, q_len=sq)
     md.plan = SplitPlanner(b, h, sq, "cuda").plan(lens)
     out = torch.empty(b * sq, h, 512, dtype=dtype, device="cuda")
     eager = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False,  # noqa: E731
                                k_scale=0.5 if fp8 else None)
-    return eager, md, (bytes_moved(b * s, b, sq, h, kv.element_size()), flops(b * s, sq, h))
+    sum_len = sum(len_list)
+    return eager, md, (bytes_moved(sum_len, b, sq, h, kv.element_size()), flops(sum_len, sq, h))
 
 
 def parse_shapes(text: str) -> list:

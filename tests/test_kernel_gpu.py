@@ -71,6 +71,14 @@ def check(q, kv_cache, md, k_scale, dtype, rel_tol=1e-2):
     return err
 
 
+def parts_per_request(plan, batch):
+    """The number of parts of each non-empty request under ``plan`` (the kernels' ``request_parts``)."""
+    from mla_backend.kernels.mla_decode import request_parts
+
+    cu, width = plan.cu_blocks.tolist(), int(plan.blocks_per_part)
+    return [request_parts(cu[r], cu[r + 1], width)[1] for r in range(batch) if cu[r + 1] > cu[r]]
+
+
 RAGGED = [0, 1, 63, 65, 200, 1000, 64, 2049]
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 # (heads, q_len, page_size, dtype, kv_dtype) of every test below, compiled up front in parallel.
@@ -147,8 +155,7 @@ def test_every_combine(choice, heads, q_len, page_size, monkeypatch):
     lens = [0, 1, 63, 300, 3000, 8192, 20000, 5, 0, 700]
     q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, page_size, BF16, seed=31 + heads)
     md.plan = SplitPlanner(len(lens), heads, q_len, "cuda").plan(md.kv_lens)
-    cu, width = md.plan.cu_blocks.cpu(), int(md.plan.blocks_per_part)
-    parts = [(int(cu[r + 1]) - 1) // width - int(cu[r]) // width + 1 for r in range(len(lens)) if cu[r + 1] > cu[r]]
+    parts = parts_per_request(md.plan, len(lens))
     assert 1 in parts and 2 in parts and max(parts) > 8, parts
     check(q, kv_cache, md, k_scale, BF16)
 
@@ -161,8 +168,7 @@ def test_tiled_and_row_combines_agree_bit_for_bit(heads, q_len, monkeypatch):
     lens = [0, 1, 300, 1000, 2000, 700, 64, 3000, 129, 5]
     q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, 64, BF16, seed=41 + heads)
     md.plan = SplitPlanner(len(lens), heads, q_len, "cuda", num_sms=16 * -(-heads * q_len // 64)).plan(md.kv_lens)
-    cu, width = md.plan.cu_blocks.cpu(), int(md.plan.blocks_per_part)
-    parts = [(int(cu[r + 1]) - 1) // width - int(cu[r]) // width + 1 for r in range(len(lens)) if cu[r + 1] > cu[r]]
+    parts = parts_per_request(md.plan, len(lens))
     assert max(parts) <= 8 and sum(p > 2 for p in parts) >= 2, parts
     results = {}
     for choice in ("row", "tiled"):
@@ -186,8 +192,7 @@ def test_two_part_requests_merged_in_kernel(heads, q_len, kv_dtype):
     q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, 64, BF16, kv_dtype, seed=heads + q_len)
     row_blocks = num_row_blocks(heads, q_len, 64)
     md.plan = SplitPlanner(len(lens), heads, q_len, "cuda", num_sms=12 * row_blocks).plan(md.kv_lens)
-    cu, width = md.plan.cu_blocks.cpu(), int(md.plan.blocks_per_part)
-    parts = [(int(cu[r + 1]) - 1) // width - int(cu[r]) // width + 1 for r in range(len(lens)) if cu[r + 1] > cu[r]]
+    parts = parts_per_request(md.plan, len(lens))
     assert 1 in parts and 2 in parts and max(parts) > 2, parts
     assert merged_parts(config_for("sm90")) == 2
     check(q, kv_cache, md, k_scale, BF16, rel_tol=2e-2 if kv_dtype == FP8 else 1e-2)

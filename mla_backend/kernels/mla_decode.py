@@ -101,6 +101,13 @@ def make_store_rows(num_heads: int, q_len: int, block_rows: int, ncols: int, col
     return SegmentStore(normalize, write, store)
 
 
+def request_parts(req_lo, req_hi, width):
+    """(first part, number of parts) of a request covering flat blocks ``[req_lo, req_hi)`` with ``width``-block
+    parts (the planner's cut); its partial from part ``p`` is in slot ``p + req``."""
+    first = req_lo // width
+    return first, (req_hi - 1) // width - first + 1
+
+
 def partial_lse(l_sum, m_cur):
     """A part's log2-domain LSE of a row (its partial slot's): -inf where the row saw nothing."""
     return T.if_then_else(l_sum > 0, T.log2(l_sum) + m_cur, -T.infinity("float32"))
@@ -368,8 +375,9 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
             width = blocks_per_part[0]
             req_lo = cu_blocks[req]
             req_hi = cu_blocks[req + 1]
-            first = req_lo // width
-            n_read = T.min((req_hi - 1) // width - first + 1, MAX_PARTS)
+            first_part, parts = request_parts(req_lo, req_hi, width)
+            first = first_part
+            n_read = T.min(parts, MAX_PARTS)
             if req_hi == req_lo:
                 for i, d in T.Parallel(tile_rows, cols):
                     if row0 + i < rows:
@@ -472,8 +480,9 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
             width = blocks_per_part[0]
             req_lo = cu_blocks[req]
             req_hi = cu_blocks[req + 1]
-            first = req_lo // width
-            n_read = T.min((req_hi - 1) // width - first + 1, MAX_PARTS)
+            first_part, parts = request_parts(req_lo, req_hi, width)
+            first = first_part
+            n_read = T.min(parts, MAX_PARTS)
             tok = qo_indptr[req] + row // num_heads
             head = row % num_heads
             d0 = chunk * COMBINE_WIDE_DIMS if wide else 0

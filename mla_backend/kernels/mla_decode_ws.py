@@ -84,7 +84,7 @@ import tilelang.language as T
 
 from .configs import SM90_WS, KernelConfig, merged_parts
 from .mla_decode import (HEAD_DIM, KV_LORA_RANK, LN2, LOG2E, ROPE_DIM, SegmentStore, make_store_rows, num_row_blocks,
-                         partial_lse)
+                         partial_lse, request_parts)
 
 HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 
@@ -622,13 +622,6 @@ def pair_ready_parity(pc):
 def pair_free_parity(pc):
     """seesaw: WG0, before writing P_a of pair pc, waits for completion pc - 1 of p_free."""
     return (pc & 1) ^ 1
-
-
-def request_parts(req_lo, req_hi, width):
-    """(first part, number of parts) of a request covering flat blocks ``[req_lo, req_hi)`` with ``width``-block
-    parts (the planner's cut); its partial from part ``p`` is in slot ``p + req``."""
-    first = req_lo // width
-    return first, (req_hi - 1) // width - first + 1
 
 
 def segment_first_block(part_lo, req_lo, blk_lo):
