@@ -86,7 +86,8 @@ VARIANTS = ([(16, 1, p, BF16, BF16) for p in (1, 16, 32, 64, 128)] + [(h, 1, 64,
             + [(16, 2, 64, BF16, BF16), (128, 2, 64, BF16, BF16), (16, 3, 16, BF16, BF16), (32, 4, 1, BF16, BF16),
                (128, 4, 16, BF16, BF16), (16, 1, 64, FP16, FP16), (16, 1, 64, BF16, FP8), (16, 1, 64, FP16, FP8),
                (16, 1, 1, BF16, FP8), (128, 2, 16, BF16, FP8), (16, 1, 16, BF16, FP8), (16, 1, 128, FP16, FP8),
-               (8, 2, 32, BF16, FP8)])
+               (8, 2, 32, BF16, FP8), (128, 1, 1, BF16, BF16), (128, 1, 16, BF16, BF16), (128, 1, 32, BF16, BF16),
+               (64, 2, 16, BF16, BF16), (128, 2, 1, FP16, FP16)])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,6 +119,16 @@ def test_mtp_causal(heads, q_len, page_size):
     _kernel_or_skip(heads=heads, q_len=q_len, page_size=page_size)
     lens = [q_len, q_len + 1, 63, 65, 300, 1500]
     check(*make_problem(lens, heads, q_len, page_size, torch.bfloat16, seed=q_len), torch.bfloat16)
+
+
+# Two or more 64-row blocks below page 64 (no CTA pairs there: each row-block CTA gathers every block itself); one
+# request long enough to be split over many parts
+@pytest.mark.parametrize("heads,q_len,page_size,dtype", [(128, 1, 1, BF16), (128, 1, 16, BF16), (128, 1, 32, BF16),
+                                                         (64, 2, 16, BF16), (128, 2, 1, FP16)])
+def test_row_blocks_below_page_64(heads, q_len, page_size, dtype):
+    _kernel_or_skip(heads=heads, q_len=q_len, page_size=page_size)
+    lens = [max(n, q_len) for n in RAGGED] + [9000]
+    check(*make_problem(lens, heads, q_len, page_size, dtype, seed=page_size + heads)[:4], dtype)
 
 
 def test_fp16():
@@ -264,13 +275,14 @@ def test_no_recompile_across_batches():
 
 # h=128: the row-block CTA pairs (clusters); batch x heads x q_len >= 2048: the tiled combine (below 64 rows with column
 # chunks)
-@pytest.mark.parametrize("heads,q_len,batch,max_pages", [(16, 1, 8, 40), (128, 1, 8, 40), (128, 2, 8, 40),
-                                                         (128, 1, 24, 12), (16, 1, 160, 6)])
-def test_cuda_graph_replay_with_new_lengths(heads, q_len, batch, max_pages):
-    impl = _kernel_or_skip(heads=heads, q_len=q_len)
+@pytest.mark.parametrize("heads,q_len,batch,max_pages,page_size", [(16, 1, 8, 40, 64), (128, 1, 8, 40, 64),
+                                                                   (128, 2, 8, 40, 64), (128, 1, 24, 12, 64),
+                                                                   (16, 1, 160, 6, 64), (128, 1, 8, 160, 16)])
+def test_cuda_graph_replay_with_new_lengths(heads, q_len, batch, max_pages, page_size):
+    impl = _kernel_or_skip(heads=heads, q_len=q_len, page_size=page_size)
     from mla_backend.kernels.runtime import get_kernels, pick_combine
 
-    page_size, num_pages = 64, batch * max_pages + 16
+    num_pages = batch * max_pages + 16
     g = torch.Generator(device="cpu").manual_seed(3)
     kv_cache = torch.randn(num_pages, page_size, 576, generator=g).bfloat16().cuda()
     table = torch.randperm(num_pages, generator=g)[: batch * max_pages].int().view(batch, max_pages).cuda()
