@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from .dispatch import REFERENCE, log_choice, select_impl
+from .kernels.configs import env_get
 from .metadata import MLADecodeMetadata
 from .planner import SplitPlan, plan_split_kv
 from .reference import mla_decode_reference
@@ -23,7 +23,7 @@ VERIFY = {"calls": 0, "max_rel_err": 0.0, "max_lse_err": 0.0, "calls_by_q_len": 
 
 def verifying() -> bool:
     """MLA_BACKEND_VERIFY=1: eager kernel calls are recomputed by the reference (results in ``VERIFY``)."""
-    return os.environ.get("MLA_BACKEND_VERIFY") == "1"
+    return env_get("MLA_BACKEND_VERIFY") == "1"
 
 
 def _scalar(value: float, device: torch.device) -> torch.Tensor:
@@ -152,7 +152,7 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
         raise MLAInputError(f"mla_decode: metadata.plan was made with {plan.block_n}-token blocks but the {arch} "
                             f"kernel ({cfg.kernel}) walks {cfg.block_n}-token blocks; build the "
                             f"SplitPlanner after choosing the kernel (block_n=None picks it)")
-    kernels = get_kernels(num_heads, metadata.q_len, metadata.page_size, q_nope.dtype, kv_cache.dtype, arch)
+    kernels = get_kernels(num_heads, metadata.q_len, metadata.page_size, q_nope.dtype, kv_cache.dtype, arch, cfg)
     if isinstance(k_scale, torch.Tensor):
         k_scale_t = k_scale.reshape(1).float()
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -80,6 +81,39 @@ def test_sm90_kernel_choice_follows_the_environment(monkeypatch):
     monkeypatch.setenv(configs.SM90_KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match=r"MLA_BACKEND_SM90_KERNEL='fast' is not supported; expected one of"):
         configs.config_for("sm90")
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_settings_read_as_os_environ_does(monkeypatch, fast):
+    """env_get (the op's hot-path reader) sees what os.environ.get sees after every kind of change: set, delete,
+    mock.patch.dict and its undo; config_for's cache follows the switches, and an invalid value raises every time.
+    Both through the environment's bytes dict (POSIX CPython) and through os.environ (the fallback)."""
+    from unittest import mock
+
+    from mla_backend.kernels import configs
+
+    if fast and not configs._FAST_ENV:
+        pytest.skip("no os.environ._data here: env_get reads os.environ")
+    monkeypatch.setattr(configs, "_FAST_ENV", fast)
+    name = configs.SM90_CLUSTER_ENV
+    monkeypatch.delenv(name, raising=False)
+    assert configs.env_get(name) is None and configs.env_get(name, "x") == "x"
+    assert configs.config_for("sm90").cluster_kv
+    monkeypatch.setenv(name, "0")
+    assert configs.env_get(name) == os.environ.get(name) == "0"
+    assert not configs.config_for("sm90").cluster_kv
+    with mock.patch.dict(os.environ, {name: "1", configs.SM90_TMA_ENV: "0"}):
+        assert configs.env_get(name) == "1" and configs.env_get(configs.SM90_TMA_ENV) == "0"
+        cfg = configs.config_for("sm90")
+        assert cfg.cluster_kv and not cfg.tma_kv
+    assert configs.env_get(name) == "0" and configs.env_get(configs.SM90_TMA_ENV) == os.environ.get(configs.SM90_TMA_ENV)
+    assert not configs.config_for("sm90").cluster_kv
+    monkeypatch.delenv(name)
+    assert configs.config_for("sm90") is configs.SM90_KERNELS[configs.DEFAULT_SM90_KERNEL]
+    monkeypatch.setenv(name, "maybe")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"MLA_BACKEND_SM90_CLUSTER='maybe' is not supported; expected 0 or 1"):
+            configs.config_for("sm90")
 
 
 def test_combine_choice_by_shape_and_environment(monkeypatch):

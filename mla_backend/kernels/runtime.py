@@ -9,7 +9,6 @@ processes load the binary instead of recompiling.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .configs import compat_pass_configs, config_for, merged_parts, target_for_arch
+from .configs import KernelConfig, compat_pass_configs, config_for, env_get, merged_parts, target_for_arch
 
 logger = logging.getLogger("mla_backend")
 
@@ -53,7 +52,7 @@ def pick_combine(kernels: "Kernels", batch: int, rows: int, num_parts: int):
     tiled one for a large batch (sm90), else one program per row."""
     from .mla_decode import use_tiled_combine, use_wide_combine
 
-    choice = os.environ.get(COMBINE_ENV, "auto")
+    choice = env_get(COMBINE_ENV, "auto")
     if choice not in COMBINE_CHOICES:
         raise ValueError(f"{COMBINE_ENV}={choice!r} is not supported; expected one of {COMBINE_CHOICES}")
     if choice == "auto":
@@ -78,17 +77,19 @@ def tl_dtype(dtype: torch.dtype) -> str:
     return _TORCH_TO_TL[dtype]
 
 
-def _variant_key(variant: tuple) -> tuple:
+def _variant_key(variant: tuple, cfg: KernelConfig | None = None) -> tuple:
     """``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` plus the arch's current tile config."""
-    return (*variant, config_for(variant[-1]))
+    return (*variant, cfg if cfg is not None else config_for(variant[-1]))
 
 
-def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype, arch: str):
+def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype, arch: str,
+                cfg: KernelConfig | None = None):
     """Returns the compiled :class:`Kernels` of one variant, compiling on first use.
 
-    The tile config (and so the kernel source) is ``config_for(arch)``; plans must use its ``block_n``.
+    The tile config (and so the kernel source) is ``config_for(arch)``; plans must use its ``block_n``. A caller that
+    has just read it passes it as ``cfg`` (mla_decode's host path: one read of the settings per call, not two).
     """
-    key = _variant_key((num_heads, q_len, page_size, dtype, kv_dtype, arch))
+    key = _variant_key((num_heads, q_len, page_size, dtype, kv_dtype, arch), cfg)
     cfg = key[-1]
     kernels = _KERNELS.get(key)
     if kernels is not None:
