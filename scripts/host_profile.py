@@ -5,6 +5,7 @@ GPU finishes each call long before the host has issued the next, so no launch wa
 whole call.
     PYTHONPATH=$PWD:scripts python3 scripts/host_profile.py [b s h s_q page]
 """
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -30,6 +31,29 @@ def stage_times(fn, n=2000):
     return statistics.median(ts)
 
 
+@contextlib.contextmanager
+def earlier_settings_path():
+    """The op's settings read as before session 27: os.environ.get for each, config_for resolved on every call (no
+    cache) and called again inside get_kernels."""
+    from mla_backend.kernels import configs, runtime
+
+    fast, get_kernels = configs._FAST_ENV, runtime.get_kernels
+    configs._FAST_ENV = False
+
+    def uncached_config_for(arch, _config_for=configs.config_for):
+        configs._SM90_CONFIGS.clear()
+        return _config_for(arch)
+
+    configs.config_for = runtime.config_for = uncached_config_for
+    runtime.get_kernels = lambda *args, cfg=None: get_kernels(*args, cfg=uncached_config_for(args[-1]))
+    try:
+        yield
+    finally:
+        configs._FAST_ENV = fast
+        configs.config_for = runtime.config_for = uncached_config_for.__defaults__[0]
+        runtime.get_kernels = get_kernels
+
+
 def main():
     b, s, h, sq, ps = (int(x) for x in (sys.argv[1:6] if len(sys.argv) > 5 else (1, 4096, 16, 1, 64)))
     eager, md, _ = decode_problem(b, s, h, sq, ps)
@@ -53,6 +77,15 @@ def main():
     }
     for name, fn in rows.items():
         print(f"{stage_times(fn):8.2f} us  {name}", flush=True)
+    # the whole call against the settings path before session 27 (os.environ.get per setting, config_for resolved on
+    # every call, and twice per call): rounds interleaved, median of each round's median
+    new, old = [], []
+    for _ in range(5):
+        new.append(stage_times(eager, 1000))
+        with earlier_settings_path():
+            old.append(stage_times(eager, 1000))
+    print(f"whole call, rounds interleaved: {statistics.median(new):.1f} us now, {statistics.median(old):.1f} us with "
+          f"the earlier settings path (rounds: {[round(x, 1) for x in new]} / {[round(x, 1) for x in old]})", flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(2000):
