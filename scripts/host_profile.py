@@ -45,7 +45,7 @@ def earlier_settings_path():
         return _config_for(arch)
 
     configs.config_for = runtime.config_for = uncached_config_for
-    runtime.get_kernels = lambda *args, cfg=None: get_kernels(*args, cfg=uncached_config_for(args[-1]))
+    runtime.get_kernels = lambda *args, **kwargs: get_kernels(*args[:6], cfg=uncached_config_for(args[5]))
     try:
         yield
     finally:

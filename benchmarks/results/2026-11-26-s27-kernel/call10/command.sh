@@ -4,7 +4,7 @@
 source .devkit/unpack.sh; export TILELANG_CACHE_DIR=/tmp/tlcache PYTHONPATH=$PWD:$PWD/scripts:$PYTHONPATH
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 for c in "1 4096 16 1 64" "16 4096 128 1 64"; do
-  timeout 200 python3 scripts/host_profile.py $c 2>&1 | grep -v "Warn\|Composable\|TileLang" | head -13 | tee -a $OUT/host.log
+  timeout 200 python3 scripts/host_profile.py $c 2>&1 | grep -v "Warn\|Composable\|TileLang" | grep -v "^ *[0-9]* *0\.0\|function calls\|Ordered by\|List reduced\|ncalls" | head -14 | tee -a $OUT/host.log
 done
 timeout 150 python3 -m mla_backend.cli bench --grid latency --impls ours --out-dir $OUT/bench 2>&1 | grep -v "Warn\|Composable\|TileLang" | tail -8
 python3 -c "
