@@ -31,26 +31,38 @@ def stage_times(fn, n=2000):
     return statistics.median(ts)
 
 
+def earlier_config_for(arch: str):
+    """config_for as it was before session 27 (git show f71654f:mla_backend/kernels/configs.py): each setting read by
+    os.environ.get, the config resolved on every call."""
+    import dataclasses
+    import os
+
+    from mla_backend.kernels import configs
+
+    if arch != "sm90":
+        return configs.CONFIGS[arch]
+    cfg = configs.SM90_KERNELS[os.environ.get(configs.SM90_KERNEL_ENV, configs.DEFAULT_SM90_KERNEL)]
+    for env, field in configs.SM90_SWITCHES:
+        if os.environ.get(env, "1") == "0" and getattr(cfg, field):
+            cfg = dataclasses.replace(cfg, **{field: False})
+    return cfg
+
+
 @contextlib.contextmanager
 def earlier_settings_path():
-    """The op's settings read as before session 27: os.environ.get for each, config_for resolved on every call (no
-    cache) and called again inside get_kernels."""
+    """The op's settings read as before session 27: os.environ.get for each (``earlier_config_for``), and config_for
+    called again inside get_kernels."""
     from mla_backend.kernels import configs, runtime
 
-    fast, get_kernels = configs._FAST_ENV, runtime.get_kernels
-    configs._FAST_ENV = False
-
-    def uncached_config_for(arch, _config_for=configs.config_for):
-        configs._SM90_CONFIGS.clear()
-        return _config_for(arch)
-
-    configs.config_for = runtime.config_for = uncached_config_for
-    runtime.get_kernels = lambda *args, **kwargs: get_kernels(*args[:6], cfg=uncached_config_for(args[5]))
+    fast, config_for, get_kernels = configs._FAST_ENV, configs.config_for, runtime.get_kernels
+    configs._FAST_ENV = False  # pick_combine's and verifying()'s reads through os.environ.get
+    configs.config_for = runtime.config_for = earlier_config_for
+    runtime.get_kernels = lambda *args, **kwargs: get_kernels(*args[:6], cfg=earlier_config_for(args[5]))
     try:
         yield
     finally:
         configs._FAST_ENV = fast
-        configs.config_for = runtime.config_for = uncached_config_for.__defaults__[0]
+        configs.config_for = runtime.config_for = config_for
         runtime.get_kernels = get_kernels
 
 
