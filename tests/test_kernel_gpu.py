@@ -391,3 +391,59 @@ def test_plan_with_other_block_size_is_refused():
     md.plan = SplitPlanner(2, 16, 1, "cuda", block_n=other).plan(md.kv_lens)
     with pytest.raises(MLAInputError, match=rf"made with {other}-token blocks"):
         mla_decode(q, kv_cache, md, SCALE)
+
+
+def _early_trigger_copy(numel: int):
+    """A TileLang kernel copying ``numel`` bf16 values that lets the stream's next kernel launch at once
+    (griddepcontrol.launch_dependents first), then sleeps ~40 us before it writes: a predecessor such as a CUTLASS or
+    FlashInfer kernel built with programmatic dependent launch, made slow. Eight programs, so that most SMs are free
+    for a next kernel that starts early (a split program needs a whole SM's registers)."""
+    import tilelang
+    import tilelang.language as T
+    from tilelang import tvm
+
+    from mla_backend.kernels.configs import target_for_arch
+
+    programs, threads = 8, 256
+
+    @T.prim_func
+    def early_trigger_copy(src: T.Tensor([numel], "bfloat16"), dst: T.Tensor([numel], "bfloat16")):
+        with T.Kernel(programs, threads=threads) as bx:
+            tx = T.get_thread_binding()
+            T.evaluate(T.pdl_trigger())
+            for _ in T.serial(40):
+                T.evaluate(T.call_extern("handle", "__nanosleep", 1000))
+            for k in T.serial(T.ceildiv(numel, programs * threads)):
+                if (k * programs + bx) * threads + tx < numel:
+                    dst[(k * programs + bx) * threads + tx] = src[(k * programs + bx) * threads + tx]
+
+    return tilelang.compile(early_trigger_copy, target=tvm.target.Target(target_for_arch("sm90")))
+
+
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 1), (128, 2)])
+def test_waits_for_a_predecessor_that_triggers_early(heads, q_len):
+    """TileLang launches every cluster kernel (h >= 32 here), and every kernel that waits, with programmatic stream
+    serialisation allowed: such a kernel may start as soon as the kernel before it triggers its dependents. The split
+    and combine kernels wait for it (griddepcontrol.wait) before they read q, the cache or the metadata, so a
+    predecessor that triggers early and writes q late still gets its q used."""
+    impl = _kernel_or_skip(heads=heads, q_len=q_len)
+    if not impl.endswith("sm90"):
+        pytest.skip(f"{impl}: no programmatic dependent launch")
+    q_new, kv_cache, md, _ = make_problem([3000, 77, 1, 4100, 9000], heads, q_len, 64, BF16, seed=11)
+    q = torch.randn(q_new.shape, generator=torch.Generator().manual_seed(5)).to(BF16).cuda()  # stale q
+    md.plan = SplitPlanner(md.batch_size, heads, q_len, "cuda").plan(md.kv_lens)
+    out = torch.empty(q.shape[0], heads, 512, dtype=BF16, device="cuda")
+    mla_decode(q, kv_cache, md, SCALE, out=out, check_indices=False)  # compiled and warm
+    copy = _early_trigger_copy(q.numel())
+    ref, _ = mla_decode_reference(q_new[..., :512].cpu(), q_new[..., 512:].cpu(), kv_cache.cpu(), md.to("cpu"), SCALE)
+    for _ in range(3):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(BF16))
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)  # ~1 ms: the writer and both kernels are queued before the writer starts
+        copy(q_new.view(-1), q.view(-1))  # the split kernel is launched right after it, nothing in between
+        mla_decode(q, kv_cache, md, SCALE, out=out, check_indices=False)
+        torch.cuda.synchronize()
+        assert torch.equal(q, q_new)
+        err = (out.float().cpu() - ref.float()).norm() / ref.float().norm()
+        assert err < 1e-2, f"relative error {err:.3e}: the kernels read q before its writer finished"

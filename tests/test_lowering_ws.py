@@ -278,6 +278,41 @@ def _tile_boxes(producer: str) -> list[int]:
     return sorted(int(n) for n in re.findall(r"k_ready\[[^\n]*?\]\.expect_transaction\((\d+)\)", producer))
 
 
+def _global_reads(src: str, names) -> list[int]:
+    """Offsets of the first read of each kernel parameter ``names`` in a kernel's CUDA body."""
+    body = src[src.index("{", src.index("__global__ void __launch_bounds__")):]
+    return [m.start() for name in names for m in [re.search(rf"\b{name}\[", body)] if m]
+
+
+@pytest.mark.parametrize("variant", [LOWER_VARIANTS[0], LOWER_VARIANTS[2], TWS_VARIANTS[0]])
+def test_kernels_wait_for_the_previous_kernel_before_any_read(lowered, lowered_tws, variant):
+    """TileLang launches every cluster kernel (and every kernel that waits) with programmatic stream serialisation
+    allowed: the split kernel may start while the kernel before it runs, if that one triggers early. Its first
+    statement after the barrier setup is the wait (griddepcontrol.wait); no read of q, the cache, the metadata or the
+    plan comes before it, and it does not trigger its own dependents (slower at b=1). The combines wait first too."""
+    from mla_backend.kernels.mla_decode import build_combine_kernel, build_tiled_combine_kernel
+
+    src = (lowered_tws if variant in TWS_VARIANTS else lowered)[variant][0]
+    body = src[src.index("{", src.index("__global__ void __launch_bounds__")):]
+    wait = body.index("cudaGridDependencySynchronize();")
+    reads = _global_reads(src, ("blocks_per_part", "cu_blocks", "part_begin_req", "part_end_req", "kv_lens",
+                                "qo_indptr", "page_table", "page_table_start", "k_scale", "sm_scale", "q_nope", "q_pe",
+                                "merge_count"))
+    assert reads and wait < min(reads) and "cudaTriggerProgrammaticLaunchCompletion" not in body
+    assert "tma_load" not in body[:wait]  # (a descriptor's prefetch may come first: descriptors are parameters)
+    import tilelang
+    from tilelang import tvm
+
+    for func in (build_combine_kernel(16, 1, "bfloat16", wide=True, merged=2, pdl=True),
+                 build_tiled_combine_kernel(128, 1, "bfloat16", merged=2, pdl=True)):
+        with tvm.transform.PassContext(config=compat_pass_configs()), tvm.target.Target(CUDA):
+            combine = tilelang.lower(func, target=tvm.target.Target(CUDA), enable_device_compile=False).kernel_source
+        body = combine[combine.index("{", combine.index("__global__ void __launch_bounds__")):]
+        wait = body.index("cudaGridDependencySynchronize();")
+        assert wait < min(_global_reads(combine, ("blocks_per_part", "cu_blocks", "qo_indptr", "lse_partial",
+                                                  "out_partial")))
+
+
 def test_whole_blocks_arrive_by_tma(lowered):
     """16-bit cache, page size a multiple of 64, an even number of row blocks (cluster_kv, default since session 24):
     the two row-block CTAs of a part are a cluster; of a whole block, rank 0's producer issues the left tile's four
@@ -420,14 +455,16 @@ def test_wg0_follows_fa3_order(monkeypatch, env):
                                               ("MLA_BACKEND_SM90_CLUSTER", "cluster_kv", '"MLA_TMA_MC"'),
                                               # cluster_rope: the rope box multicast by rank g % 2
                                               ("MLA_BACKEND_SM90_CLUSTER_ROPE", "cluster_rope",
-                                               "T.block_rank_in_cluster() == g % 2")])
+                                               "T.block_rank_in_cluster() == g % 2"),
+                                              # pdl: the wait for the stream's previous kernel
+                                              ("MLA_BACKEND_SM90_PDL", "pdl", "T.pdl_sync()")])
 def test_setting_off_gives_the_earlier_kernel(monkeypatch, env, field, marker):
     """Each later change to the default kernel has an env switch back (0): KV blocks by TMA (session 14), WG0's P V
     from registers (15), two-part requests merged in the split kernel (16), WG0's row sums behind its P V (17; the
     page ids read ahead, also 17, in test_producer_reads_page_ids_around_the_buffer_wait), S's row max by a tree
     (22), the softmax scale inside P's exp2 and WG0's P V before P's fence (23; the rest of 23 in
     test_wg0_follows_fa3_order), the row-block CTA pairs sharing each block by TMA multicast (24), the rope box
-    multicast too (25). Other values are refused."""
+    multicast too (25), the wait for the stream's previous kernel (28). Other values are refused."""
     from mla_backend.kernels import configs
 
     monkeypatch.setenv(env, "0")

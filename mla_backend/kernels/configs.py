@@ -48,6 +48,12 @@ class KernelConfig:
     cluster_kv: bool = False
     # cluster_kv: the rope box multicast as well (by rank g % 2 for block g), not loaded by each CTA
     cluster_rope: bool = False
+    # sm90: the split and combine kernels wait for the stream's previous kernel (griddepcontrol.wait) before they read
+    # anything. TileLang launches every cluster kernel (and every kernel that waits) with programmatic stream
+    # serialisation allowed, so without the wait a cluster split kernel could start on free SMs and read q or the cache
+    # before a predecessor that triggers its dependents early (CUTLASS, FlashInfer built with PDL) has written them.
+    # The split does not trigger its combine early: that was 1.5-3 us slower at b=1 (session 28; benchmarks/RESULTS.md)
+    pdl: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -57,15 +63,16 @@ class KernelConfig:
 # Hopper: 2 warpgroups split the 512-wide output (FullCol), 227 KB of shared memory per block. Q (72 KB)
 # plus 2 stages of 64-token KV (144 KB), P and TileLang's reduction scratch come to 228 KB: 1 KB too many,
 # so 32-token blocks with 3 stages (108 KB, more bytes in flight).
-SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3)
+SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3, pdl=True)
 # Hopper, warp-specialised (FlashMLA-style): 2 consumer warpgroups + 1 producer, 64-token blocks, 2 buffers.
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True,
                      merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True, tree_max=True,
                      pv_early=True, rescale_early=True, scale_in_exp=True,
-                     pfree_early=True, cluster_kv=True, cluster_rope=True)
+                     pfree_early=True, cluster_kv=True, cluster_rope=True, pdl=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
-SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True)
+SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True,
+                           pdl=True)
 # Hopper, warp-specialised with transposed consumers where h x q_len <= 16 (S^T = K Q^T: tokens are WGMMA's M,
 # so 16 rows are not padded to 64), the "ws" kernel for other shapes. The default since session 7: on the H100
 # its fp8 producer (a whole block of loads in flight) makes the e4m3 cache 1.68x faster than bf16 (ws: 1.37x;
@@ -87,7 +94,7 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True,
                         tile_ready=True, tree_max=True, pv_early=True, rescale_early=True, scale_in_exp=True,
-                        pfree_early=True, cluster_kv=True, cluster_rope=True)
+                        pfree_early=True, cluster_kv=True, cluster_rope=True, pdl=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
@@ -110,6 +117,7 @@ SM90_FFMA_ENV = "MLA_BACKEND_SM90_FFMA"  # "0": S times the scale before the row
 SM90_PFREE_ENV = "MLA_BACKEND_SM90_PFREE"  # "0": WG0 waits for WG1's release of P just before P's stores (before 23)
 SM90_CLUSTER_ENV = "MLA_BACKEND_SM90_CLUSTER"  # "0": each row-block CTA loads every block itself (before session 24)
 SM90_CLUSTER_ROPE_ENV = "MLA_BACKEND_SM90_CLUSTER_ROPE"  # "0": each CTA of a pair loads its rope box (before 25)
+SM90_PDL_ENV = "MLA_BACKEND_SM90_PDL"  # "0": the kernels do not wait for the previous kernel (griddepcontrol; before 28)
 
 
 # os.environ.get encodes its key on every call (~0.8 µs on the H100 machine's CPU), and an eager decode call read
@@ -156,7 +164,7 @@ SM90_SWITCHES = ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv"), (SM90_MERGE
                  (SM90_PAGES_ENV, "pages_ahead"), (SM90_PVFIRST_ENV, "pv_first"), (SM90_TILES_ENV, "tile_ready"),
                  (SM90_TREEMAX_ENV, "tree_max"), (SM90_PVEARLY_ENV, "pv_early"), (SM90_RESCALE_ENV, "rescale_early"),
                  (SM90_FFMA_ENV, "scale_in_exp"), (SM90_PFREE_ENV, "pfree_early"), (SM90_CLUSTER_ENV, "cluster_kv"),
-                 (SM90_CLUSTER_ROPE_ENV, "cluster_rope"))
+                 (SM90_CLUSTER_ROPE_ENV, "cluster_rope"), (SM90_PDL_ENV, "pdl"))
 _SM90_SETTINGS = (SM90_KERNEL_ENV,) + tuple(env for env, _ in SM90_SWITCHES)
 # config_for's results by the raw values of its settings (valid ones only: a refused value raises on every call)
 _SM90_CONFIGS: dict[tuple, KernelConfig] = {}

@@ -108,6 +108,15 @@ def request_parts(req_lo, req_hi, width):
     return first, (req_hi - 1) // width - first + 1
 
 
+@T.macro
+def wait_for_inputs(pdl: bool):
+    """``KernelConfig.pdl`` (sm90): wait until the stream's previous kernel has finished and its writes are visible
+    (griddepcontrol.wait; it returns at once where this launch did not start early) before any read of what that
+    kernel may have written. Nothing where ``pdl`` is off (gfx942 has no such launch)."""
+    if pdl:
+        T.evaluate(T.pdl_sync())
+
+
 def partial_lse(l_sum, m_cur):
     """A part's log2-domain LSE of a row (its partial slot's): -inf where the row saw nothing."""
     return T.if_then_else(l_sum > 0, T.log2(l_sum) + m_cur, -T.infinity("float32"))
@@ -233,6 +242,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             else:
                 kv_stage, pe_stage = kv_shared, k_pe_shared
 
+            wait_for_inputs(cfg.pdl)
             # S = q . (k_scale * k8) = k_scale * (q . k8) and O = k_scale * (P @ v8): fold the fp8 scale
             # into the softmax scale and the output (k_scale is 1 for fp16/bf16 caches).
             kv_scale = k_scale[0]
@@ -331,7 +341,8 @@ def use_tiled_combine(batch: int, rows: int) -> bool:
     return batch * rows >= COMBINE_TILED_MIN_PROGRAMS
 
 
-def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: int = 0, chunks: int = 1):
+def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: int = 0, chunks: int = 1,
+                               pdl: bool = False):
     """The combine of :func:`build_combine_kernel` (same arguments and results) with one program per (request,
     ``COMBINE_TILE_ROWS`` rows, 512 / ``chunks`` columns): each row's ``COMBINE_TILE_LANES`` threads turn its partial
     LSEs into normalised weights in shared memory (up to ``MAX_PARTS`` parts), then the 128 threads sum the partial
@@ -366,6 +377,7 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
             total = T.alloc_var(accum)  # sum of exp2(LSE - offset) over the row's parts
             first = T.alloc_var("int32")  # the request's first part (its partial slots are first + i + req)
             n_read = T.alloc_var("int32")  # its number of parts
+            wait_for_inputs(pdl)
             tx = T.get_thread_binding()
             r = tx // lanes
             lane = tx % lanes
@@ -429,7 +441,8 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
     return mla_decode_combine_tiled
 
 
-def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False, merged: int = 0):
+def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False, merged: int = 0,
+                         pdl: bool = False):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
 
     One program per (request, row), or with ``wide`` per (request, row, 128-dim chunk); requests whose single
@@ -477,6 +490,7 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
                 sums = T.alloc_shared([COMBINE_WIDE_GROUPS, COMBINE_WIDE_DIMS], accum)  # per warp, then added
             else:
                 acc = T.alloc_fragment([KV_LORA_RANK], accum)
+            wait_for_inputs(pdl)
             width = blocks_per_part[0]
             req_lo = cu_blocks[req]
             req_hi = cu_blocks[req + 1]

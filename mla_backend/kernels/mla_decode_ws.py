@@ -84,7 +84,7 @@ import tilelang.language as T
 
 from .configs import SM90_WS, KernelConfig, merged_parts
 from .mla_decode import (HEAD_DIM, KV_LORA_RANK, LN2, LOG2E, ROPE_DIM, SegmentStore, make_store_rows, num_row_blocks,
-                         partial_lse, request_parts)
+                         partial_lse, request_parts, wait_for_inputs)
 
 HALF = KV_LORA_RANK // 2  # output columns per consumer warpgroup
 
@@ -1468,6 +1468,7 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             seg = T.alloc_var("int32")  # non-empty request segments started by this program (per thread)
 
             tx = T.get_thread_binding()
+            wait_for_inputs(cfg.pdl)
             if tracing:
                 T.evaluate(T.call_extern("handle", "mla_trace_begin",
                                          T.access_ptr(out_partial[num_slots - 1, 0, 0], "w")))

@@ -112,11 +112,12 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
             target=target, pass_configs=pass_configs)
         merged = merged_parts(cfg)  # requests the split kernel merges: the combine skips them
         combine, combine_wide = (
-            tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged),
-                             target=target, pass_configs=pass_configs)
+            tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged,
+                                                  pdl=cfg.pdl), target=target, pass_configs=pass_configs)
             for wide in (False, True))
         combine_tiled = (tilelang.compile(mla_decode.build_tiled_combine_kernel(
-            num_heads, q_len, tl_dtype(dtype), merged=merged, chunks=mla_decode.tiled_combine_chunks(num_heads * q_len)),
+            num_heads, q_len, tl_dtype(dtype), merged=merged, chunks=mla_decode.tiled_combine_chunks(num_heads * q_len),
+            pdl=cfg.pdl),
             target=target, pass_configs=pass_configs) if arch == "sm90" else None)
         seconds = time.perf_counter() - start
         STATS.compiled += 1
