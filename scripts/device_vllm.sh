@@ -4,7 +4,7 @@
 # .devkit/vllm-deps.tar.xz, .devkit/tilelang-0.1.9.tar.xz and .devkit/unpack.sh.
 #   kernel  GPU kernel tests + side-by-side benchmark (--quick, FlashMLA / FA3 / Triton anchors)
 #   tests   GPU kernel tests only
-#   e2e     vLLM E2E cases given as $2 (default block64,block16)
+#   e2e     vLLM E2E cases given as $2 (default block64,block16); $E2E_ARGS: more vllm_e2e.py options (--heads 128)
 #   serve   vllm serve over HTTP; throughput  decode-heavy tokens/s vs FLASHMLA and FLASH_ATTN_MLA
 # Split so that each call stays under 64 MiB and 10 minutes (session 7):
 #   1. carry vllm-c: `source .devkit/unpack.sh`
@@ -35,7 +35,7 @@ case "$1" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_gpu.py 2>&1 | tail -25 | tee $OUT/pytest_gpu.log
     timeout 250 python3 -m mla_backend.bench --quick --check --out-dir $OUT/bench 2>&1 | tail -60 | tee $OUT/bench.log
     timeout 110 python3 -m mla_backend.bench --quick --fp8 --filter h=16,s_q=1 --out-dir $OUT/bench_fp8 2>&1 | tail -30 | tee $OUT/bench_fp8.log ;;
-  e2e) timeout 590 python3 tests/e2e/vllm_e2e.py --budget 560 --cases "${2:-block64,block16}" --out $OUT/vllm_e2e.json 2>&1 | tail -60 ;;
+  e2e) timeout 590 python3 tests/e2e/vllm_e2e.py --budget 560 --cases "${2:-block64,block16}" ${E2E_ARGS:-} --out $OUT/vllm_e2e.json 2>&1 | tail -60 ;;
   serve) timeout 560 python3 tests/e2e/vllm_e2e.py --serve --out $OUT/vllm_serve.json 2>&1 | tail -40 ;;
   throughput) timeout 560 python3 tests/e2e/vllm_e2e.py --throughput --tp-prompts ${2:-256} --out $OUT/vllm_tput.json 2>&1 | tail -40 ;;
 esac

@@ -110,10 +110,17 @@ def make_prompts(lens, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(2, vocab) for _ in range(n)] for n in lens]  # 0/1 are bos/eos
 
 
-def write_model_dir(root: Path) -> Path:
+def write_model_dir(root: Path, heads: int | None = None) -> Path:
+    """The tiny model's config; ``heads``: its attention heads instead of 16 (128: DeepSeek-V3's at TP1, which runs
+    the Hopper kernel's row-block pairs)."""
     d = root / "tiny_dsv3"
     d.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(CONFIG, d / "config.json")
+    if heads is None:
+        shutil.copyfile(CONFIG, d / "config.json")
+    else:
+        config = json.loads(CONFIG.read_text())
+        config["num_attention_heads"] = config["num_key_value_heads"] = heads
+        (d / "config.json").write_text(json.dumps(config, indent=2))
     return d
 
 
@@ -570,6 +577,7 @@ def main() -> int:
     ap.add_argument("--init", choices=("scaled", "dummy"), default="scaled", help="random weights for the cases")
     ap.add_argument("--prompt-lens", default=",".join(map(str, PROMPT_LENS)))
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--heads", type=int, help="attention heads of the tiny model (default: its config's 16)")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization")
@@ -598,7 +606,7 @@ def main() -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vllm_e2e_") as tmp:
         workdir = Path(tmp)
-        model_dir = write_model_dir(workdir)
+        model_dir = write_model_dir(workdir, args.heads)
         if args.serve:
             report = run_serve(args, log_dir, model_dir)
         elif args.throughput:
