@@ -96,6 +96,9 @@ def test_split_kernel_lowers_to_wgmma(cuda_lowered, variant):
     src = art.kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_split', src), "no split kernel entry in the source"
     assert "wgmma" in src, "the split kernel's GEMMs did not lower to Hopper WGMMA"
+    # pdl: it waits for the stream's previous kernel before its first global read (kernel-ws.md)
+    body = src[src.index("{", src.index("__global__ void __launch_bounds__")):]
+    assert body.index("cudaGridDependencySynchronize();") < body.index("blocks_per_part[")
     smem = _smem_bytes(art.device_mod)
     assert 0 < smem <= SM90_SMEM_LIMIT, f"needs {smem} B of shared memory; a block may use {SM90_SMEM_LIMIT} B"
 
