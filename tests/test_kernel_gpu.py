@@ -430,14 +430,15 @@ def test_waits_for_a_predecessor_that_triggers_early(heads, q_len):
     if not impl.endswith("sm90"):
         pytest.skip(f"{impl}: no programmatic dependent launch")
     q_new, kv_cache, md, _ = make_problem([3000, 77, 1, 4100, 9000], heads, q_len, 64, BF16, seed=11)
-    q = torch.randn(q_new.shape, generator=torch.Generator().manual_seed(5)).to(BF16).cuda()  # stale q
+    stale = torch.randn(q_new.shape, generator=torch.Generator().manual_seed(5)).to(BF16)
+    q = stale.cuda()
     md.plan = SplitPlanner(md.batch_size, heads, q_len, "cuda").plan(md.kv_lens)
     out = torch.empty(q.shape[0], heads, 512, dtype=BF16, device="cuda")
     mla_decode(q, kv_cache, md, SCALE, out=out, check_indices=False)  # compiled and warm
     copy = _early_trigger_copy(q.numel())
     ref, _ = mla_decode_reference(q_new[..., :512].cpu(), q_new[..., 512:].cpu(), kv_cache.cpu(), md.to("cpu"), SCALE)
     for _ in range(3):
-        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(BF16))
+        q.copy_(stale)
         out.fill_(float("nan"))
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000)  # ~1 ms: the writer and both kernels are queued before the writer starts

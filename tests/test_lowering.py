@@ -61,9 +61,17 @@ def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
     if kind == "plan":
         return build_plan_kernel(*variant)
     if kind == "tiled":
-        return build_tiled_combine_kernel(*variant, merged=2, chunks=tiled_combine_chunks(variant[0] * variant[1]))
+        return build_tiled_combine_kernel(*variant, merged=2, chunks=tiled_combine_chunks(variant[0] * variant[1]),
+                                          pdl=cfg.pdl)
     *shape, wide = variant
-    return build_combine_kernel(*shape, wide=wide)  # the combines serve every config
+    return build_combine_kernel(*shape, wide=wide, pdl=cfg.pdl)  # the combines serve every config
+
+
+def _waits_before(src: str, first_read: str) -> bool:
+    """pdl: the kernel waits for the stream's previous kernel (griddepcontrol.wait) before its first read of
+    ``first_read`` (kernel-ws.md)."""
+    body = src[src.index("{", src.index("__global__ void __launch_bounds__")):]
+    return body.index("cudaGridDependencySynchronize();") < body.index(first_read)
 
 
 def _smem_bytes(mod) -> int:
@@ -96,9 +104,7 @@ def test_split_kernel_lowers_to_wgmma(cuda_lowered, variant):
     src = art.kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_split', src), "no split kernel entry in the source"
     assert "wgmma" in src, "the split kernel's GEMMs did not lower to Hopper WGMMA"
-    # pdl: it waits for the stream's previous kernel before its first global read (kernel-ws.md)
-    body = src[src.index("{", src.index("__global__ void __launch_bounds__")):]
-    assert body.index("cudaGridDependencySynchronize();") < body.index("blocks_per_part[")
+    assert _waits_before(src, "blocks_per_part[")
     smem = _smem_bytes(art.device_mod)
     assert 0 < smem <= SM90_SMEM_LIMIT, f"needs {smem} B of shared memory; a block may use {SM90_SMEM_LIMIT} B"
 
@@ -107,6 +113,7 @@ def test_split_kernel_lowers_to_wgmma(cuda_lowered, variant):
 def test_combine_kernel_lowers(cuda_lowered, variant):
     src = cuda_lowered("combine", variant).kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine', src)
+    assert _waits_before(src, "blocks_per_part[")
     if variant[-1]:  # wide: the partial rows are read as float4, all COMBINE_WIDE_LOADS of them before the weights
         head = src[:src.index("lse_partial[")]
         assert head.count("*(float4*)(out_partial") == 1 and "for (int u = 0; u < 16; ++u)" in head, head[-3000:]
@@ -121,6 +128,7 @@ def test_tiled_combine_lowers(cuda_lowered, variant):
     art = cuda_lowered("tiled", variant)
     src = art.kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine_tiled', src)
+    assert _waits_before(src, "qo_indptr[")
     assert src.count("__shfl_xor_sync(") == 1 and "(4 >> delta" in src, "the LSE max is not an 8-lane shuffle"
     assert re.search(r"for \(int j = 0; j < n_read; \+\+j\) \{\s*total = \(total \+ weight_s\[", src), "sum not in part order"
     assert "if (2 < n_read)" in src
