@@ -366,12 +366,13 @@ def test_plan_kernels_warm_up_to_the_engine_batch(monkeypatch):
     ops do."""
     _kernel_or_skip()
     from mla_backend.kernels import plan_kernel
+    from mla_backend.kernels.configs import config_for
     from mla_backend.planner import PLAN_KERNEL_ENV, warm_up_plan_kernels
 
     assert warm_up_plan_kernels(torch.device("cuda"), 1000) == 3  # 256, 512, 1024
     compiled = dict(plan_kernel._KERNELS)
     fused = SplitPlanner(1000, 16, 1, "cuda")
-    assert plan_kernel._KERNELS == compiled and fused._kernel is compiled[(1024, fused.block_n)]
+    assert plan_kernel._KERNELS == compiled and fused._kernel is compiled[(1024, fused.block_n, config_for("sm90").pdl)]
     monkeypatch.setenv(PLAN_KERNEL_ENV, "0")
     torch_ops = SplitPlanner(1000, 16, 1, "cuda")
     lens = torch.randint(0, 9000, (1000,), dtype=torch.int32, device="cuda")
@@ -393,8 +394,8 @@ def test_plan_with_other_block_size_is_refused():
         mla_decode(q, kv_cache, md, SCALE)
 
 
-def _early_trigger_copy(numel: int):
-    """A TileLang kernel copying ``numel`` bf16 values that lets the stream's next kernel launch at once
+def _early_trigger_copy(numel: int, dtype: str = "bfloat16"):
+    """A TileLang kernel copying ``numel`` values that lets the stream's next kernel launch at once
     (griddepcontrol.launch_dependents first), then sleeps ~40 us before it writes: a predecessor such as a CUTLASS or
     FlashInfer kernel built with programmatic dependent launch, made slow. Eight programs, so that most SMs are free
     for a next kernel that starts early (a split program needs a whole SM's registers)."""
@@ -407,7 +408,7 @@ def _early_trigger_copy(numel: int):
     programs, threads = 8, 256
 
     @T.prim_func
-    def early_trigger_copy(src: T.Tensor([numel], "bfloat16"), dst: T.Tensor([numel], "bfloat16")):
+    def early_trigger_copy(src: T.Tensor([numel], dtype), dst: T.Tensor([numel], dtype)):
         with T.Kernel(programs, threads=threads) as bx:
             tx = T.get_thread_binding()
             T.evaluate(T.pdl_trigger())
@@ -448,3 +449,42 @@ def test_waits_for_a_predecessor_that_triggers_early(heads, q_len):
         assert torch.equal(q, q_new)
         err = (out.float().cpu() - ref.float()).norm() / ref.float().norm()
         assert err < 1e-2, f"relative error {err:.3e}: the kernels read q before its writer finished"
+
+
+@pytest.mark.parametrize("backend", ["tvm_ffi", "cython"])
+def test_plan_kernel_waits_for_a_predecessor_that_triggers_early(backend, monkeypatch):
+    """The one-launch planner waits for the stream's previous kernel before it reads ``kv_lens``, like the decode
+    kernels. TileLang's default launcher (tvm_ffi) allows an early start only for kernels that wait; its cython
+    launcher (``TILELANG_EXECUTION_BACKEND=cython``) allows it for every kernel, so there a planner that did not wait
+    would plan from the lengths of the step before."""
+    _kernel_or_skip()
+    from mla_backend.kernels import plan_kernel
+    from mla_backend.planner import PLAN_KERNEL_ENV
+
+    monkeypatch.setattr(plan_kernel, "_KERNELS", {})  # compiled (or loaded) under this launcher
+    monkeypatch.setenv("TILELANG_EXECUTION_BACKEND", backend)
+    try:
+        fused = SplitPlanner(300, 16, 1, "cuda")
+    except Exception as err:  # e.g. no Cython on this machine
+        if backend == "tvm_ffi":
+            raise
+        pytest.skip(f"TileLang's {backend} launcher is not usable here: {type(err).__name__}: {err}")
+    monkeypatch.setenv(PLAN_KERNEL_ENV, "0")
+    torch_ops = SplitPlanner(300, 16, 1, "cuda")
+    g = torch.Generator().manual_seed(3)
+    new_lens = torch.randint(1, 40000, (300,), generator=g, dtype=torch.int32).cuda()
+    stale = torch.randint(1, 40000, (300,), generator=g, dtype=torch.int32).cuda()
+    kv_lens = stale.clone()
+    want = torch_ops.plan(new_lens)
+    want = {name: getattr(want, name).clone() for name in ("blocks_per_part", "part_begin_req", "part_end_req")}
+    copy = _early_trigger_copy(kv_lens.numel(), "int32")
+    for _ in range(3):
+        kv_lens.copy_(stale)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)  # ~1 ms: the writer and the planner are queued before the writer starts
+        copy(new_lens, kv_lens)
+        got = fused.plan(kv_lens)
+        torch.cuda.synchronize()
+        assert torch.equal(kv_lens, new_lens)
+        for name, value in want.items():
+            assert torch.equal(getattr(got, name), value), f"{name}: the planner read kv_lens before its writer finished"

@@ -59,7 +59,7 @@ def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
     if kind == "split":
         return build_decode_kernel(*variant, cfg)
     if kind == "plan":
-        return build_plan_kernel(*variant)
+        return build_plan_kernel(*variant, pdl=cfg.pdl)
     if kind == "tiled":
         return build_tiled_combine_kernel(*variant, merged=2, chunks=tiled_combine_chunks(variant[0] * variant[1]),
                                           pdl=cfg.pdl)
@@ -144,9 +144,11 @@ def test_tiled_combine_lowers(cuda_lowered, variant):
 def test_plan_kernel_lowers(cuda_lowered, variant):
     """The planner in one launch: a prefix sum of KV blocks in shared memory (one warp's CumSum1D over the scan
     buffer), the longest request and the segments of two cuts folded by warp shuffles (one shared slot per warp and
-    sum), then a binary search per part; batch, part count and segment cost stay runtime arguments."""
+    sum), then a binary search per part; batch, part count and segment cost stay runtime arguments. Like the decode
+    kernels it first waits for the stream's previous kernel (the writer of ``kv_lens``)."""
     art = cuda_lowered("plan", variant)
     src = art.kernel_source
+    assert _waits_before(src, "kv_lens[")
     n = scan_size(variant[0])
     assert re.search(r'extern "C" __global__ void\b.*mla_plan', src)
     assert re.search(rf"tl::CumSum1D<256, false>::run\(\(&\(.*\[0\]\)\), \(&\(.*\[0\]\)\), {n}\);", src)

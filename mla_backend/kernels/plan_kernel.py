@@ -4,12 +4,16 @@ The torch version is ~18 small device ops (47 µs of GPU time per step on the H1
 per-op launch cost); this kernel does the same in one program of 256 threads: KV blocks per request into shared
 memory, one warp's prefix sum (``T.cumsum``), then one thread per part binary-searches its first and last request.
 Batch and part count are runtime values; a variant is keyed by the shared-memory size (max batch rounded up to a
-power of two) and the KV block size only.
+power of two), the KV block size and whether it waits for the stream's previous kernel (``KernelConfig.pdl``, as the
+decode kernels do: a launch that TileLang makes with programmatic stream serialisation allowed, e.g. under
+``TILELANG_EXECUTION_BACKEND=cython``, may otherwise read ``kv_lens`` before its writer has finished).
 """
 
 import threading
 
 import tilelang.language as T
+
+from .mla_decode import wait_for_inputs
 
 THREADS = 256  # one per part at most: planner.MAX_PARTS
 _KERNELS: dict[tuple, object] = {}
@@ -21,13 +25,13 @@ def scan_size(max_batch: int) -> int:
     return 1 << max(8, (max(max_batch, 1) - 1).bit_length())
 
 
-def build_plan_kernel(max_batch: int, block_n: int):
+def build_plan_kernel(max_batch: int, block_n: int, pdl: bool = False):
     """Returns ``mla_plan(kv_lens, cu_blocks, part_begin_req, part_end_req, blocks_per_part, num_parts,
     min_blocks, segment_cost)``: kv_lens int32 ``[batch]`` (1 <= batch <= max_batch); cu_blocks int32 ``[>= batch + 1]``;
     part_begin_req / part_end_req int32 ``[>= num_parts]``; blocks_per_part int32 ``[1]``; num_parts <= 256.
     The width is the torch planner's: the even cut or the one aligned to the longest request, by ``plan_cost`` with
     ``segment_cost`` blocks per segment (0: always the even cut); each thread folds its requests, then warp shuffles
-    and one shared slot per warp."""
+    and one shared slot per warp. ``pdl``: wait for the stream's previous kernel before the first read or write."""
     warps = THREADS // 32
     n = scan_size(max_batch)
     steps = n.bit_length()  # binary-search rounds over n entries
@@ -64,6 +68,7 @@ def build_plan_kernel(max_batch: int, block_n: int):
             e_lo = T.alloc_var("int32")
             e_hi = T.alloc_var("int32")
             tx = T.get_thread_binding()
+            wait_for_inputs(pdl)
             for i in T.Parallel(n):
                 cu_s[i] = T.if_then_else(i < batch, (kv_lens[T.min(i, batch - 1)] + (block_n - 1)) // block_n, 0)
             acc = 0
@@ -138,7 +143,10 @@ def build_plan_kernel(max_batch: int, block_n: int):
 
 def get_plan_kernel(max_batch: int, block_n: int):
     """The compiled planner kernel for plans of up to ``max_batch`` requests (sm_90a), compiled on first use."""
-    key = (scan_size(max_batch), block_n)
+    from .configs import config_for
+
+    pdl = config_for("sm90").pdl
+    key = (scan_size(max_batch), block_n, pdl)
     kernel = _KERNELS.get(key)
     if kernel is None:
         with _LOCK:
@@ -149,6 +157,6 @@ def get_plan_kernel(max_batch: int, block_n: int):
 
                 from .configs import target_for_arch
 
-                kernel = _KERNELS[key] = tilelang.compile(build_plan_kernel(max_batch, block_n),
+                kernel = _KERNELS[key] = tilelang.compile(build_plan_kernel(max_batch, block_n, pdl),
                                                           target=tvm.target.Target(target_for_arch("sm90")))
     return kernel
