@@ -416,7 +416,8 @@ def _early_trigger_copy(numel: int, dtype: str = "bfloat16"):
                 T.evaluate(T.call_extern("handle", "__nanosleep", 1000))
             for k in T.serial(T.ceildiv(numel, programs * threads)):
                 if (k * programs + bx) * threads + tx < numel:
-                    dst[(k * programs + bx) * threads + tx] = src[(k * programs + bx) * threads + tx]
+                    # (dtype named in the body: TileLang resolves the annotations from the body's closure)
+                    dst[(k * programs + bx) * threads + tx] = T.cast(src[(k * programs + bx) * threads + tx], dtype)
 
     return tilelang.compile(early_trigger_copy, target=tvm.target.Target(target_for_arch("sm90")))
 
