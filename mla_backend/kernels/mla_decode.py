@@ -441,6 +441,112 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
     return mla_decode_combine_tiled
 
 
+def build_wide_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: int = 0, pdl: bool = False):
+    """The wide combine (:func:`build_combine_kernel` with ``wide``): a program per (request, row, 128 dims), 4 warps.
+    Its first ``COMBINE_WIDE_LOADS`` partial rows per thread are loaded before the merge weights are known; every
+    warp then reduces the row's partial LSEs by itself (each lane holds parts ``lane + 32 k`` in registers; max and
+    sum by five xor shuffles each) and writes the weights its own parts need, so the only block barrier is the one
+    before the warps' sums are added. (The per-row combine's block-wide reductions over ``MAX_PARTS`` slots took
+    most of the wide program's ~3000 cycles at b=1, h=16, 64 parts; Nsight Compute, session 28.)"""
+    rows = num_heads * q_len
+    accum = "float32"
+    threads, groups, lanes = 128, COMBINE_WIDE_GROUPS, 32
+    n_chunks = KV_LORA_RANK // COMBINE_WIDE_DIMS
+    slots = MAX_PARTS // lanes  # partial LSEs per lane
+
+    num_tokens = T.dynamic("num_tokens")
+    batch = T.dynamic("batch")
+    num_slots = T.dynamic("num_slots")
+
+    @T.prim_func
+    def mla_decode_combine_wide(
+        qo_indptr: T.Tensor([batch + 1], "int32"),
+        cu_blocks: T.Tensor([batch + 1], "int32"),
+        blocks_per_part: T.Tensor([1], "int32"),
+        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
+        lse_partial: T.Tensor([num_slots, rows], accum),
+        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        lse: T.Tensor([num_tokens, num_heads], accum),
+    ):
+        with T.Kernel(batch, rows, n_chunks, threads=threads) as (req, row, chunk):
+            weight_s = T.alloc_shared([groups, MAX_PARTS], accum)  # each warp's copy of the merge weights
+            sums = T.alloc_shared([groups, COMBINE_WIDE_DIMS], accum)  # per warp, then added
+            raw = T.alloc_local([COMBINE_WIDE_LOADS, 4], accum)  # this thread's first partial rows
+            acc_w = T.alloc_local([4], accum)
+            lse_l = T.alloc_local([slots], accum)  # partial LSEs of parts lane + 32 k (-inf past the last)
+            lse_top = T.alloc_var(accum)
+            lse_acc = T.alloc_var(accum)
+            first = T.alloc_var("int32")  # the request's first part (its partial slots are first + i + req)
+            n_read = T.alloc_var("int32")  # its number of parts (the planner makes at most MAX_PARTS)
+            wait_for_inputs(pdl)
+            tx = T.get_thread_binding()
+            grp = tx // lanes
+            lane = tx % lanes
+            col = chunk * COMBINE_WIDE_DIMS + lane * 4
+            width = blocks_per_part[0]
+            req_lo = cu_blocks[req]
+            req_hi = cu_blocks[req + 1]
+            first_part, parts = request_parts(req_lo, req_hi, width)
+            first = first_part
+            n_read = T.min(parts, MAX_PARTS)
+            tok = qo_indptr[req] + row // num_heads
+            head = row % num_heads
+            if req_hi == req_lo:
+                for d in T.Parallel(COMBINE_WIDE_DIMS):
+                    out[tok, head, chunk * COMBINE_WIDE_DIMS + d] = T.cast(0, dtype)
+                if chunk == 0:
+                    lse[tok, head] = -T.infinity(accum)
+            elif n_read > max(1, merged):
+                # warp grp sums parts grp, grp + 4, ...; the first COMBINE_WIDE_LOADS of them are loaded now (past
+                # the last part: the last part again, weighted 0 below)
+                for u in T.unroll(COMBINE_WIDE_LOADS):
+                    for k in T.vectorized(4):
+                        raw[u, k] = out_partial[first + T.min(grp + u * groups, n_read - 1) + req, row, col + k]
+                for k in T.unroll(slots):
+                    lse_l[k] = T.if_then_else(lane + k * lanes < n_read,
+                                              lse_partial[first + T.min(lane + k * lanes, n_read - 1) + req, row],
+                                              -T.infinity(accum))
+                lse_top = lse_l[0]
+                for k in T.unroll(1, slots):
+                    lse_top = T.max(lse_top, lse_l[k])
+                for delta in T.unroll(5):
+                    lse_top = T.max(lse_top, T.shfl_xor(lse_top, 16 >> delta))
+                lse_top = T.if_then_else(lse_top == -T.infinity(accum), 0, lse_top)  # row saw nothing: no NaN
+                lse_acc = 0
+                for k in T.unroll(slots):
+                    lse_l[k] = T.exp2(lse_l[k] - lse_top)
+                    lse_acc += lse_l[k]
+                for delta in T.unroll(5):
+                    lse_acc += T.shfl_xor(lse_acc, 16 >> delta)
+                for k in T.unroll(slots):
+                    if lane + k * lanes < n_read:
+                        weight_s[grp, lane + k * lanes] = T.if_then_else(lse_acc > 0, lse_l[k] / lse_acc, 0)
+                for k in T.vectorized(4):
+                    acc_w[k] = 0
+                for u in T.unroll(COMBINE_WIDE_LOADS):
+                    j = grp + u * groups
+                    for k in T.vectorized(4):
+                        acc_w[k] += T.if_then_else(j < n_read, weight_s[grp, T.min(j, n_read - 1)], 0) * raw[u, k]
+                # parts past the first 4 x COMBINE_WIDE_LOADS (more than 64 parts): COMBINE_TAIL per round
+                n_rest = n_read - groups * COMBINE_WIDE_LOADS
+                for i0 in T.serial(T.ceildiv(T.max(n_rest, 0), groups * COMBINE_TAIL)):
+                    for u in T.unroll(COMBINE_TAIL):
+                        j = groups * (COMBINE_WIDE_LOADS + i0 * COMBINE_TAIL + u) + grp
+                        i = T.min(j, n_read - 1)
+                        w = T.if_then_else(j < n_read, weight_s[grp, i], 0)
+                        for k in T.vectorized(4):
+                            acc_w[k] += w * out_partial[first + i + req, row, col + k]
+                for k in T.vectorized(4):
+                    sums[grp, lane * 4 + k] = acc_w[k]
+                for d in T.Parallel(COMBINE_WIDE_DIMS):
+                    out[tok, head, chunk * COMBINE_WIDE_DIMS + d] = T.cast(sums[0, d] + sums[1, d] + sums[2, d]
+                                                                           + sums[3, d], dtype)
+                if chunk == 0 and tx == 0:
+                    lse[tok, head] = T.if_then_else(lse_acc > 0, (T.log2(lse_acc) + lse_top) * LN2, -T.infinity(accum))
+
+    return mla_decode_combine_wide
+
+
 def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False, merged: int = 0,
                          pdl: bool = False):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
