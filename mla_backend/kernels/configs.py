@@ -54,9 +54,6 @@ class KernelConfig:
     # before a predecessor that triggers its dependents early (CUTLASS, FlashInfer built with PDL) has written them.
     # The split does not trigger its combine early: that was 1.5-3 us slower at b=1 (session 28; benchmarks/RESULTS.md)
     pdl: bool = False
-    # the wide combine (short batches, many parts) reduces a row's partial LSEs in every warp by shuffles, with one
-    # block barrier (mla_decode.build_wide_combine_kernel), instead of the per-row combine's block-wide reductions
-    wide_warp_lse: bool = False
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -71,7 +68,7 @@ SM90 = KernelConfig(block_rows=64, block_n=32, threads=256, num_stages=3, pdl=Tr
 SM90_WS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="ws", tma_kv=True, rs_pv=True,
                      merge_pairs=True, pages_ahead=True, pv_first=True, tile_ready=True, tree_max=True,
                      pv_early=True, rescale_early=True, scale_in_exp=True,
-                     pfree_early=True, cluster_kv=True, cluster_rope=True, pdl=True, wide_warp_lse=True)
+                     pfree_early=True, cluster_kv=True, cluster_rope=True, pdl=True)
 # Hopper, warp-specialised "seesaw" (FlashMLA's schedule): both consumers compute S for alternate blocks
 # and each keeps half of O, so S, softmax and P @ V of the two warpgroups overlap.
 SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="seesaw", tma_kv=True,
@@ -97,7 +94,7 @@ SM90_SEESAW = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2,
 SM90_TWS = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", tma_kv=True,
                         rs_pv=True, merge_pairs=True, pages_ahead=True, pv_first=True,
                         tile_ready=True, tree_max=True, pv_early=True, rescale_early=True, scale_in_exp=True,
-                        pfree_early=True, cluster_kv=True, cluster_rope=True, pdl=True, wide_warp_lse=True)
+                        pfree_early=True, cluster_kv=True, cluster_rope=True, pdl=True)
 # MI300X: 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum); 128 threads
 # keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1)
@@ -121,7 +118,6 @@ SM90_PFREE_ENV = "MLA_BACKEND_SM90_PFREE"  # "0": WG0 waits for WG1's release of
 SM90_CLUSTER_ENV = "MLA_BACKEND_SM90_CLUSTER"  # "0": each row-block CTA loads every block itself (before session 24)
 SM90_CLUSTER_ROPE_ENV = "MLA_BACKEND_SM90_CLUSTER_ROPE"  # "0": each CTA of a pair loads its rope box (before 25)
 SM90_PDL_ENV = "MLA_BACKEND_SM90_PDL"  # "0": the kernels do not wait for the previous kernel (griddepcontrol; before 28)
-SM90_WIDE_WARP_ENV = "MLA_BACKEND_SM90_WIDE_WARP"  # "0": the wide combine's block-wide LSE reductions (before 29)
 
 
 # os.environ.get encodes its key on every call (~0.8 µs on the H100 machine's CPU), and an eager decode call read
@@ -168,8 +164,7 @@ SM90_SWITCHES = ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv"), (SM90_MERGE
                  (SM90_PAGES_ENV, "pages_ahead"), (SM90_PVFIRST_ENV, "pv_first"), (SM90_TILES_ENV, "tile_ready"),
                  (SM90_TREEMAX_ENV, "tree_max"), (SM90_PVEARLY_ENV, "pv_early"), (SM90_RESCALE_ENV, "rescale_early"),
                  (SM90_FFMA_ENV, "scale_in_exp"), (SM90_PFREE_ENV, "pfree_early"), (SM90_CLUSTER_ENV, "cluster_kv"),
-                 (SM90_CLUSTER_ROPE_ENV, "cluster_rope"), (SM90_PDL_ENV, "pdl"),
-                 (SM90_WIDE_WARP_ENV, "wide_warp_lse"))
+                 (SM90_CLUSTER_ROPE_ENV, "cluster_rope"), (SM90_PDL_ENV, "pdl"))
 _SM90_SETTINGS = (SM90_KERNEL_ENV,) + tuple(env for env, _ in SM90_SWITCHES)
 # config_for's results by the raw values of its settings (valid ones only: a refused value raises on every call)
 _SM90_CONFIGS: dict[tuple, KernelConfig] = {}

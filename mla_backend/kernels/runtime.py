@@ -111,12 +111,10 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
             build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
             target=target, pass_configs=pass_configs)
         merged = merged_parts(cfg)  # requests the split kernel merges: the combine skips them
-        wide_func = (mla_decode.build_wide_combine_kernel(num_heads, q_len, tl_dtype(dtype), merged=merged, pdl=cfg.pdl)
-                     if cfg.wide_warp_lse else
-                     build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=True, merged=merged, pdl=cfg.pdl))
         combine, combine_wide = (
-            tilelang.compile(func, target=target, pass_configs=pass_configs)
-            for func in (build_combine_kernel(num_heads, q_len, tl_dtype(dtype), merged=merged, pdl=cfg.pdl), wide_func))
+            tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged,
+                                                  pdl=cfg.pdl), target=target, pass_configs=pass_configs)
+            for wide in (False, True))
         combine_tiled = (tilelang.compile(mla_decode.build_tiled_combine_kernel(
             num_heads, q_len, tl_dtype(dtype), merged=merged, chunks=mla_decode.tiled_combine_chunks(num_heads * q_len),
             pdl=cfg.pdl),
