@@ -13,7 +13,7 @@ import re
 import subprocess
 
 import pytest
-from toolchain import find_nvcc
+from toolchain import find_nvcc, kernel_body
 
 if os.environ.get("CI"):
     import tilelang  # in CI a broken TileLang install must fail, not skip
@@ -70,7 +70,7 @@ def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
 def _waits_before(src: str, first_read: str) -> bool:
     """pdl: the kernel waits for the stream's previous kernel (griddepcontrol.wait) before its first read of
     ``first_read`` (kernel-ws.md)."""
-    body = src[src.index("{", src.index("__global__ void __launch_bounds__")):]
+    body = kernel_body(src)
     return body.index("cudaGridDependencySynchronize();") < body.index(first_read)
 
 

@@ -31,7 +31,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 import pytest
-from toolchain import find_nvcc
+from toolchain import find_nvcc, kernel_body
 
 if os.environ.get("CI"):
     import tilelang  # noqa: F401  (in CI a broken TileLang install must fail, not skip)
@@ -278,11 +278,6 @@ def _tile_boxes(producer: str) -> list[int]:
     return sorted(int(n) for n in re.findall(r"k_ready\[[^\n]*?\]\.expect_transaction\((\d+)\)", producer))
 
 
-def _kernel_body(src: str) -> str:
-    """A lowered kernel's CUDA body, from the opening brace of its definition."""
-    return src[src.index("{", src.index("__global__ void __launch_bounds__")):]
-
-
 @pytest.mark.parametrize("variant", [LOWER_VARIANTS[0], LOWER_VARIANTS[2], TWS_VARIANTS[0]])
 def test_kernels_wait_for_the_previous_kernel_before_any_read(lowered, lowered_tws, variant):
     """TileLang launches every cluster kernel (and every kernel that waits) with programmatic stream serialisation
@@ -290,7 +285,7 @@ def test_kernels_wait_for_the_previous_kernel_before_any_read(lowered, lowered_t
     statement after the barrier setup is the wait (griddepcontrol.wait); no read of q, the cache, the metadata or the
     plan comes before it, and it does not trigger its own dependents (slower at b=1). The combines' wait:
     test_lowering.py."""
-    body = _kernel_body((lowered_tws if variant in TWS_VARIANTS else lowered)[variant][0])
+    body = kernel_body((lowered_tws if variant in TWS_VARIANTS else lowered)[variant][0])
     wait = body.index("cudaGridDependencySynchronize();")
     reads = [m.start() for name in ("blocks_per_part", "cu_blocks", "part_begin_req", "part_end_req", "kv_lens",
                                     "qo_indptr", "page_table", "page_table_start", "k_scale", "sm_scale", "q_nope",

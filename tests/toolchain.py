@@ -1,4 +1,4 @@
-"""Locating the CUDA compiler for the CPU-side compile checks of the lowered kernels."""
+"""Helpers of the CPU-side checks of the lowered kernels: locating the CUDA compiler, reading the CUDA source."""
 
 from __future__ import annotations
 
@@ -17,3 +17,8 @@ def find_nvcc() -> str:
                 return os.path.join(home, "bin", "nvcc")
         pytest.skip("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): the CUDA sources are not compiled")
     return nvcc
+
+
+def kernel_body(src: str) -> str:
+    """A lowered kernel's CUDA body, from the opening brace of its definition."""
+    return src[src.index("{", src.index("__global__ void __launch_bounds__")):]

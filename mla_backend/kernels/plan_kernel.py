@@ -13,6 +13,7 @@ import threading
 
 import tilelang.language as T
 
+from .configs import config_for, target_for_arch
 from .mla_decode import wait_for_inputs
 
 THREADS = 256  # one per part at most: planner.MAX_PARTS
@@ -143,8 +144,6 @@ def build_plan_kernel(max_batch: int, block_n: int, pdl: bool = False):
 
 def get_plan_kernel(max_batch: int, block_n: int):
     """The compiled planner kernel for plans of up to ``max_batch`` requests (sm_90a), compiled on first use."""
-    from .configs import config_for
-
     pdl = config_for("sm90").pdl
     key = (scan_size(max_batch), block_n, pdl)
     kernel = _KERNELS.get(key)
@@ -154,8 +153,6 @@ def get_plan_kernel(max_batch: int, block_n: int):
             if kernel is None:
                 import tilelang
                 from tilelang import tvm
-
-                from .configs import target_for_arch
 
                 kernel = _KERNELS[key] = tilelang.compile(build_plan_kernel(max_batch, block_n, pdl),
                                                           target=tvm.target.Target(target_for_arch("sm90")))
