@@ -50,7 +50,7 @@ def main() -> int:
         cells = " | ".join(f"{name} flushed {statistics.median(f):7.1f} us ({flops / statistics.median(f) / 1e6:5.1f} TF)"
                            f" b2b {statistics.median(bb):7.1f} eager {statistics.median(e):7.1f}"
                            for name, (f, bb, e) in res.items())
-        print(f"b={b} s={s} h={h} s_q={sq} page={ps}{' fp8' if opts['fp8'] else ''}{' ragged' if opts['ragged'] else ''}: "
+        print(f"b={b} s={s} h={h} s_q={sq} page={ps}{' fp8' if opts['fp8'] else ''}{' ragged' if opts['ragged'] else ''}{' seq' if opts['seq'] else ''}: "
               f"{cells}", flush=True)
     return 0
 

@@ -63,8 +63,10 @@ def q_dtype() -> torch.dtype:
     return torch.float16 if "--fp16" in sys.argv else torch.bfloat16
 
 
-def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, ragged: bool = False):
-    """A bf16 problem (fixed lengths, or the bench's ragged ones) with pages in random order, planned: the eager
+def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, ragged: bool = False,
+                   seq: bool = False):
+    """A bf16 problem (fixed lengths, or the bench's ragged ones) with pages in random order (``seq``: in order, a
+    diagnostic of page locality), planned: the eager
     call, its metadata (``md.plan`` holds the workspaces) and (bytes, flops) for the rates."""
     from mla_backend.bench import Config, seq_lens
 
@@ -74,7 +76,7 @@ def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, 
     kv = torch.randn(b * width, ps, 576, dtype=dtype, device="cuda")
     if fp8:
         kv = (kv * 2).to(torch.float8_e4m3fn)
-    table = torch.randperm(b * width, device="cuda").int().view(b, width)
+    table = (torch.arange if seq else torch.randperm)(b * width, device="cuda").int().view(b, width)
     lens = torch.tensor(len_list, dtype=torch.int32, device="cuda")
     q = torch.randn(b * sq, h, 576, dtype=dtype, device="cuda")
     md = MLADecodeMetadata.from_block_table(table, lens, ps, q_len=sq)
@@ -87,20 +89,21 @@ def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, 
 
 
 def parse_shapes(text: str) -> list:
-    """"b,s,h,s_q,page[,fp8][,ragged];..." -> [((b, s, h, s_q, page), {"fp8": .., "ragged": ..})]: a trailing "fp8"
-    times an e4m3 cache, "ragged" the bench's ragged lengths."""
+    """"b,s,h,s_q,page[,fp8][,ragged][,seq];..." -> [((b, s, h, s_q, page), {"fp8": .., "ragged": .., "seq": ..})]:
+    a trailing "fp8" times an e4m3 cache, "ragged" the bench's ragged lengths, "seq" pages in order."""
     shapes = []
     for x in (y.split(",") for y in text.split(";")):
-        if not set(x[5:]) <= {"fp8", "ragged"}:
-            raise SystemExit(f"--shapes: unknown flag(s) {x[5:]} (fp8, ragged)")
-        shapes.append((tuple(int(v) for v in x[:5]), {"fp8": "fp8" in x[5:], "ragged": "ragged" in x[5:]}))
+        if not set(x[5:]) <= {"fp8", "ragged", "seq"}:
+            raise SystemExit(f"--shapes: unknown flag(s) {x[5:]} (fp8, ragged, seq)")
+        shapes.append((tuple(int(v) for v in x[:5]), {f: f in x[5:] for f in ("fp8", "ragged", "seq")}))
     return shapes
 
 
-def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, ragged: bool = False):
+def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, ragged: bool = False,
+                seq: bool = False):
     """decode_problem's call, run once and captured: the CUDA graph's replay (as engines run decode), the eager
     call, and (bytes, flops) for the rates."""
-    eager, _, rates = decode_problem(b, s, h, sq, ps, fp8, ragged)
+    eager, _, rates = decode_problem(b, s, h, sq, ps, fp8, ragged, seq)
     eager()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
