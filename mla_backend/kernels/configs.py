@@ -54,9 +54,6 @@ class KernelConfig:
     # before a predecessor that triggers its dependents early (CUTLASS, FlashInfer built with PDL) has written them.
     # The split does not trigger its combine early: that was 1.5-3 us slower at b=1 (session 28; benchmarks/RESULTS.md)
     pdl: bool = False
-    # diagnostic (MLA_BACKEND_SM90_PAGE_PF=1|2, off by default): the 16-bit producer asks L2 for a block's first line per
-    # page (1) or all of its lines (2) once it has the page ids, before the wait for the block's buffer
-    page_pf: int = 0
     # diagnostics (scripts/trace_blocks.py), never in a served kernel: >= 0 records clock64 at each role's steps for
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
@@ -121,7 +118,6 @@ SM90_PFREE_ENV = "MLA_BACKEND_SM90_PFREE"  # "0": WG0 waits for WG1's release of
 SM90_CLUSTER_ENV = "MLA_BACKEND_SM90_CLUSTER"  # "0": each row-block CTA loads every block itself (before session 24)
 SM90_CLUSTER_ROPE_ENV = "MLA_BACKEND_SM90_CLUSTER_ROPE"  # "0": each CTA of a pair loads its rope box (before 25)
 SM90_PDL_ENV = "MLA_BACKEND_SM90_PDL"  # "0": the kernels do not wait for the previous kernel (griddepcontrol; before 28)
-SM90_PAGE_PF_ENV = "MLA_BACKEND_SM90_PAGE_PF"  # diagnostic, "1" / "2": KernelConfig.page_pf (default "0": off)
 
 
 # os.environ.get encodes its key on every call (~0.8 µs on the H100 machine's CPU), and an eager decode call read
@@ -169,7 +165,7 @@ SM90_SWITCHES = ((SM90_TMA_ENV, "tma_kv"), (SM90_RSPV_ENV, "rs_pv"), (SM90_MERGE
                  (SM90_TREEMAX_ENV, "tree_max"), (SM90_PVEARLY_ENV, "pv_early"), (SM90_RESCALE_ENV, "rescale_early"),
                  (SM90_FFMA_ENV, "scale_in_exp"), (SM90_PFREE_ENV, "pfree_early"), (SM90_CLUSTER_ENV, "cluster_kv"),
                  (SM90_CLUSTER_ROPE_ENV, "cluster_rope"), (SM90_PDL_ENV, "pdl"))
-_SM90_SETTINGS = (SM90_KERNEL_ENV, SM90_PAGE_PF_ENV) + tuple(env for env, _ in SM90_SWITCHES)
+_SM90_SETTINGS = (SM90_KERNEL_ENV,) + tuple(env for env, _ in SM90_SWITCHES)
 # config_for's results by the raw values of its settings (valid ones only: a refused value raises on every call)
 _SM90_CONFIGS: dict[tuple, KernelConfig] = {}
 
@@ -190,11 +186,6 @@ def config_for(arch: str) -> KernelConfig:
     for env, field in SM90_SWITCHES:
         if not env_switch(env) and getattr(cfg, field):
             cfg = dataclasses.replace(cfg, **{field: False})
-    page_pf = env_get(SM90_PAGE_PF_ENV, "0")
-    if page_pf not in ("0", "1", "2"):
-        raise ValueError(f"{SM90_PAGE_PF_ENV}={page_pf!r} is not supported; expected 0, 1 or 2")
-    if page_pf != "0":
-        cfg = dataclasses.replace(cfg, page_pf=int(page_pf))
     _SM90_CONFIGS[raw] = cfg
     return cfg
 

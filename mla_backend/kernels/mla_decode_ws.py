@@ -1019,26 +1019,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
                     "r", 1)))
 
     @T.macro
-    def page_prefetch(kv_cache, pages, pos0, kv_len, t):
-        """16-bit cache, ``cfg.page_pf`` (diagnostic): asks L2 for block pos0's lines as soon as ``kv_pages`` has its
-        page ids, before the wait for its buffer. 1: the first line of every page the block touches (lane 0 of the
-        page's first row: 1 line at page 64, 4 at page 16, 64 at page 1), which warms the address translation;
-        2: every line of the block (lane l of a row takes line l, lane 0 also line 8)."""
-        for r in T.unroll(block_n // 16):
-            j = r * 16 + t // 8
-            p = T.min(pos0 + j, kv_len - 1)
-            if cfg.page_pf == 1:
-                if t % 8 == 0 and (p % page_size == 0 or j == 0):
-                    T.evaluate(T.call_extern("handle", "mla_l2_prefetch",
-                                             T.access_ptr(kv_cache[pages[r], p % page_size, 0], "r", 1)))
-            else:
-                T.evaluate(T.call_extern("handle", "mla_l2_prefetch",
-                                         T.access_ptr(kv_cache[pages[r], p % page_size, (t % 8) * 64], "r", 1)))
-                if t % 8 == 0:
-                    T.evaluate(T.call_extern("handle", "mla_l2_prefetch",
-                                             T.access_ptr(kv_cache[pages[r], p % page_size, HEAD_DIM - 1], "r", 1)))
-
-    @T.macro
     def stream_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,
                        pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, q_free, q_ready, k_free,
                        k_ready, t):
@@ -1077,8 +1057,6 @@ def build_decode_kernel_ws(num_heads: int, q_len: int, page_size: int, dtype: st
             # before its three tile waits)
             if not is_fp8 and (cfg.pages_ahead or seesaw):
                 kv_pages(page_table, pt0, pos0, kv_len, pages, t)
-                if cfg.page_pf:
-                    page_prefetch(kv_cache, pages, pos0, kv_len, t)
             if seesaw:  # per tile: waits for its release, signals its arrival
                 if kv_buffer(g) == 0:
                     load_parts(kv_cache, pages, pos0, kv_len, kv0_l, kv0_r, k0_t, g, k_ready, k_free, t)
