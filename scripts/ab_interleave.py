@@ -14,7 +14,7 @@ from unittest import mock
 import torch
 
 from mla_backend.bench import Timer
-from quick_time import decode_step, parse_shapes
+from quick_time import decode_step, parse_shapes, shape_flags
 
 
 def back_to_back(replay, n: int = 20) -> float:
@@ -50,7 +50,7 @@ def main() -> int:
         cells = " | ".join(f"{name} flushed {statistics.median(f):7.1f} us ({flops / statistics.median(f) / 1e6:5.1f} TF)"
                            f" b2b {statistics.median(bb):7.1f} eager {statistics.median(e):7.1f}"
                            for name, (f, bb, e) in res.items())
-        print(f"b={b} s={s} h={h} s_q={sq} page={ps}{' fp8' if opts['fp8'] else ''}{' ragged' if opts['ragged'] else ''}{' seq' if opts['seq'] else ''}: "
+        print(f"b={b} s={s} h={h} s_q={sq} page={ps}{shape_flags(opts)}: "
               f"{cells}", flush=True)
     return 0
 

@@ -88,15 +88,23 @@ def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, 
     return eager, md, (bytes_moved(sum_len, b, sq, h, kv.element_size()), flops(sum_len, sq, h))
 
 
+SHAPE_FLAGS = ("fp8", "ragged", "seq")
+
+
 def parse_shapes(text: str) -> list:
     """"b,s,h,s_q,page[,fp8][,ragged][,seq];..." -> [((b, s, h, s_q, page), {"fp8": .., "ragged": .., "seq": ..})]:
     a trailing "fp8" times an e4m3 cache, "ragged" the bench's ragged lengths, "seq" pages in order."""
     shapes = []
     for x in (y.split(",") for y in text.split(";")):
-        if not set(x[5:]) <= {"fp8", "ragged", "seq"}:
-            raise SystemExit(f"--shapes: unknown flag(s) {x[5:]} (fp8, ragged, seq)")
-        shapes.append((tuple(int(v) for v in x[:5]), {f: f in x[5:] for f in ("fp8", "ragged", "seq")}))
+        if not set(x[5:]) <= set(SHAPE_FLAGS):
+            raise SystemExit(f"--shapes: unknown flag(s) {x[5:]} ({', '.join(SHAPE_FLAGS)})")
+        shapes.append((tuple(int(v) for v in x[:5]), {f: f in x[5:] for f in SHAPE_FLAGS}))
     return shapes
+
+
+def shape_flags(opts: dict) -> str:
+    """parse_shapes' flags that are set, as printed after a shape: " fp8 ragged seq"."""
+    return "".join(f" {flag}" for flag in SHAPE_FLAGS if opts.get(flag))
 
 
 def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, ragged: bool = False,
@@ -150,7 +158,7 @@ def main() -> int:
             continue
         t_eager = do_bench(eager, warmup=50, rep=300, return_mode="median") * 1e-3  # s
         t = do_bench(replay, warmup=50, rep=300, return_mode="median") * 1e-3
-        print(f"{kernel}{'-fp16' if '--fp16' in sys.argv else ''}{'-fp8' if fp8 else ''}{' ragged' if opts['ragged'] else ''} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
+        print(f"{kernel}{'-fp16' if '--fp16' in sys.argv else ''}{'-fp8' if fp8 else ''}{shape_flags({**opts, 'fp8': False})} b={b:4d} s={s:6d} h={h:3d} s_q={sq} page={ps:3d}: graph "
               f"{t*1e6:8.1f} us {nbytes/t/1e9:7.0f} GB/s {flop/t/1e12:6.1f} TF | eager {t_eager*1e6:8.1f} us"
               + (kernel_times(replay) if "--kineto" in sys.argv else ""), flush=True)
         torch.cuda.empty_cache()
