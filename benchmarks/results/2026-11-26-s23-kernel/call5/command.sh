@@ -1,2 +1,0 @@
-bash scripts/device_vllm.sh bench; source .devkit/unpack.sh; TILELANG_CACHE_DIR=/tmp/tlcache timeout 90 python3 -m mla_backend.bench --quick --graphs --filter b=1 --out-dir /tmp/bg 2>&1 | grep -v Cache | tail -5 | tee $OUT/bench_graphs.log
-# carried .devkit/vllm-moe.tar.xz, .devkit/vllm-py.tar.xz, .devkit/unpack.sh; call 3 (carry vllm-c: `source .devkit/unpack.sh`) and call 4 unpacked the rest on the same machine

@@ -1,1 +1,0 @@
-# session 24, call 12 (carries vllm-c + unpack.sh): source .devkit/unpack.sh
