@@ -449,7 +449,7 @@ def throughput_specs(args):
     base = dict(model=args.model, prompts=prompts, max_new_tokens=args.tp_out, cuda_graph_max_bs=args.tp_bs,
                 max_running_requests=args.tp_bs, page_size=64, disable_radix_cache=True, prefill_only_timing=True,
                 # warm-up prompts as long as the measured ones: the extend kernels (Triton, JIT) specialise on
-                # their sizes, and a first compile inside the timed prefill pass made it meaningless (session 6)
+                # their sizes, and a first compile inside the timed prefill pass made the measurement meaningless
                 warmup_prompts=make_prompts([args.tp_in] * 4, seed=5), context_length=max(4096, args.tp_in + args.tp_out + 64))
     runs = {name: dict(base, attention_backend=backend)
             for name, backend in (("tilelang_p64", "tilelang_mla"), ("flashmla_p64", "flashmla"),
