@@ -11,8 +11,8 @@ from .kernels.configs import env_get
 from .metadata import MLADecodeMetadata
 from .planner import SplitPlan, plan_split_kv
 from .reference import mla_decode_reference
-from .validation import (FP8_DTYPES, KV_LORA_RANK, MLAInputError, check_inputs, check_scales, normalize_kv_cache,
-                         split_query)
+from .constants import KV_LORA_RANK
+from .validation import FP8_DTYPES, MLAInputError, check_inputs, check_scales, fail, normalize_kv_cache, split_query
 
 logger = logging.getLogger("mla_backend")
 _SCALARS: dict[tuple, torch.Tensor] = {}
@@ -60,14 +60,17 @@ def mla_decode(
         metadata: :class:`MLADecodeMetadata` (``q_len`` queries per request; causal when > 1).
         softmax_scale: the model's scale, finite and positive (DeepSeek: ``192 ** -0.5`` times yarn mscale², not
             ``576 ** -0.5``).
-        k_scale: per-tensor dequantisation scale of an fp8 cache, positive (float or fp32 device tensor).
+        k_scale: per-tensor dequantisation scale of an fp8 cache, positive (float or fp32 device tensor); required
+            with an fp8 cache (1.0 for a plain cast), refused (unless 1.0) with a 16-bit one.
         out: optional ``[num_tokens, num_heads, 512]`` output buffer (q's dtype).
         return_lse: also return the natural-log LSE ``[num_tokens, num_heads]`` float32.
         impl: "auto" (fastest available, logged), "reference", "tilelang-sm90" or "tilelang-gfx942".
-        check_indices: validate lengths and page ids on the host (a device sync). Default: on, except
-            during CUDA-graph capture. Engine adapters pass False on their hot path.
+        check_indices: validate the metadata's values on the host (a device sync): lengths within each request's
+            own pages, offsets, page ids (``validation.check_metadata_values``). Default: on, except during
+            CUDA-graph capture. Engine adapters pass False on their hot path.
     Returns:
-        ``out``, or ``(out, lse)`` when ``return_lse``. A query that sees no KV gives zeros and LSE -inf.
+        ``out``, or ``(out, lse)`` when ``return_lse``. A query that sees no KV gives zeros and LSE -inf; a NaN or
+        inf in q or in a visible cache row gives NaN in that query's output row (never zeros).
     """
     q_nope, q_pe = split_query(q)
     kv_cache = normalize_kv_cache(kv_cache)
@@ -75,9 +78,12 @@ def mla_decode(
     if check_indices is None:
         check_indices = not capturing
     check_inputs(q_nope, q_pe, kv_cache, metadata, out, check_indices)
-    check_scales(softmax_scale, k_scale)
+    check_scales(softmax_scale, k_scale, q_nope.device)
     num_tokens, num_heads, _ = q_nope.shape
     is_fp8 = kv_cache.dtype in FP8_DTYPES
+    if is_fp8 and k_scale is None:
+        fail("k_scale", None, f"the dequantisation scale of the {kv_cache.dtype} kv_cache (real = stored * k_scale): "
+             "a finite positive float or an fp32 device tensor; 1.0 for a plain cast")
     if not is_fp8:
         if k_scale is not None and not isinstance(k_scale, torch.Tensor) and float(k_scale) != 1.0:
             raise MLAInputError(f"mla_decode: k_scale={k_scale} is only meaningful for an fp8 kv_cache, "

@@ -1,18 +1,17 @@
 """Pure-PyTorch MLA decode: the test oracle and the fallback where no kernel exists (CPU included).
 
 Accumulates in float32, one request at a time, gathering that request's pages. Exactly the op of
-:func:`mla_backend.mla_decode`: causal for ``s_q > 1``, zeros and LSE ``-inf`` where a query sees no KV.
+:func:`mla_backend.mla_decode`: causal for ``s_q > 1``, zeros and LSE ``-inf`` where a query sees no KV
+(decided by the lengths, never by the scores). A NaN or inf in q or in a visible cache row is not hidden:
+it reaches that query's output and LSE (NaN), as in FlashMLA and FlashAttention-3.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .constants import HEAD_DIM, KV_LORA_RANK, ROPE_DIM  # noqa: F401 (ROPE_DIM: re-exported)
 from .metadata import MLADecodeMetadata
-
-KV_LORA_RANK = 512  # width of the latent c_kv, which is also V
-ROPE_DIM = 64  # width of k_pe / q_pe
-HEAD_DIM = KV_LORA_RANK + ROPE_DIM  # 576
 
 
 def mla_decode_reference(
@@ -49,15 +48,19 @@ def mla_decode_reference(
         pages = metadata.page_table[starts[r] : starts[r] + num_pages].long()
         kv = kv_cache[pages].reshape(-1, HEAD_DIM)[:kv_len].float() * k_scale  # [kv_len, 576]
         q = torch.cat([q_nope[q_begin:q_end], q_pe[q_begin:q_end]], dim=-1).float()  # [s_q, H, 576]
-        scores = torch.einsum("shd,td->sht", q, kv) * softmax_scale
-        # query i (of s_q) sees positions < kv_len - s_q + i + 1
-        limit = kv_len - s_q + 1 + torch.arange(s_q, device=device)
-        visible = torch.arange(kv_len, device=device)[None, :] < limit[:, None]  # [s_q, kv_len]
-        scores.masked_fill_(~visible[:, None, :], float("-inf"))
-        lse_r = torch.logsumexp(scores, dim=-1)  # [s_q, H]; -inf where nothing is visible
-        probs = torch.exp(scores - lse_r[..., None]).nan_to_num_(0.0)
-        out32[q_begin:q_end] = torch.einsum("sht,td->shd", probs, kv[:, :KV_LORA_RANK])
-        lse[q_begin:q_end] = lse_r
+        scores = torch.einsum("shd,td->sht", q, kv) * softmax_scale  # [s_q, H, kv_len]
+        # Query i (of s_q) sees positions < kv_len - s_q + i + 1; it reads only those (never a masked row's
+        # values, which could be anything), and a query that sees none keeps its zeros and LSE -inf. No
+        # nan_to_num: a NaN (or inf) score from the inputs must reach the output, not turn into zeros.
+        for i in range(s_q):
+            seen = min(kv_len - s_q + i + 1, kv_len)
+            if seen <= 0:
+                continue
+            s_i = scores[i, :, :seen]  # [H, seen]
+            lse_i = torch.logsumexp(s_i, dim=-1)  # [H]; NaN where a score is NaN
+            probs = torch.exp(s_i - lse_i[:, None])
+            out32[q_begin + i] = probs @ kv[:seen, :KV_LORA_RANK]
+            lse[q_begin + i] = lse_i
     if out is None:
         return out32.to(q_nope.dtype), lse
     out.copy_(out32)

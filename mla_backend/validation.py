@@ -6,17 +6,14 @@ import math
 
 import torch
 
-from .metadata import INDEX_DTYPE, MLADecodeMetadata
+from .constants import HEAD_DIM, KV_LORA_RANK, MAX_Q_LEN, ROPE_DIM
+from .metadata import INDEX_DTYPE, MLADecodeMetadata, MLAInputError, check_page_size, check_q_len
 
-KV_LORA_RANK, ROPE_DIM = 512, 64
-HEAD_DIM = KV_LORA_RANK + ROPE_DIM
+__all__ = ["FP8_DTYPES", "HEAD_DIM", "KV_DTYPES", "KV_LORA_RANK", "MLAInputError", "Q_DTYPES", "ROPE_DIM",
+           "check_inputs", "check_metadata_values", "check_scales", "fail", "normalize_kv_cache", "split_query"]
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
 KV_DTYPES = Q_DTYPES + FP8_DTYPES
-
-
-class MLAInputError(ValueError):
-    """Invalid argument to the MLA decode op."""
 
 
 def fail(arg: str, value, supported: str) -> None:
@@ -51,11 +48,17 @@ def normalize_kv_cache(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache
 
 
-def check_scales(softmax_scale, k_scale) -> None:
+def check_scales(softmax_scale, k_scale, device: torch.device | None = None) -> None:
     """The softmax scale (and a host k_scale) must be finite and positive: the Hopper kernel takes S's row max before
-    it applies the scale (max(c s) = c max(s) only for c > 0). A k_scale tensor is not read on the host (no sync)."""
+    it applies the scale (max(c s) = c max(s) only for c > 0). A k_scale tensor is not read on the host (no sync): only
+    its size, dtype and device are checked."""
     for name, value in (("softmax_scale", softmax_scale), ("k_scale", k_scale)):
-        if name == "k_scale" and (value is None or isinstance(value, torch.Tensor)):
+        if name == "k_scale" and value is None:
+            continue
+        if name == "k_scale" and isinstance(value, torch.Tensor):
+            if value.numel() != 1 or not value.dtype.is_floating_point or (device is not None and value.device != device):
+                fail("k_scale", f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}",
+                     f"one float (a finite positive float, or a 1-element fp32 tensor on {device or 'the device of q'})")
             continue
         try:
             number = float(value)
@@ -67,12 +70,20 @@ def check_scales(softmax_scale, k_scale) -> None:
 
 def check_inputs(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, metadata: MLADecodeMetadata,
                  out: torch.Tensor | None, check_indices: bool) -> None:
+    """Shapes, dtypes and devices (host attributes only); with ``check_indices`` also the metadata's values
+    (:func:`check_metadata_values`, a device sync)."""
+    if not isinstance(metadata, MLADecodeMetadata):
+        fail("metadata", f"a {type(metadata).__module__}.{type(metadata).__qualname__}",
+             "an MLADecodeMetadata (MLADecodeMetadata.from_block_table or MLADecodeMetadata.from_csr)")
     if q_nope.dtype not in Q_DTYPES:
         fail("q.dtype", q_nope.dtype, "float16, bfloat16 or float32")
     if kv_cache.dtype not in KV_DTYPES:
         fail("kv_cache.dtype", kv_cache.dtype, "float16, bfloat16, float32 or float8_e4m3fn")
     if kv_cache.dtype not in FP8_DTYPES and kv_cache.dtype != q_nope.dtype:
         fail("kv_cache.dtype", kv_cache.dtype, f"the query dtype ({q_nope.dtype}) or an fp8 cache")
+    if check_indices:  # host values a caller may have overwritten after construction (cheap, but not on the hot path)
+        check_page_size(metadata.page_size, "metadata.page_size")
+        check_q_len(metadata.q_len, "metadata.q_len", allow_none=True)
     if kv_cache.shape[1] != metadata.page_size:
         fail("metadata.page_size", metadata.page_size, f"kv_cache.shape[1] ({kv_cache.shape[1]})")
     devices = {"q": q_nope.device, "kv_cache": kv_cache.device, "metadata.kv_lens": metadata.kv_lens.device,
@@ -100,26 +111,97 @@ def check_inputs(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
         check_metadata_values(metadata, num_tokens, kv_cache.shape[0])
 
 
-def check_metadata_values(metadata: MLADecodeMetadata, num_tokens: int, num_pages: int) -> None:
-    """Value checks that read the metadata on the host (a device sync: not for CUDA-graph capture)."""
-    kv_lens = metadata.kv_lens.cpu()
-    qo = metadata.qo_indptr.cpu()
-    if kv_lens.shape[0]:
-        if int(kv_lens.min()) < 0:
-            fail("metadata.kv_lens", f"min {int(kv_lens.min())}", "non-negative lengths")
-        q_lens = qo[1:] - qo[:-1]
-        if int(qo[0]) != 0 or int(q_lens.min()) < 0 or int(qo[-1]) != num_tokens:
-            fail("metadata.qo_indptr", qo.tolist()[:8], f"non-decreasing offsets from 0 to num_tokens={num_tokens}")
-    num_used = (kv_lens + metadata.page_size - 1) // metadata.page_size
-    starts = metadata.page_table_start.cpu()
-    ends = starts + num_used
-    used = num_used > 0
-    if bool(used.any()):
-        if int(starts[used].min()) < 0 or int(ends[used].max()) > metadata.page_table.shape[0]:
-            fail("metadata.page_table_start", "a request whose pages run past page_table",
-                 f"start + ceil(kv_len / page_size) <= len(page_table) = {metadata.page_table.shape[0]}")
-        idx = torch.cat([torch.arange(int(s), int(e)) for s, e in zip(starts[used], ends[used])])
-        pages = metadata.page_table.cpu()[idx]
-        if int(pages.min()) < 0 or int(pages.max()) >= num_pages:
-            bad = int(pages[(pages < 0) | (pages >= num_pages)][0])
-            fail("metadata.page_table", f"entry {bad}", f"page ids in [0, num_pages={num_pages})")
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def _head(t: torch.Tensor, n: int = 8) -> str:
+    values = t.tolist()
+    return str(values[:n])[:-1] + ", ...]" if len(values) > n else str(values)
+
+
+def check_metadata_values(metadata: MLADecodeMetadata, num_tokens: int | None = None,
+                          num_pages: int | None = None) -> None:
+    """Every check of the metadata's values, in one place (it reads the metadata on the host: a device sync, so not
+    for CUDA-graph capture; ``mla_decode`` runs it when ``check_indices`` is on).
+
+    * ``page_size`` a positive power of two and ``q_len`` in ``1..MAX_Q_LEN`` or ``None`` (host ints);
+    * ``qo_indptr`` non-decreasing from 0 to ``num_tokens``, and ``q_len`` queries per request when ``q_len`` is set;
+    * ``kv_lens`` non-negative, and each request within its own pages: at most the block table's row width
+      (``from_block_table``), or ``kv_indptr[r + 1] - kv_indptr[r]`` pages (``from_csr``);
+    * ``kv_indptr`` non-decreasing from 0 and ``kv_last_page_len`` in ``1..page_size`` (``0..page_size`` for a
+      request with no page) (``from_csr``);
+    * the pages a request uses lie inside ``page_table``, and their ids in ``[0, num_pages)``.
+    """
+    md = metadata
+    page_size = check_page_size(md.page_size, "metadata.page_size")
+    q_len = check_q_len(md.q_len, "metadata.q_len", allow_none=True)
+    batch = md.batch_size
+    if md.qo_indptr.shape != (batch + 1,) or md.page_table_start.shape != (batch,):
+        fail("metadata", f"qo_indptr {tuple(md.qo_indptr.shape)}, page_table_start {tuple(md.page_table_start.shape)}",
+             f"[batch + 1] = [{batch + 1}] and [batch] = [{batch}]")
+    # int64 on the host: sums of int32 offsets cannot wrap
+    kv_lens = md.kv_lens.cpu().long()
+    qo = md.qo_indptr.cpu().long()
+    starts = md.page_table_start.cpu().long()
+    counts = qo[1:] - qo[:-1]
+    if int(qo[0]) != 0 or (batch and int(counts.min()) < 0) or (num_tokens is not None and int(qo[-1]) != num_tokens):
+        fail("metadata.qo_indptr", _head(qo),
+             "non-decreasing offsets from 0" + (f" to num_tokens={num_tokens}" if num_tokens is not None else ""))
+    if q_len is not None and batch and bool((counts != q_len).any()):
+        r = _first(counts != q_len)
+        fail("metadata.qo_indptr", f"{_head(qo)} (request {r} has {int(counts[r])} queries)",
+             f"arange(batch + 1) * q_len for q_len={q_len} (the kernels take the same number of queries per "
+             "request; q_len=None marks ragged counts, reference only)")
+    used_pages = (kv_lens + page_size - 1) // page_size
+    source = md.source
+    if source is not None and source.layout == "block_table":
+        over = used_pages > source.row_pages
+        if bool(over.any()):
+            r = _first(over)
+            fail(f"metadata.kv_lens[{r}]", f"{int(kv_lens[r])} (seq_lens of from_block_table)",
+                 f"at most {source.row_pages * page_size} tokens: the request's own block_table row of "
+                 f"{source.row_pages} pages x page_size {page_size} (a longer length would read past its row)")
+    elif source is not None and source.layout == "csr":
+        indptr = source.kv_indptr.cpu().long()
+        span = indptr[1:] - indptr[:-1]
+        if int(indptr[0]) != 0 or (batch and int(span.min()) < 0):
+            fail("kv_indptr", _head(indptr), "offsets non-decreasing from 0 (request r owns "
+                 "kv_indices[kv_indptr[r] : kv_indptr[r + 1]])")
+        if source.kv_last_page_len is not None:
+            last = source.kv_last_page_len.cpu().long()
+            bad = (last < (span > 0).long()) | (last > page_size)
+            if bool(bad.any()):
+                r = _first(bad)
+                fail(f"kv_last_page_len[{r}]", int(last[r]),
+                     f"1..page_size={page_size} tokens in the last page (0..{page_size} for a request with no page; "
+                     f"request {r} has {int(span[r])})")
+        over = used_pages > span
+        if bool(over.any()):
+            r = _first(over)
+            fail(f"metadata.kv_lens[{r}]", f"{int(kv_lens[r])} (kv_lens of from_csr)",
+                 f"at most {int(span[r]) * page_size} tokens: ceil(kv_len / page_size={page_size}) pages must fit the "
+                 f"request's own kv_indptr[{r + 1}] - kv_indptr[{r}] = {int(span[r])} pages")
+    if batch and int(kv_lens.min()) < 0:
+        r = _first(kv_lens < 0)
+        fail(f"metadata.kv_lens[{r}]", int(kv_lens[r]), "non-negative lengths")
+    used = used_pages > 0
+    if not bool(used.any()):
+        return
+    ends = starts + used_pages
+    if int(starts[used].min()) < 0 or int(ends[used].max()) > md.page_table.shape[0]:
+        r = _first(used & ((starts < 0) | (ends > md.page_table.shape[0])))
+        fail("metadata.page_table_start", f"a request whose pages run past page_table (request {r}: entries "
+             f"{int(starts[r])}..{int(ends[r]) - 1})",
+             f"0 <= start and start + ceil(kv_len / page_size) <= len(page_table) = {md.page_table.shape[0]}")
+    # the page ids each request reads, gathered on the device (the table itself may be large)
+    n = used_pages[used]
+    first = torch.cumsum(n, 0) - n
+    offsets = torch.repeat_interleave(starts[used] - first, n) + torch.arange(int(n.sum()))
+    pages = md.page_table[offsets.to(md.page_table.device)].cpu().long()
+    bad = (pages < 0) if num_pages is None else (pages < 0) | (pages >= num_pages)
+    if bool(bad.any()):
+        i = _first(bad)
+        request = int(used.nonzero()[:, 0][int(torch.searchsorted(torch.cumsum(n, 0), torch.tensor([i]), right=True)[0])])
+        fail("metadata.page_table", f"entry {int(pages[i])} (read by request {request})",
+             f"page ids in [0, num_pages={num_pages})" if num_pages is not None else "non-negative page ids")

@@ -129,3 +129,58 @@ def test_fresh_inputs_are_not_trivial():
     assert p.q.abs().min() > 0 or p.q.count_nonzero() > 0.99 * p.q.numel()
     flat = [i for pages in p.pages for i in pages]
     assert flat != sorted(flat)
+
+
+# ---------------------------------------------------------------- non-finite inputs propagate (FlashMLA / FA3 rule)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_q_reaches_its_row_only(bad):
+    """A NaN (inf) in one query row gives NaN in that row's output and LSE, never zeros; other rows are untouched,
+    and a zero-length request still gives zeros and -inf."""
+    p = make_problem([0, 20, 33], 4, 1, 16, seed=12)
+    clean, clean_lse = mla_decode(p.q, p.kv_cache, p.metadata(), SCALE, return_lse=True)
+    q = p.q.clone()
+    q[1, 2, 7] = bad  # request 1, head 2
+    q[0, :, 0] = bad  # request 0 sees nothing: still zeros and -inf
+    out, lse = mla_decode(q, p.kv_cache, p.metadata(), SCALE, return_lse=True)
+    assert torch.isnan(out[1, 2]).all()
+    assert torch.isnan(lse[1, 2]) or torch.isposinf(lse[1, 2])  # inf: +inf scores give LSE +inf (NaN for NaN)
+    keep = torch.ones(3, 4, dtype=torch.bool)
+    keep[1, 2] = False
+    assert torch.equal(out[keep], clean[keep]) and torch.equal(lse[keep], clean_lse[keep])
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+
+
+def test_nan_in_a_visible_cache_row_reaches_the_request():
+    p = make_problem([20, 33], 4, 2, 16, seed=13)
+    kv = p.kv_cache.clone()
+    page, slot = p.pages[1][33 // 16], 33 % 16 - 1  # request 1's last token (seen by its second query only)
+    kv[page, slot, 3] = float("nan")
+    out, lse = mla_decode(p.q, kv, p.metadata(), SCALE, return_lse=True)
+    assert torch.isnan(out[3]).all() and torch.isnan(lse[3]).all()  # request 1, query 1
+    assert not torch.isnan(out[:3]).any() and not torch.isnan(lse[:3]).any()  # query 0 does not see that token
+
+
+@pytest.mark.parametrize("where", ["v", "k_pe"])
+def test_nan_past_a_request_is_never_read(where):
+    """Slots past kv_len in the last page (stale or never written: could be NaN) do not touch the output."""
+    p = make_problem([20, 33], 4, 1, 16, seed=14)
+    clean = mla_decode(p.q, p.kv_cache, p.metadata(), SCALE, return_lse=True)
+    kv = p.kv_cache.clone()
+    cols = slice(0, 512) if where == "v" else slice(512, 576)
+    kv[p.pages[0][1], 20 - 16:, cols] = float("nan")
+    kv[p.pages[1][2], 33 - 32:, cols] = float("nan")
+    spare = sorted(set(range(kv.shape[0])) - {i for pages in p.pages for i in pages})
+    kv[spare] = float("nan")  # pages no request owns
+    got = mla_decode(p.q, kv, p.metadata(), SCALE, return_lse=True)
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[1], clean[1])
+
+
+def test_nan_in_a_causally_hidden_value_is_not_read():
+    """MTP: query 0 of 3 does not see the last two tokens, so NaN in their values (c_kv) must not reach it."""
+    p = make_problem([19], 4, 3, 16, seed=15)
+    kv = p.kv_cache.clone()
+    kv[p.pages[0][1], 2, :512] = float("nan")  # token 18, seen by query 2 only
+    out, lse = mla_decode(p.q, kv, p.metadata(), SCALE, return_lse=True)
+    assert not torch.isnan(out[:2]).any() and not torch.isnan(lse[:2]).any()
+    assert torch.isnan(out[2]).all()
+    assert_matches(out[:2], lse[:2], *(x[:2] for x in naive_attention(p)), torch.bfloat16)
