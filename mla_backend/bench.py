@@ -628,7 +628,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+NOTHING_RAN = 2  # exit status when nothing was timed (no GPU, no matching config, every implementation failed)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 when at least one implementation was timed (or --dry-run), 2 when nothing ran."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -641,11 +645,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not torch.cuda.is_available():
         print(f"mla-backend bench: no CUDA GPU visible to torch {torch.__version__}; nothing to time "
-              "(--dry-run lists the configs with their bytes and FLOP).")
-        return 0
+              "(--dry-run lists the configs with their bytes and FLOP).", file=sys.stderr)
+        return NOTHING_RAN
     if not cfgs:
-        print("mla-backend bench: no config matches the filter.")
-        return 0
+        print("mla-backend bench: no config matches the filter; nothing to time.", file=sys.stderr)
+        return NOTHING_RAN
     import logging
 
     log = logging.getLogger("mla_backend")
@@ -669,6 +673,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{timing}.\nCells: median us, GB/s, TFLOP/s. ours / best = ours time / min(flashmla, fa3) "
           "(below 1: ours is faster).")
     print("\n".join(table(results, impls)))
+    if not any("us" in v for r in results for v in r["impls"].values()):
+        print("mla-backend bench: no implementation was timed on any config (see the skips and errors above).",
+              file=sys.stderr)
+        return NOTHING_RAN
     return 0
 
 
