@@ -560,8 +560,10 @@ class TileLangMLABackend(AttentionBackend):
             query = _as3d(q, heads, HEAD_DIM)
         kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, HEAD_DIM)
         # SGLang stores fp8 KV with a plain cast (no scale); the op dequantises with k_scale
-        # (FlashMLA's convention: layer.k_scale, or 1.0 when the checkpoint has none).
-        k_scale = layer.k_scale if self.is_fp8_kvcache else None
+        # (FlashMLA's convention: layer.k_scale, or 1.0 when the checkpoint has none; the op requires one for fp8).
+        k_scale = None
+        if self.is_fp8_kvcache:
+            k_scale = 1.0 if getattr(layer, "k_scale", None) is None else layer.k_scale
         out = mla_decode(query, kv_cache, meta.metadata, layer.scaling, k_scale=k_scale, impl=self.impl,
                          check_indices=False)
         return out.view(-1, heads * KV_LORA_RANK)
