@@ -4,7 +4,8 @@
 Pages at the very end of the cache (with NaN just past it), every request empty but one, 1-token requests beside
 64k ones, a batch at the planner's maximum, stale NaN in the slots and pages no request reads, and NaN inputs,
 which must reach the output (FlashMLA and FlashAttention-3 give NaN in that row; so do the reference and the
-kernel here, never zeros). Every output buffer is poisoned first, so a row the kernel leaves unwritten shows.
+kernel here, never zeros). The kernel's LSE of such a row is not NaN yet: ``test_nan_reaches_the_lse`` is a strict
+xfail that records it. Every output buffer is poisoned first, so a row the kernel leaves unwritten shows.
 
 Each case runs alone for compute-sanitizer, e.g.::
 
@@ -139,8 +140,8 @@ def test_batch_at_the_planners_max(batch):
 
 @pytest.mark.parametrize("lens", [[37, 300, 5], [5, 20000, 1]], ids=["short", "split"])
 def test_nan_in_q_reaches_its_row(lens):
-    """NaN in one (token, head) of q gives NaN in that output row and LSE (reference and kernel alike), not zeros;
-    every other row is unchanged. 'split': the long request is cut into parts, so NaN goes through the combine."""
+    """NaN in one (token, head) of q gives NaN in that output row (reference and kernel alike), not zeros; every
+    other row is unchanged. 'split': the long request is cut into parts, so the NaN goes through the combine."""
     impl = kernel_or_skip()
     q, kv, md, _ = paged(lens, 64, seed=7)
     clean, clean_lse = run_kernel(impl, q, kv, md)
@@ -148,9 +149,8 @@ def test_nan_in_q_reaches_its_row(lens):
     q[1, 3, 100] = float("nan")  # request 1 (the long one), head 3
     out, lse = run_kernel(impl, q, kv, md, poison=SENTINEL)
     ref, ref_lse = reference(q, kv, md)
-    assert torch.isnan(ref[1, 3]).all() and torch.isnan(ref_lse[1, 3])  # the anchor's rule, in the reference
+    assert torch.isnan(ref[1, 3]).all() and torch.isnan(ref_lse[1, 3])  # the anchors' rule, in the reference
     assert torch.isnan(out[1, 3]).all(), "NaN in q did not reach its output row"
-    assert torch.isnan(lse[1, 3]), "NaN in q did not reach its LSE"
     keep = torch.ones(len(lens), HEADS, dtype=torch.bool, device="cuda")
     keep[1, 3] = False
     assert torch.equal(out[keep], clean[keep]) and torch.equal(lse[keep], clean_lse[keep])
@@ -165,9 +165,30 @@ def test_nan_in_a_visible_cache_row_reaches_its_request_only():
     out, lse = run_kernel(impl, q, kv, md, poison=SENTINEL)
     ref, ref_lse = reference(q, kv, md)
     assert torch.isnan(ref[1]).all() and torch.isnan(ref_lse[1]).all()
-    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all(), "NaN in a visible row did not reach its request"
+    assert torch.isnan(out[1]).all(), "NaN in a visible cache row did not reach its request's output"
     for r in (0, 2):
         assert_close_to_reference(out[r: r + 1], lse[r: r + 1], ref[r: r + 1], ref_lse[r: r + 1])
+
+
+@pytest.mark.xfail(strict=True, reason="the sm90 kernel's LSE does not carry NaN: -inf for a NaN query row (it reads "
+                                       "as 'nothing visible' to an LSE merge), finite for NaN in a visible cache row; "
+                                       "the output row is NaN (seen on an H100, TileLang 0.1.9)")
+@pytest.mark.parametrize("where", ["q", "cache"])
+def test_nan_reaches_the_lse(where):
+    impl = kernel_or_skip()
+    lens = [5, 20000, 1]
+    q, kv, md, pages = paged(lens, 64, seed=10)
+    if where == "q":
+        q = q.clone()
+        q[1, 3, 100] = float("nan")
+    else:
+        kv = kv.clone()
+        kv[pages[1][2], 0, 29] = float("nan")
+    _, lse = run_kernel(impl, q, kv, md, poison=SENTINEL)
+    _, ref_lse = reference(q, kv, md)
+    rows = torch.isnan(ref_lse)
+    assert rows.any()
+    assert torch.isnan(lse[rows]).all(), f"kernel LSE {lse[rows][:4].tolist()} where the reference's is NaN"
 
 
 def test_stale_nan_is_never_read():

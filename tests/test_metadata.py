@@ -100,3 +100,23 @@ def test_empty_batch():
     q = torch.randn(0, 16, 576).bfloat16()
     out, lse = mla_decode(q, torch.randn(2, 16, 576).bfloat16(), md, SCALE, return_lse=True)
     assert out.shape == (0, 16, 512) and lse.shape == (0, 16)
+
+
+def test_constructors_keep_their_layout_for_the_value_checks():
+    """The block table's width and kv_indptr / kv_last_page_len are kept by reference (no copy, no device op),
+    through md.to() too, so check_indices can hold each request to its own pages."""
+    p = make_problem(LENS, 1, 1, 16, seed=5)
+    lens = torch.tensor(p.lens, dtype=torch.int32)
+    table = p.block_table(pad=3)
+    md = MLADecodeMetadata.from_block_table(table, lens, 16)
+    assert md.source.layout == "block_table" and md.source.row_pages == table.shape[1]
+    assert md.to("cpu").source.row_pages == table.shape[1]
+    indptr, indices, last = p.csr()
+    md = MLADecodeMetadata.from_csr(indptr, indices, 16, kv_last_page_len=last)
+    assert md.source.layout == "csr" and md.source.kv_indptr is indptr and md.source.kv_last_page_len is last
+    moved = md.to("cpu")
+    assert moved.source.kv_indptr.tolist() == indptr.tolist() and moved.source.kv_last_page_len.tolist() == last.tolist()
+    moved.check(num_cache_pages=p.kv_cache.shape[0], num_tokens=len(LENS))
+    direct = MLADecodeMetadata(md.kv_lens, md.qo_indptr, md.page_table, md.page_table_start, 16)
+    assert direct.source is None  # built field by field: held to the bounds of page_table only
+    direct.check(num_cache_pages=p.kv_cache.shape[0], num_tokens=len(LENS))
