@@ -412,21 +412,15 @@ def time_impl(name: str, c: Case, anchors: dict, args, timer: Timer, rec: dict, 
 
 def precompile(cfgs: list[Config], impls: list[str], device) -> None:
     """Build every kernel variant of ours up front, in parallel processes (TileLang's disk cache)."""
-    from .dispatch import REFERENCE, select_impl
-    from .kernels import runtime
+    from . import warmup
 
     kv_dtypes = [d for n, d in (("ours", torch.bfloat16), ("ours-fp8", torch.float8_e4m3fn)) if n in impls]
-    variants = []
-    for c in cfgs:
-        for kvd in kv_dtypes:
-            choice = select_impl(device, torch.bfloat16, kvd, c.h, c.s_q, c.page)
-            if choice.impl != REFERENCE:
-                variants.append((c.h, c.s_q, c.page, torch.bfloat16, kvd, choice.impl.split("-", 1)[1]))
-    if variants:
+    shapes = list(dict.fromkeys((c.h, c.s_q, c.page, torch.bfloat16, kvd) for c in cfgs for kvd in kv_dtypes))
+    if shapes:
         try:
-            variants = list(dict.fromkeys(variants))
-            seconds = runtime.warmup(variants, workers=min(len(variants), os.cpu_count() or 1, 16))
-            print(f"ours: {len(variants)} kernel variant(s) compiled or loaded in {seconds:.0f}s")
+            ready = warmup(device, shapes=shapes, workers=min(len(shapes), os.cpu_count() or 1, 16), strict=False)
+            if ready.variants:
+                print(f"ours: {len(ready.variants)} kernel variant(s) compiled or loaded in {ready.seconds:.0f}s")
         except Exception as e:  # noqa: BLE001 - each variant then compiles on first use
             print(f"WARNING: parallel kernel warm-up failed ({type(e).__name__}: {e}); compiling on first use")
 

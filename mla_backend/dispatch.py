@@ -6,11 +6,12 @@ import functools
 import importlib.util
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 
-from .kernels.configs import MAX_HEADS, MAX_Q_LEN, SUPPORTED_PAGE_SIZES
+from .constants import MAX_HEADS, MAX_Q_LEN, SUPPORTED_PAGE_SIZES
 
 logger = logging.getLogger("mla_backend")
 
@@ -112,3 +113,68 @@ def log_choice(choice: Choice, key: tuple) -> None:
     if key not in _LOGGED:
         _LOGGED.add(key)
         logger.info("mla_backend: using %s for %s (%s)", choice.impl, key, choice.reason)
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """What :func:`warmup` made ready: the kernel variants ``(num_heads, q_len, page_size, dtype, kv_dtype, arch)``,
+    the planner kernel variants, and the wall time."""
+
+    variants: tuple
+    plan_variants: int
+    seconds: float
+
+
+def kernel_variants(device: torch.device, num_heads: int, q_lens, page_size: int, dtype: torch.dtype,
+                    kv_dtype: torch.dtype, impl: str = "auto", strict: bool = True) -> list[tuple]:
+    """The kernel variants ``mla_decode`` launches for these shapes on ``device``: per q_len, ``select_impl`` and its
+    arch. Where a q_len would run the reference, ``strict`` raises (an engine cannot graph-capture it); otherwise
+    that q_len is left out."""
+    variants = []
+    for q_len in q_lens:
+        choice = select_impl(device, dtype, kv_dtype, num_heads, q_len, page_size, impl)
+        if choice.impl == REFERENCE:
+            if strict and impl != REFERENCE:
+                raise RuntimeError(f"mla_backend: no TileLang kernel for heads={num_heads} q_len={q_len} "
+                                   f"page={page_size} {dtype}/{kv_dtype} on {device}: {choice.reason}")
+            continue
+        variants.append((num_heads, q_len, page_size, dtype, kv_dtype, choice.impl.split("-", 1)[1]))
+    return variants
+
+
+def warmup(device: torch.device | str, num_heads: int | None = None, q_lens=(1,), page_size: int | None = None,
+           dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None, *, impl: str = "auto",
+           max_batch: int = 0, workers: int = 1, strict: bool = True, shapes=()) -> Warmup:
+    """Compile (or load from TileLang's disk cache) every kernel ``mla_decode`` launches for these shapes, before an
+    engine captures CUDA graphs: select the implementation per q_len, then compile its split and combine kernels
+    and, with ``max_batch``, the one-launch planner for plans of up to ``max_batch`` requests.
+
+    ``impl``: as ``mla_decode``'s (an engine passes ``engine_impl_request()``); ``kv_dtype`` defaults to ``dtype``.
+    ``shapes``: more ``(num_heads, q_len, page_size, dtype, kv_dtype)`` to warm in the same pass (a benchmark's grid).
+    ``workers > 1`` compiles in parallel processes (not from a daemonic process). ``strict``: raise where a shape would
+    run the reference on a GPU, else leave it out. A no-op off GPU.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return Warmup((), 0, 0.0)
+    start = time.perf_counter()
+    todo = list(shapes)
+    if num_heads is not None:
+        todo = [(num_heads, q_len, page_size, dtype, kv_dtype or dtype) for q_len in q_lens] + todo
+    variants = []
+    for h, q_len, page, dt, kvd in todo:
+        variants += kernel_variants(device, h, (q_len,), page, dt, kvd, impl, strict)
+    variants = list(dict.fromkeys(variants))
+    if variants:
+        from .kernels import runtime
+
+        runtime.warmup(variants, workers=workers)
+    plan_variants = 0
+    if max_batch:
+        from .planner import warm_up_plan_kernels
+
+        plan_variants = warm_up_plan_kernels(device, max_batch)
+    seconds = time.perf_counter() - start
+    logger.info("mla_backend: %d kernel variant(s) and %d planner variant(s) ready in %.1fs", len(variants),
+                plan_variants, seconds)
+    return Warmup(tuple(variants), plan_variants, seconds)

@@ -176,3 +176,11 @@ def _run_kernel(impl: str, q_nope, q_pe, kv_cache, metadata: MLADecodeMetadata, 
     combine = pick_combine(kernels, batch, plan.rows, plan.num_parts)
     combine(metadata.qo_indptr, cu_blocks, plan.blocks_per_part, plan.out_partial, plan.lse_partial, out, lse)
     return out, lse
+
+
+def verification_report() -> dict | None:
+    """Under MLA_BACKEND_VERIFY=1, a copy of the verification counters (``calls``, ``max_rel_err``, ``max_lse_err``,
+    ``calls_by_q_len``); None while verification is off."""
+    if not verifying():
+        return None
+    return dict(VERIFY, calls_by_q_len=dict(VERIFY["calls_by_q_len"]))

@@ -14,12 +14,12 @@ its partial from part ``p`` goes to slot ``p + r``, so ``num_slots = num_parts +
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from .kernels.configs import MAX_PARTS, config_for, env_switch
+from .constants import KV_LORA_RANK, MAX_PARTS
+from .kernels.configs import config_for
 from .metadata import INDEX_DTYPE, MLADecodeMetadata
 
 # A part may hold a single block where its partial is small: the combine merges a request's partials with all their
@@ -30,7 +30,6 @@ from .metadata import INDEX_DTYPE, MLADecodeMetadata
 MIN_BLOCKS_PER_PART = 1
 MIN_BLOCKS_PER_PART_WIDE = 2
 SMALL_PARTIAL_ROWS = 32
-KV_LORA_RANK = 512
 MIN_BLOCK_ROWS = 16  # the fewest rows of any kernel config's tile: merge counters for every kernel's row blocks
 # What a request segment costs a part beyond its blocks, in blocks: its Q, its partial written and merged, the
 # pipeline's restart. Fitted to session 25's A/B on the H100 (benchmarks/RESULTS.md): parts aligned to equal requests
@@ -76,14 +75,6 @@ def aligned_width(longest: torch.Tensor, even: torch.Tensor) -> torch.Tensor:
                        longest * -(-even // longest))
 
 
-PLAN_ALIGN_ENV = "MLA_BACKEND_PLAN_ALIGN"  # "0": always the even cut (the plans before session 25)
-
-
-def segment_cost_blocks() -> int:
-    """``SEGMENT_COST_BLOCKS``, or 0 (no cut but the even one is ever cheaper) under ``MLA_BACKEND_PLAN_ALIGN=0``."""
-    return SEGMENT_COST_BLOCKS if env_switch(PLAN_ALIGN_ENV) else 0
-
-
 def plan_cost(width, segments, num_parts, segment_cost):
     """A plan's cost in blocks x parts: each part's width plus what its share of the request segments costs."""
     return width * num_parts + segment_cost * segments
@@ -103,14 +94,11 @@ def default_block_n(device: torch.device) -> int:
     return config_for(arch).block_n
 
 
-PLAN_KERNEL_ENV = "MLA_BACKEND_PLAN_KERNEL"  # "0": plan with torch ops on Hopper too (before session 20)
-
-
 def plan_kernel_for(device: torch.device, max_batch: int, block_n: int):
     """The one-launch TileLang planner (kernels/plan_kernel.py) where the sm90 kernels run, else None (torch ops)."""
     from .dispatch import device_arch, tilelang_available
 
-    if os.environ.get(PLAN_KERNEL_ENV, "1") == "0" or device_arch(device)[0] != "sm90" or not tilelang_available():
+    if device_arch(device)[0] != "sm90" or not tilelang_available():
         return None
     from .kernels.plan_kernel import get_plan_kernel
 
@@ -143,7 +131,7 @@ class SplitPlanner:
         self.max_batch, self.block_n = max_batch, block_n or default_block_n(device)
         self.num_sms = num_sms or device_sm_count(device)
         self.num_parts = num_parts_for(self.num_sms, num_heads, q_len)
-        self.segment_cost = segment_cost_blocks()
+        self.segment_cost = SEGMENT_COST_BLOCKS
         rows = num_heads * q_len
         i32 = dict(dtype=INDEX_DTYPE, device=device)
         self._plan = SplitPlan(
@@ -161,6 +149,12 @@ class SplitPlanner:
         self._part_ids = torch.arange(self.num_parts, **i32)
         # compiled here, before an engine captures its graphs: one launch per plan instead of ~18 torch ops
         self._kernel = plan_kernel_for(device, max_batch, self.block_n)
+
+    @property
+    def buffers(self) -> SplitPlan:
+        """The persistent plan this planner refills in place (its tensors keep their addresses: an engine may hand
+        them to a CUDA graph once)."""
+        return self._plan
 
     def plan(self, kv_lens: torch.Tensor) -> SplitPlan:
         """Refill the plan for ``kv_lens`` (int32 ``[batch]``, batch <= max_batch); device ops only."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -67,76 +66,61 @@ def test_auto_on_gpu_names_the_device_or_problem():
         assert unsupported.impl == REFERENCE and "page_size=3" in unsupported.reason
 
 
-def test_sm90_kernel_choice_follows_the_environment(monkeypatch):
+def test_one_config_per_arch_read_from_no_environment(monkeypatch):
+    """One Hopper design: config_for is a lookup, whatever the environment holds (the earlier MLA_BACKEND_SM90_*
+    switches are gone), and the planner cuts work in its KV blocks."""
     from mla_backend.kernels import configs
     from mla_backend.planner import SplitPlanner
 
-    monkeypatch.delenv(configs.SM90_KERNEL_ENV, raising=False)
-    assert configs.config_for("sm90") is configs.SM90_KERNELS[configs.DEFAULT_SM90_KERNEL]
-    monkeypatch.setenv(configs.SM90_KERNEL_ENV, "ws")
-    assert configs.config_for("sm90") is configs.SM90_WS
-    # the planner cuts work in the chosen kernel's KV blocks (64 tokens for the warp-specialised one)
-    assert SplitPlanner(4, 16, 1, "cpu", num_sms=8).block_n == configs.SM90_WS.block_n
-    assert configs.config_for("gfx942") is configs.GFX942  # not affected
-    monkeypatch.setenv(configs.SM90_KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match=r"MLA_BACKEND_SM90_KERNEL='fast' is not supported; expected one of"):
-        configs.config_for("sm90")
+    assert configs.config_for("sm90") is configs.SM90 and configs.config_for("gfx942") is configs.GFX942
+    monkeypatch.setenv("MLA_BACKEND_SM90_KERNEL", "seesaw")
+    monkeypatch.setenv("MLA_BACKEND_SM90_CLUSTER", "0")
+    assert configs.config_for("sm90") is configs.SM90
+    assert SplitPlanner(4, 16, 1, "cpu", num_sms=8).block_n == configs.SM90.block_n == 64
+    assert configs.merged_parts(configs.SM90) == 2 and configs.merged_parts(configs.GFX942) == 0
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_settings_read_as_os_environ_does(monkeypatch, fast):
-    """env_get (the op's hot-path reader) sees what os.environ.get sees after every kind of change: set, delete,
-    mock.patch.dict and its undo; config_for's cache follows the switches, and an invalid value raises every time.
-    Both through the environment's bytes dict (POSIX CPython) and through os.environ (the fallback)."""
-    from unittest import mock
-
-    from mla_backend.kernels import configs
-
-    if fast and not configs._FAST_ENV:
-        pytest.skip("no os.environ._data here: env_get reads os.environ")
-    monkeypatch.setattr(configs, "_FAST_ENV", fast)
-    name = configs.SM90_CLUSTER_ENV
-    monkeypatch.delenv(name, raising=False)
-    assert configs.env_get(name) is None and configs.env_get(name, "x") == "x"
-    assert configs.config_for("sm90").cluster_kv
-    monkeypatch.setenv(name, "0")
-    assert configs.env_get(name) == os.environ.get(name) == "0"
-    assert not configs.config_for("sm90").cluster_kv
-    with mock.patch.dict(os.environ, {name: "1", configs.SM90_TMA_ENV: "0"}):
-        assert configs.env_get(name) == "1" and configs.env_get(configs.SM90_TMA_ENV) == "0"
-        cfg = configs.config_for("sm90")
-        assert cfg.cluster_kv and not cfg.tma_kv
-    assert configs.env_get(name) == "0" and configs.env_get(configs.SM90_TMA_ENV) == os.environ.get(configs.SM90_TMA_ENV)
-    assert not configs.config_for("sm90").cluster_kv
-    monkeypatch.delenv(name)
-    assert configs.config_for("sm90") is configs.SM90_KERNELS[configs.DEFAULT_SM90_KERNEL]
-    monkeypatch.setenv(name, "maybe")
-    for _ in range(2):
-        with pytest.raises(ValueError, match=r"MLA_BACKEND_SM90_CLUSTER='maybe' is not supported; expected 0 or 1"):
-            configs.config_for("sm90")
-
-
-def test_combine_choice_by_shape_and_environment(monkeypatch):
+def test_combine_choice_by_shape():
     """A short batch with many parts per request merges with the wide combine; one of >= 2048 rows in all with the
-    tiled one where the variant has it (sm90); else per row. MLA_BACKEND_COMBINE forces one and is validated."""
-    from mla_backend.kernels.runtime import COMBINE_ENV, Kernels, pick_combine
+    tiled one where the variant has it (sm90); else per row."""
+    from mla_backend.kernels.runtime import Kernels, pick_combine
 
     row, wide, tiled = "row", "wide", "tiled"  # stand-ins for the compiled kernels
     sm90 = Kernels(None, row, wide, tiled, 2)
     gfx942 = Kernels(None, row, wide, None, 0)
-    monkeypatch.delenv(COMBINE_ENV, raising=False)
     assert pick_combine(sm90, 1, 16, 132) == wide  # b=1 h=16: 16 programs, 132 parts
     assert pick_combine(sm90, 16, 16, 132) == row  # 256 rows in all
     assert pick_combine(sm90, 64, 128, 66) == tiled and pick_combine(sm90, 16, 128, 66) == tiled
     assert pick_combine(sm90, 128, 32, 132) == tiled and pick_combine(sm90, 64, 16, 132) == row
     assert pick_combine(gfx942, 64, 128, 66) == row
-    monkeypatch.setenv(COMBINE_ENV, "tiled")
-    assert pick_combine(sm90, 1, 16, 132) == tiled
-    with pytest.raises(ValueError, match=r"MLA_BACKEND_COMBINE='tiled': this kernel variant has no tiled"):
-        pick_combine(gfx942, 1, 16, 132)
-    monkeypatch.setenv(COMBINE_ENV, "grouped")
-    with pytest.raises(ValueError, match=r"MLA_BACKEND_COMBINE='grouped' is not supported; expected one of"):
-        pick_combine(sm90, 1, 16, 132)
+
+
+def test_warmup_is_a_no_op_off_gpu():
+    import mla_backend
+
+    ready = mla_backend.warmup("cpu", 16, (1, 2), 64, BF16, BF16)
+    assert ready.variants == () and ready.plan_variants == 0
+
+
+def test_warmup_selects_per_shape(monkeypatch):
+    """warmup: select_impl per q_len -> the arch's variants -> compiled once; a shape the kernels cannot run raises
+    (strict) or is left out."""
+    from mla_backend import dispatch
+    from mla_backend.kernels import runtime
+
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: ("sm90", "NVIDIA H100 (sm_90)"))
+    monkeypatch.setattr(dispatch, "tilelang_available", lambda: True)
+    compiled = []
+    monkeypatch.setattr(runtime, "warmup", lambda variants, workers=1: compiled.extend(variants) or 0.0)
+    gpu = torch.device("cuda", 0)
+    ready = dispatch.warmup(gpu, 16, (1, 2), 64, BF16, torch.float8_e4m3fn)
+    assert ready.variants == tuple(compiled) == ((16, 1, 64, BF16, torch.float8_e4m3fn, "sm90"),
+                                                 (16, 2, 64, BF16, torch.float8_e4m3fn, "sm90"))
+    with pytest.raises(RuntimeError, match=r"no TileLang kernel for heads=16 q_len=5"):
+        dispatch.warmup(gpu, 16, (1, 5), 64, BF16, BF16)
+    assert dispatch.warmup(gpu, 16, (5,), 64, BF16, BF16, strict=False).variants == ()
+    shapes = [(128, 2, 1, BF16, BF16), (128, 2, 1, BF16, BF16), (16, 1, 3, BF16, BF16)]
+    assert dispatch.warmup(gpu, shapes=shapes, strict=False).variants == ((128, 2, 1, BF16, BF16, "sm90"),)
 
 
 def test_engine_impl_request(monkeypatch):

@@ -24,8 +24,10 @@ from tilelang import tvm  # noqa: E402  (TileLang's bundled TVM)
 from tvm.target import Target  # noqa: E402
 
 from mla_backend.kernels import configs  # noqa: E402
-from mla_backend.kernels.mla_decode import (build_combine_kernel, build_decode_kernel,  # noqa: E402
-                                            build_tiled_combine_kernel, tiled_combine_chunks)
+from mla_backend.kernels import sm90  # noqa: E402
+from mla_backend.kernels.combine import (build_combine_kernel, build_tiled_combine_kernel,  # noqa: E402
+                                         tiled_combine_chunks)
+from mla_backend.kernels.portable import build_decode_kernel  # noqa: E402
 from mla_backend.kernels.plan_kernel import build_plan_kernel, scan_size  # noqa: E402
 
 CUDA = configs.target_for_arch("sm90")  # "cuda -arch=sm_90a"
@@ -56,8 +58,8 @@ def _vid(v) -> str:
 
 
 def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
-    if kind == "split":
-        return build_decode_kernel(*variant, cfg)
+    if kind == "split":  # the Hopper product (kernels/sm90/; tests/test_lowering_ws*.py check its schedule)
+        return sm90.build_decode_kernel(*variant, cfg)
     if kind == "plan":
         return build_plan_kernel(*variant, pdl=cfg.pdl)
     if kind == "tiled":

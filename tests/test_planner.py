@@ -12,7 +12,7 @@ import torch
 from mla_backend import SplitPlanner, mla_decode_reference, plan_split_kv
 from mla_backend.kernels import configs
 from mla_backend.kernels.configs import MAX_PARTS
-from mla_backend.planner import (PLAN_ALIGN_ENV, SEGMENT_COST_BLOCKS, min_blocks_per_part, num_parts_for, plan_cost,
+from mla_backend.planner import (SEGMENT_COST_BLOCKS, min_blocks_per_part, num_parts_for, plan_cost,
                                  warm_up_plan_kernels)
 from mla_problems import SCALE, make_problem
 
@@ -95,7 +95,7 @@ def test_buffer_shapes_depend_only_on_max_batch_sms_and_rows():
     shapes = lambda p: {k: tuple(getattr(p, k).shape) for k in  # noqa: E731
                         ("cu_blocks", "part_begin_req", "part_end_req", "blocks_per_part", "out_partial",
                          "lse_partial", "merge_count")}
-    buffers = a._plan
+    buffers = a.buffers
     ptrs = [t.data_ptr() for t in (buffers.cu_blocks, buffers.part_begin_req, buffers.out_partial)]
     seen = set()
     for seed, batch in enumerate([1, 5, 32, 0, 17]):
@@ -107,11 +107,11 @@ def test_buffer_shapes_depend_only_on_max_batch_sms_and_rows():
         assert [t.data_ptr() for t in (pa.cu_blocks, pa.part_begin_req, pa.out_partial)] == ptrs
     assert len(seen) == 1
     parts = num_parts_for(132, 16, 2)
-    assert shapes(a._plan) == {"cu_blocks": (33,), "part_begin_req": (parts,), "part_end_req": (parts,),
+    assert shapes(a.buffers) == {"cu_blocks": (33,), "part_begin_req": (parts,), "part_end_req": (parts,),
                                "blocks_per_part": (1,), "out_partial": (parts + 32, 32, 512),
                                "lse_partial": (parts + 32, 32), "merge_count": (32 * 2,)}
     # the kernels' merge counters start at 0 (they reset them themselves, so no plan() call touches them)
-    assert not a._plan.merge_count.any()
+    assert not a.buffers.merge_count.any()
     # one part per SM and 64-row tile
     assert num_parts_for(132, 128, 1) == 66 and num_parts_for(132, 16, 1) == 132 and num_parts_for(132, 128, 4) == 16
     # the combine kernel holds one LSE per part of a request in shared memory: never more than MAX_PARTS parts
@@ -247,17 +247,18 @@ def test_split_and_combine_follow_the_reference(heads, q_len, num_sms, batch, ma
 @pytest.mark.parametrize("heads,q_len,width", [(16, 1, 1), (16, 2, 1), (32, 1, 1), (64, 1, 2), (128, 1, 2), (16, 4, 2)])
 def test_short_batch_parts_hold_two_blocks_past_32_rows(heads, q_len, width):
     """b=1, 4096 tokens (64 blocks) on 132 SMs: one-block parts up to 32 rows; beyond, a one-block part's partial
-    (rows x 2 KB) would outweigh its 72 KB block, so parts hold two (session 19: b=1 h=128 24.8 -> 21.8 µs)."""
+    (rows x 2 KB) would outweigh its 72 KB block, so parts hold two (b=1 h=128: 24.8 -> 21.8 µs)."""
     plan = SplitPlanner(1, heads, q_len, device="cpu", num_sms=132).plan(torch.tensor([4096], dtype=torch.int32))
     assert int(plan.blocks_per_part[0]) == width
 
 
-def width_and_segments(batch, tokens, heads, q_len, env=None, monkeypatch=None):
-    """Width of the plan for ``batch`` requests of ``tokens`` each on 132 SMs, and its request segments."""
-    if env is not None:
-        monkeypatch.setenv(PLAN_ALIGN_ENV, env)
-    plan = SplitPlanner(batch, heads, q_len, device="cpu", num_sms=132, block_n=64).plan(
-        torch.full((batch,), tokens, dtype=torch.int32))
+def width_and_segments(batch, tokens, heads, q_len, segment_cost=None):
+    """Width of the plan for ``batch`` requests of ``tokens`` each on 132 SMs, and its request segments
+    (``segment_cost`` 0: no cut but the even one is ever cheaper)."""
+    planner = SplitPlanner(batch, heads, q_len, device="cpu", num_sms=132, block_n=64)
+    if segment_cost is not None:
+        planner.segment_cost = segment_cost
+    plan = planner.plan(torch.full((batch,), tokens, dtype=torch.int32))
     return int(plan.blocks_per_part[0]), len(segments(plan, batch))
 
 
@@ -269,11 +270,11 @@ def width_and_segments(batch, tokens, heads, q_len, env=None, monkeypatch=None):
     (16, 16384, 128, 1, 63, 64),  # four equal pieces of each request
     (128, 16384, 16, 1, 249, 256),
 ])
-def test_equal_lengths_get_parts_aligned_to_the_requests(batch, tokens, heads, q_len, even, aligned, monkeypatch):
-    """Session 25 (benchmarks/RESULTS.md): at fixed lengths, parts 1-7 blocks wider than the even cut that hold whole
+def test_equal_lengths_get_parts_aligned_to_the_requests(batch, tokens, heads, q_len, even, aligned):
+    """benchmarks/RESULTS.md: at fixed lengths, parts 1-7 blocks wider than the even cut that hold whole
     requests (or equal pieces of one) were 1-10% faster on the H100 than parts that straddle requests."""
     width, segs = width_and_segments(batch, tokens, heads, q_len)
-    even_width, even_segs = width_and_segments(batch, tokens, heads, q_len, "0", monkeypatch)
+    even_width, even_segs = width_and_segments(batch, tokens, heads, q_len, segment_cost=0)
     assert (width, even_width) == (aligned, even)
     blocks = tokens // 64
     assert segs == batch * max(1, blocks // aligned) < even_segs  # no request straddles a part boundary
@@ -296,9 +297,3 @@ def test_ragged_lengths_keep_the_even_cut_unless_aligning_is_cheaper():
         plan = SplitPlanner(batch, heads, 1, device="cpu", num_sms=132, block_n=64).plan(lens)
         total = int(((lens + 63) // 64).sum())
         assert int(plan.blocks_per_part[0]) == -(-total // num_parts_for(132, heads, 1))
-
-
-def test_plan_align_setting_is_checked(monkeypatch):
-    monkeypatch.setenv(PLAN_ALIGN_ENV, "2")
-    with pytest.raises(ValueError, match="MLA_BACKEND_PLAN_ALIGN='2' is not supported; expected 0 or 1"):
-        SplitPlanner(4, 16, 1, device="cpu", num_sms=132)

@@ -14,7 +14,7 @@ import threading
 import tilelang.language as T
 
 from .configs import config_for, target_for_arch
-from .mla_decode import wait_for_inputs
+from .common import wait_for_inputs
 
 THREADS = 256  # one per part at most: planner.MAX_PARTS
 _KERNELS: dict[tuple, object] = {}

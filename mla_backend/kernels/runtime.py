@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .configs import KernelConfig, compat_pass_configs, config_for, env_get, merged_parts, target_for_arch
+from .combine import use_tiled_combine, use_wide_combine
+from .configs import KernelConfig, compat_pass_configs, config_for, merged_parts, target_for_arch
 
 logger = logging.getLogger("mla_backend")
 
@@ -40,32 +41,15 @@ class Kernels(NamedTuple):
     merged: int  # parts of a request the split kernel merges itself (configs.merged_parts)
 
 
-# MLA_BACKEND_COMBINE: which combine mla_decode launches; "auto" picks by shape (pick_combine), the others force one
-# (an A/B aid: scripts/ab_interleave.py)
-COMBINE_ENV = "MLA_BACKEND_COMBINE"
-COMBINE_CHOICES = ("auto", "row", "wide", "tiled")
-
-
 def pick_combine(kernels: "Kernels", batch: int, rows: int, num_parts: int):
     """The combine kernel ``mla_decode`` launches after ``kernels.split`` for ``batch`` requests of ``rows`` (heads x
     q_len) rows under a plan of ``num_parts`` parts: the wide one for a short batch with many parts per request, the
     tiled one for a large batch (sm90), else one program per row."""
-    from .mla_decode import use_tiled_combine, use_wide_combine
-
-    choice = env_get(COMBINE_ENV, "auto")
-    if choice not in COMBINE_CHOICES:
-        raise ValueError(f"{COMBINE_ENV}={choice!r} is not supported; expected one of {COMBINE_CHOICES}")
-    if choice == "auto":
-        if use_wide_combine(batch, rows, num_parts):
-            choice = "wide"
-        elif kernels.combine_tiled is not None and use_tiled_combine(batch, rows):
-            choice = "tiled"
-        else:
-            choice = "row"
-    kernel = {"row": kernels.combine, "wide": kernels.combine_wide, "tiled": kernels.combine_tiled}[choice]
-    if kernel is None:
-        raise ValueError(f"{COMBINE_ENV}={choice!r}: this kernel variant has no {choice} combine")
-    return kernel
+    if use_wide_combine(batch, rows, num_parts):
+        return kernels.combine_wide
+    if kernels.combine_tiled is not None and use_tiled_combine(batch, rows):
+        return kernels.combine_tiled
+    return kernels.combine
 
 
 STATS = CompileStats()
@@ -78,7 +62,7 @@ def tl_dtype(dtype: torch.dtype) -> str:
 
 
 def _variant_key(variant: tuple, cfg: KernelConfig | None = None) -> tuple:
-    """``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` plus the arch's current tile config."""
+    """``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` plus the arch's tile config."""
     return (*variant, cfg if cfg is not None else config_for(variant[-1]))
 
 
@@ -86,8 +70,8 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
                 cfg: KernelConfig | None = None):
     """Returns the compiled :class:`Kernels` of one variant, compiling on first use.
 
-    The tile config (and so the kernel source) is ``config_for(arch)``; plans must use its ``block_n``. A caller that
-    has just read it passes it as ``cfg`` (mla_decode's host path: one read of the settings per call, not two).
+    The tile config (and so the kernel source) is ``config_for(arch)``; plans must use its ``block_n``. A caller may
+    pass it as ``cfg`` (mla_decode's host path, which has just looked it up).
     """
     key = _variant_key((num_heads, q_len, page_size, dtype, kv_dtype, arch), cfg)
     cfg = key[-1]
@@ -100,10 +84,11 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         import tilelang
         from tilelang import tvm
 
-        from . import mla_decode, mla_decode_ws
+        from . import combine as comb
+        from . import portable, sm90
 
-        build_decode_kernel = (mla_decode if cfg.kernel == "pipelined" else mla_decode_ws).build_decode_kernel
-        build_combine_kernel = mla_decode.build_combine_kernel
+        build_decode_kernel = (sm90 if cfg.kernel == "tws" else portable).build_decode_kernel
+        build_combine_kernel = comb.build_combine_kernel
         target = tvm.target.Target(target_for_arch(arch))
         pass_configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True, **compat_pass_configs()}
         start = time.perf_counter()
@@ -115,8 +100,8 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
             tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged,
                                                   pdl=cfg.pdl), target=target, pass_configs=pass_configs)
             for wide in (False, True))
-        combine_tiled = (tilelang.compile(mla_decode.build_tiled_combine_kernel(
-            num_heads, q_len, tl_dtype(dtype), merged=merged, chunks=mla_decode.tiled_combine_chunks(num_heads * q_len),
+        combine_tiled = (tilelang.compile(comb.build_tiled_combine_kernel(
+            num_heads, q_len, tl_dtype(dtype), merged=merged, chunks=comb.tiled_combine_chunks(num_heads * q_len),
             pdl=cfg.pdl),
             target=target, pass_configs=pass_configs) if arch == "sm90" else None)
         seconds = time.perf_counter() - start

@@ -33,12 +33,11 @@ import torch
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from ..dispatch import ENV_IMPL, REFERENCE, engine_impl_request, select_impl
-from ..kernels.configs import MAX_HEADS, MAX_Q_LEN, SUPPORTED_PAGE_SIZES
+from ..constants import HEAD_DIM, KV_LORA_RANK, MAX_HEADS, MAX_Q_LEN, ROPE_DIM, SUPPORTED_PAGE_SIZES
+from ..dispatch import ENV_IMPL, REFERENCE, engine_impl_request, select_impl, warmup
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
-from ..op import VERIFY, mla_decode, verifying
-from ..planner import SplitPlanner, warm_up_plan_kernels
-from ..validation import HEAD_DIM, KV_LORA_RANK, ROPE_DIM
+from ..op import mla_decode, verification_report, verifying
+from ..planner import SplitPlanner
 from . import BACKEND_NAME
 from .page_table import FillFn, fill_page_table_torch, max_pages_per_request, sglang_decode_metadata
 
@@ -329,22 +328,16 @@ class TileLangMLABackend(AttentionBackend):
         return fill
 
     def _warmup(self):
-        """Compile (or load from TileLang's disk cache) every kernel variant before graph capture."""
-        from ..kernels.runtime import warmup
-
-        arch = self.config.impl.split("-", 1)[1]
-        variants = [(self.num_heads, q_len, self.page_size, self.config.dtype, self.config.kv_dtype, arch)
-                    for q_len in self.config.q_lens]
+        """Compile (or load from TileLang's disk cache) every kernel variant before graph capture, and the planners
+        of eager batches (up to every running request, sized per power of two)."""
         try:
-            seconds = warmup(variants)
-            # the planners of eager batches (up to every running request) are sized per power of two
-            t0 = time.perf_counter()
-            plan_variants = warm_up_plan_kernels(self.device, self.req_to_token.shape[0])
-            seconds += time.perf_counter() - t0
+            ready = warmup(self.device, self.num_heads, self.config.q_lens, self.page_size, self.config.dtype,
+                           self.config.kv_dtype, impl=self.config.impl, max_batch=self.req_to_token.shape[0])
         except Exception as exc:
-            _refuse(f"kernel compilation failed for {variants}: {type(exc).__name__}: {exc}")
-        logger.info("mla_backend: %s kernels ready in %.1fs (%d planner variants)", BACKEND_NAME, seconds,
-                    plan_variants)
+            _refuse(f"kernel compilation failed for heads={self.num_heads} q_lens={self.config.q_lens} "
+                    f"page={self.page_size}: {type(exc).__name__}: {exc}")
+        logger.info("mla_backend: %s kernels ready in %.1fs (%d planner variants)", BACKEND_NAME, ready.seconds,
+                    ready.plan_variants)
 
     def _write_report(self):
         if not self._report_dir:
@@ -358,9 +351,9 @@ class TileLangMLABackend(AttentionBackend):
                     "page_table_fill": getattr(self._fill, "__name__", "?"), **self._stats,
                     "metadata_host_us_per_call": round(
                         1e6 * self._stats["metadata_host_s"] / max(1, self._stats["decode"] + self._stats["verify"]), 1)}
-            if verifying():
-
-                info["mla_backend_verify"] = dict(VERIFY, calls_by_q_len=dict(VERIFY["calls_by_q_len"]))
+            report = verification_report()
+            if report is not None:
+                info["mla_backend_verify"] = report
             tmp = os.path.join(self._report_dir, self._report_name + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(info, f)

@@ -25,8 +25,8 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
 
-from ..dispatch import ENV_IMPL, REFERENCE, TILELANG_GFX942, engine_impl_request, select_impl, tilelang_available
-from ..kernels.configs import MAX_HEADS, MAX_Q_LEN
+from ..constants import HEAD_DIM, KV_LORA_RANK, MAX_HEADS, MAX_Q_LEN, ROPE_DIM
+from ..dispatch import ENV_IMPL, TILELANG_GFX942, engine_impl_request, tilelang_available, warmup
 from ..metadata import MLADecodeMetadata
 from ..op import mla_decode
 from .translate import DecodeMetadataBuilder, decode_q_len_limit
@@ -34,7 +34,7 @@ from .translate import DecodeMetadataBuilder, decode_q_len_limit
 # A child of vLLM's logger, so these lines appear in vLLM's log with its format and level.
 logger = init_logger("vllm.mla_backend")
 
-HEAD_SIZE = 576  # kv_lora_rank 512 + qk_rope_head_dim 64
+HEAD_SIZE = HEAD_DIM  # kv_lora_rank 512 + qk_rope_head_dim 64
 KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 _KV_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -214,7 +214,7 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
             unsupported.append(f"attention type {attn_type}")
         if not 1 <= num_heads <= MAX_HEADS:
             unsupported.append(f"{num_heads} heads (1..{MAX_HEADS})")
-        if head_size != HEAD_SIZE or self.kv_lora_rank != 512 or self.qk_rope_head_dim != 64:
+        if head_size != HEAD_SIZE or self.kv_lora_rank != KV_LORA_RANK or self.qk_rope_head_dim != ROPE_DIM:
             unsupported.append(f"head size {head_size} (kv_lora_rank {self.kv_lora_rank} + rope "
                                f"{self.qk_rope_head_dim}); the kernels take 512 + 64")
         if kv_cache_dtype not in TileLangMLABackend.supported_kv_cache_dtypes:
@@ -256,22 +256,16 @@ def route_core_logs() -> None:
 def warm_up_kernels(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, page_size: int,
                     q_lens, plan_bytes: int = 0) -> list[tuple]:
     """Compile (or load from TileLang's disk cache) every kernel variant the engine can launch, before vLLM
-    captures CUDA graphs. Returns the variant keys. Raises where the op would fall back to the reference
-    implementation on a GPU (it syncs the host and cannot be graph-captured)."""
+    captures CUDA graphs (``mla_backend.warmup``). Returns the variant keys. Raises where the op would fall back to
+    the reference implementation on a GPU (it syncs the host and cannot be graph-captured)."""
     if device.type != "cuda":
         return []
-    variants = []
-    for q_len in q_lens:
-        choice = select_impl(device, dtype, kv_dtype, num_heads, q_len, page_size, engine_impl_request())
-        if choice.impl == REFERENCE:
-            raise RuntimeError(f"mla_backend (CUSTOM): no TileLang kernel for heads={num_heads} q_len={q_len} "
-                               f"page={page_size} {dtype}/{kv_dtype} on {device}: {choice.reason}")
-        variants.append((num_heads, q_len, page_size, dtype, kv_dtype, choice.impl.split("-", 1)[1]))
-    from ..kernels.runtime import warmup
-
-    # One process at a time: vLLM's workers may be daemonic and cannot start a compile pool.
-    seconds = warmup(variants, workers=1)
+    try:
+        # One process at a time: vLLM's workers may be daemonic and cannot start a compile pool.
+        ready = warmup(device, num_heads, q_lens, page_size, dtype, kv_dtype, impl=engine_impl_request(), workers=1)
+    except RuntimeError as exc:
+        raise RuntimeError(f"mla_backend (CUSTOM): {exc}") from exc
     logger.info("mla_backend (vLLM CUSTOM): %d TileLang decode kernel(s) ready in %.1fs: heads=%d page=%d %s/%s "
-                "q_len=%s; split-KV plan buffers %.1f MiB", len(variants), seconds, num_heads, page_size, dtype,
-                kv_dtype, list(q_lens), plan_bytes / 2**20)
-    return variants
+                "q_len=%s; split-KV plan buffers %.1f MiB", len(ready.variants), ready.seconds, num_heads, page_size,
+                dtype, kv_dtype, list(q_lens), plan_bytes / 2**20)
+    return list(ready.variants)

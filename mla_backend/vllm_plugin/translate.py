@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.configs import MAX_Q_LEN
+from ..constants import MAX_Q_LEN
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
 from ..planner import SplitPlanner
 
@@ -90,7 +90,7 @@ class DecodeMetadataBuilder:
         """Device bytes held by the split plans (for the start-up log)."""
         total = 0
         for planner in self._planners.values():
-            plan = getattr(planner, "_plan", None)  # the planner's persistent SplitPlan
+            plan = getattr(planner, "buffers", None)  # the planner's persistent SplitPlan
             for name in ("out_partial", "lse_partial", "cu_blocks", "part_begin_req", "part_end_req"):
                 t = getattr(plan, name, None)
                 total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0

@@ -1,0 +1,104 @@
+"""Helpers shared by the TileLang decode kernels: tile counts, the segment epilogue, the plan's request walk."""
+
+import inspect
+from typing import Any, NamedTuple
+
+import tilelang.language as T
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# TileLang 0.1.15 turned UnrollLoop's explicit_unroll default off: a T.unroll loop stays a "#pragma unroll" loop. The
+# epilogue that InjectSoftwarePipeline emits after a loop with a runtime trip count is such a loop, and its
+# cp.async.wait_group counts depend on the epilogue index, which CUDA codegen needs as constants ("Downcast from
+# tirx.Sub to ir.IntImm failed"). A pipelined loop's annotations are copied onto the loops it becomes: ask for
+# explicit unrolling (what TileLang <= 0.1.12 always did; their T.Pipelined takes no annotations).
+PIPELINE_KWARGS = ({"annotations": {"pragma_unroll_explicit": 1}}
+                   if "annotations" in inspect.signature(T.Pipelined).parameters else {})
+
+
+def pipelined(extent, num_stages: int):
+    """``T.Pipelined(extent, num_stages)`` whose epilogue is unrolled explicitly on every TileLang."""
+    return T.Pipelined(extent, num_stages=num_stages, **PIPELINE_KWARGS)
+
+
+def num_row_blocks(num_heads: int, q_len: int, block_rows: int) -> int:
+    return -(-num_heads * q_len // block_rows)
+
+
+class SegmentStore(NamedTuple):
+    """A segment epilogue's macros: ``normalize`` (acc by l and the fp8 scale, one factor per row), ``write`` (the
+    normalised tile to ``out`` / ``lse`` or to a partial slot) and ``store`` (both, dividing each element)."""
+
+    normalize: Any
+    write: Any
+    store: Any
+
+
+def make_store_rows(num_heads: int, q_len: int, block_rows: int, ncols: int, col0: int = 0,
+                    with_lse: bool = True) -> SegmentStore:
+    """Segment epilogue shared by the decode kernels: normalise ``acc`` (columns ``col0 .. col0 + ncols``
+    of 512) by ``l_sum`` and the fp8 scale, then write the tile's rows to ``out`` / ``lse`` when the part
+    holds the whole request (``direct``), else to partial slot ``slot`` (log2-domain LSE). Rows past
+    ``num_heads * q_len`` are padding and never stored. Stored straight from registers: a shared staging
+    tile would not fit beside the KV stages."""
+    rows = num_heads * q_len
+    accum = "float32"
+
+    @T.macro
+    def normalize(acc, l_sum, kv_scale, factor):
+        """acc *= kv_scale / l_sum per row (0 where l_sum is 0), through the row vector ``factor``."""
+        for i in T.Parallel(block_rows):
+            factor[i] = T.if_then_else(l_sum[i] > 0, kv_scale / l_sum[i], 0)
+        for i, d in T.Parallel(block_rows, ncols):
+            acc[i, d] *= factor[i]
+
+    @T.macro
+    def write(acc, l_sum, m_cur, direct, slot, tok0, row0, out, lse, out_partial, lse_partial):
+        if direct:
+            for i, d in T.Parallel(block_rows, ncols):
+                if row0 + i < rows:
+                    out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, col0 + d] = acc[i, d]
+            if with_lse:
+                for i in T.Parallel(block_rows):
+                    if row0 + i < rows:
+                        lse[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads] = T.if_then_else(
+                            l_sum[i] > 0, (T.log2(l_sum[i]) + m_cur[i]) * LN2, -T.infinity(accum))
+        else:
+            for i, d in T.Parallel(block_rows, ncols):
+                if row0 + i < rows:
+                    out_partial[slot, row0 + i, col0 + d] = acc[i, d]
+            if with_lse:
+                for i in T.Parallel(block_rows):
+                    if row0 + i < rows:
+                        lse_partial[slot, row0 + i] = partial_lse(l_sum[i], m_cur[i])
+
+    @T.macro
+    def store(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, row0, out, lse, out_partial, lse_partial):
+        for i, d in T.Parallel(block_rows, ncols):
+            acc[i, d] = T.if_then_else(l_sum[i] > 0, acc[i, d] * kv_scale / l_sum[i], 0)
+        write(acc, l_sum, m_cur, direct, slot, tok0, row0, out, lse, out_partial, lse_partial)
+
+    return SegmentStore(normalize, write, store)
+
+
+def request_parts(req_lo, req_hi, width):
+    """(first part, number of parts) of a request covering flat blocks ``[req_lo, req_hi)`` with ``width``-block
+    parts (the planner's cut); its partial from part ``p`` is in slot ``p + req``."""
+    first = req_lo // width
+    return first, (req_hi - 1) // width - first + 1
+
+
+@T.macro
+def wait_for_inputs(pdl: bool):
+    """``KernelConfig.pdl`` (sm90): wait until the stream's previous kernel has finished and its writes are visible
+    (griddepcontrol.wait; it returns at once where this launch did not start early) before any read of what that
+    kernel may have written. Nothing where ``pdl`` is off (gfx942 has no such launch)."""
+    if pdl:
+        T.evaluate(T.pdl_sync())
+
+
+def partial_lse(l_sum, m_cur):
+    """A part's log2-domain LSE of a row (its partial slot's): -inf where the row saw nothing."""
+    return T.if_then_else(l_sum > 0, T.log2(l_sum) + m_cur, -T.infinity("float32"))

@@ -1,0 +1,636 @@
+"""The Hopper decode's schedule: one variant's choices (``variant_spec``) and the split kernel's prim_func.
+
+One program per (part, 64-row block): WG0 and WG1 consume (consumers.py, epilogue.py), one or two producer
+warpgroups fill Q and the KV buffers (producer.py), synchronised by the mbarriers of protocol.py. Where heads x q_len
+<= 16 (``transposed``, "tws") the consumers compute S^T = K Q^T with the 64 KV tokens as WGMMA's M; otherwise ("ws")
+S = Q K^T over 64-row blocks.
+"""
+
+from types import SimpleNamespace
+
+import tilelang.language as T
+
+from ...constants import HEAD_DIM, KV_LORA_RANK, ROPE_DIM
+from ..common import LOG2E, make_store_rows, num_row_blocks, request_parts, wait_for_inputs
+from ..configs import SM90, KernelConfig, merged_parts
+from .consumers import consumer_macros
+from .epilogue import epilogue_macros, make_store_cols
+from .producer import producer_macros
+from .protocol import (HALF, N_PARTS, PART_L, PART_R, PART_T, PRELUDE, Q_F16_SHIFT, REGS_WG0, TWS_COLS, TWS_TILE,
+                       WG0_NAMED_BARRIER, alpha_slot, grows, kernel_threads, kv_buffer, kv_ready_parity, p_free_parity,
+                       p_ready_parity, part_barrier, register_budget, seg_free_parity, seg_ready_parity,
+                       segment_first_block, trace_prelude)
+
+
+def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str, cfg: KernelConfig = SM90):
+    """The shapes, dtypes, roles and schedule choices of one kernel variant (a namespace the role modules' macro
+    factories read), from which ``build_decode_kernel`` builds its prim_func."""
+    block_rows, block_n = cfg.block_rows, cfg.block_n
+    if (block_rows, block_n, cfg.threads) != (64, 64, 384):
+        raise ValueError(f"the Hopper kernel is written for 64 rows x 64 tokens x 384 threads, got {cfg}")
+    is_fp8 = kv_dtype != dtype
+
+    rows = num_heads * q_len
+    # tws: transposed consumers where the rows fit one m64n16 tile (one row block); the ws kernel otherwise
+    transposed = rows <= TWS_COLS
+    q_rows = TWS_COLS if transposed else block_rows  # rows of the Q and P tiles
+    s_regs = block_n * q_rows // 128  # fp32 registers of S per consumer thread (128 per warpgroup)
+    n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
+    pad_rows = n_row_blocks * q_rows != rows  # the last row block has rows that are never stored
+    accum = "float32"
+    # each consumer warpgroup stores its 256 output columns; WG0 also owns the LSE
+    store_left = make_store_rows(num_heads, q_len, block_rows, HALF)
+    store_right = make_store_rows(num_heads, q_len, block_rows, HALF, col0=HALF, with_lse=False)
+    store_left_t = make_store_cols(num_heads, q_len, HALF)
+    store_right_t = [make_store_cols(num_heads, q_len, TWS_TILE, col0=HALF + k * TWS_TILE, with_lse=False)
+                     for k in range(HALF // TWS_TILE)]
+    # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
+    vec = 8  # dtype elements per 16-byte cp.async
+    # fp8 cache, ws: the producer keeps one row's loads in flight while it converts the other (next block's row 0
+    # during this block's row 1); tws: a whole block ahead, in two sets of two rows (set g & 1 holds block g's rows)
+    ahead_fp8 = is_fp8 and transposed
+    # tws, fp8 cache, several producer warpgroups: block g is converted by producer g % n_producers, from one set
+    threads = kernel_threads(is_fp8, transposed)
+    n_producers = threads // 128 - 2
+    rr_fp8 = n_producers > 1
+    fp8_rows = 2 if rr_fp8 or not ahead_fp8 else 4  # KV rows of raw bytes a producer thread holds
+    # ws with an fp8 cache computes in fp16 (shared tiles, P): e4m3 -> fp16 is one instruction per pair
+    # (bf16 takes five), exact, and fp16 holds P and the e4m3 values with more precision than bf16. A bf16
+    # q is converted in shared memory, times 2^-Q_F16_SHIFT (undone in the softmax scale).
+    cdtype = "float16" if is_fp8 else dtype
+    q_to_f16 = cdtype != dtype
+    convert = "mla_e4m3x16_store<true>" if cdtype == "bfloat16" else "mla_e4m3x16_store<false>"
+    regs_wg0, regs_wg1, regs_producer = register_budget(is_fp8, transposed)
+    # 16-bit cache, blocks never straddle pages: a whole block is nine TMA boxes of 64 tokens x 64 dims (one
+    # thread issues them; the tensor map views the cache as [num_pages, page_size, 576]). A request's last,
+    # partial block keeps the cp.async gather, which re-reads its last row instead of stale slots.
+    tma_kv = not is_fp8 and page_size % block_n == 0
+    # ws WG0 multiplies its half of P V from P in registers (as FlashAttention-3's first consumer does for
+    # head_dim_v 512): no WGMMA of WG0 reads P's shared tile (WG1's copy), so WG0 stores P and alpha without a
+    # barrier of its own and issues its GEMM before handing P to WG1; alpha goes to a slot per block parity, so
+    # it is stored before WG0 waits for WG1 to be done with the previous P.
+    rs_pv = not transposed
+    # rs_pv: WG0 hands P to WG1 and issues its P V right after P is made; its row sums (per thread, the quad's added
+    # once per segment) follow while the GEMMs run
+    pv_first = rs_pv
+    # ws, 16-bit cache: each tile of a KV buffer (left, right, rope) lands on its own k_ready, so WG0's S starts on
+    # the left tile while the rest is in flight and WG1 waits for its V half only; the buffer is freed as one
+    tile_ready = not transposed and not is_fp8
+    # cluster_kv: the CTAs of row blocks 2i and 2i + 1 of a part (one cluster) walk the same blocks; of a whole block,
+    # rank 0 issues the left tile and rank 1 the right tile, each multicast to both (the rope tile: below); a buffer
+    # is refilled once the consumers of both CTAs have released it (k_free counts both CTAs' arrivals)
+    cluster = tma_kv and tile_ready and n_row_blocks % 2 == 0
+    # cluster_kv: the rope box multicast too, by rank g % 2 (else each CTA loads its own)
+    cluster_rope = cluster
+
+    def box_issuer(part, g):
+        """The rank of a cluster_kv pair that issues tile ``part`` of block g for both CTAs."""
+        return g % 2 if part == PART_T else (0 if part == PART_L else 1)
+
+    # ws WG0: S's row max by a tree (a prelude helper on the m64n64 accumulator) instead of TileLang's chain
+    tree_max = not transposed
+    # rs_pv WG0, FlashAttention-3's order: P's stores for WG1, WG0's own P V issued, then the fence (it waits for the
+    # stores) and p_ready, so WG0's GEMM no longer waits for the fence
+    pv_early = pv_first
+    # rs_pv WG0: O's rescale right after alpha and unconditional, so ptxas can interleave its multiplies with P's
+    # exp2s (which the MUFU pipe bounds) instead of running them after P's hand-over
+    rescale_early = rs_pv
+    # rs_pv WG0 with tree_max: the row max of the raw scores times the (positive) scale, P = exp2(S * scale - m) as
+    # one FFMA per element (no multiply of S before the max)
+    scale_in_exp = rs_pv and tree_max
+    # rs_pv WG0: the wait for WG1 to be done with P (g - 1) right after S (g), so that no wait (a branch) splits the
+    # code from the row max to P's stores, which ptxas then schedules as one block
+    pfree_early = rs_pv
+    # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
+    # combine kernel
+    in_merge = merged_parts(cfg) == 2
+
+    tracing = cfg.trace_part >= 0
+
+    @T.macro
+    def trace(role, g, step):
+        """KernelConfig.trace_part: this role's clock at ``step`` of block g (nothing otherwise)."""
+        if tracing:
+            T.evaluate(T.call_extern("handle", "mla_trace", role, g, step))
+
+    @T.macro
+    def trace_end(role):
+        if tracing:
+            T.evaluate(T.call_extern("handle", "mla_trace_end", role))
+
+    def last_copy_barrier(g):
+        """The k_ready barrier of block g's last copy."""
+        return part_barrier(g, PART_T) if tile_ready else kv_buffer(g)
+
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k != "cfg"}, cfg=cfg)
+
+
+def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
+                        cfg: KernelConfig = SM90):
+    """Returns the split-KV prim_func of the Hopper decode (sm_90a).
+
+    Arguments of the returned function: exactly those of ``build_decode_kernel`` (same order):
+        q_nope ``[num_tokens, H, 512]``, q_pe ``[num_tokens, H, 64]`` (``dtype``);
+        kv_cache ``[num_pages, page_size, 576]`` (``kv_dtype``); k_scale fp32 ``[1]``;
+        page_table int32 ``[num_entries]``; page_table_start, kv_lens int32 ``[batch]``;
+        qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]`` (64-token blocks);
+        part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``;
+        sm_scale fp32 ``[1]``;
+        out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
+        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2).
+    """
+    k = variant_spec(num_heads, q_len, page_size, dtype, kv_dtype, cfg)
+    (accum, block_n, block_rows, cdtype, cfg, cluster, cluster_rope, dtype, fp8_rows, in_merge, is_fp8, kv_dtype,
+        last_copy_barrier, n_producers, n_row_blocks, num_heads, pad_rows, page_size, pfree_early, pv_early, pv_first,
+        q_len, q_rows, q_to_f16, regs_producer, regs_wg0, regs_wg1, rescale_early, rows, rr_fp8, rs_pv, scale_in_exp,
+        store_right_t, threads, tile_ready, tma_kv, trace, trace_end, tracing, transposed, tree_max) = (k.accum,
+        k.block_n, k.block_rows, k.cdtype, k.cfg, k.cluster, k.cluster_rope, k.dtype, k.fp8_rows, k.in_merge,
+        k.is_fp8, k.kv_dtype, k.last_copy_barrier, k.n_producers, k.n_row_blocks, k.num_heads, k.pad_rows,
+        k.page_size, k.pfree_early, k.pv_early, k.pv_first, k.q_len, k.q_rows, k.q_to_f16, k.regs_producer,
+        k.regs_wg0, k.regs_wg1, k.rescale_early, k.rows, k.rr_fp8, k.rs_pv, k.scale_in_exp, k.store_right_t,
+        k.threads, k.tile_ready, k.tma_kv, k.trace, k.trace_end, k.tracing, k.transposed, k.tree_max)
+    p, c, e = producer_macros(k), consumer_macros(k), epilogue_macros(k)
+    produce_segment, release_kv = p.produce_segment, p.release_kv
+    (mask_scale, mask_scale_t, pv_block, pv_quarters, q_bf16_to_f16, rescale_rows, score_block,
+     zero_pad_rows) = (c.mask_scale, c.mask_scale_t, c.pv_block, c.pv_quarters, c.q_bf16_to_f16, c.rescale_rows,
+                       c.score_block, c.zero_pad_rows)
+    (merge_add, merge_begin, merge_end, merge_other, merge_weights, store_direct, wg0_store_segment,
+     wg1_store_segment) = (e.merge_add, e.merge_begin, e.merge_end, e.merge_other, e.merge_weights, e.store_direct,
+                           e.wg0_store_segment, e.wg1_store_segment)
+
+    num_tokens = T.dynamic("num_tokens")
+    batch = T.dynamic("batch")
+    num_pages = T.dynamic("num_pages")
+    num_entries = T.dynamic("num_entries")
+    num_parts = T.dynamic("num_parts")
+    num_slots = T.dynamic("num_slots")
+    num_counts = T.dynamic("num_counts")
+    # q is read through runtime (token, head) strides, as in mla_decode (the op guarantees 16-byte
+    # aligned rows for cp.async).
+    q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
+    q_pe_stride = (T.dynamic("q_pe_stride_t"), T.dynamic("q_pe_stride_h"), 1)
+
+    @T.prim_func
+    def mla_decode_split(
+        q_nope: T.StridedTensor([num_tokens, num_heads, KV_LORA_RANK], q_nope_stride, dtype),
+        q_pe: T.StridedTensor([num_tokens, num_heads, ROPE_DIM], q_pe_stride, dtype),
+        kv_cache: T.Tensor([num_pages, page_size, HEAD_DIM], kv_dtype),
+        k_scale: T.Tensor([1], accum),
+        page_table: T.Tensor([num_entries], "int32"),
+        page_table_start: T.Tensor([batch], "int32"),
+        kv_lens: T.Tensor([batch], "int32"),
+        qo_indptr: T.Tensor([batch + 1], "int32"),
+        cu_blocks: T.Tensor([batch + 1], "int32"),
+        part_begin_req: T.Tensor([num_parts], "int32"),
+        part_end_req: T.Tensor([num_parts], "int32"),
+        blocks_per_part: T.Tensor([1], "int32"),
+        sm_scale: T.Tensor([1], accum),
+        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        lse: T.Tensor([num_tokens, num_heads], accum),
+        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
+        lse_partial: T.Tensor([num_slots, rows], accum),
+        merge_count: T.Tensor([num_counts], "int32"),
+    ):
+        prelude = PRELUDE + (trace_prelude(cfg.trace_part) if tracing else "")
+        with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=prelude,
+                      cluster_dims=(1, 2, 1) if cluster else None) as (part, row_block):
+            q_l = T.alloc_shared([q_rows, HALF], cdtype)
+            q_r = T.alloc_shared([q_rows, HALF], cdtype)
+            q_t = T.alloc_shared([q_rows, ROPE_DIM], cdtype)
+            kv0_l = T.alloc_shared([block_n, HALF], cdtype)
+            kv0_r = T.alloc_shared([block_n, HALF], cdtype)
+            k0_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
+            kv1_l = T.alloc_shared([block_n, HALF], cdtype)
+            kv1_r = T.alloc_shared([block_n, HALF], cdtype)
+            k1_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
+            p_shared = T.alloc_shared([q_rows, block_n], cdtype)
+            colmax_s = T.alloc_shared([128], accum)  # tws WG0: the column-max exchange, 2 x 64
+            alpha_shared = T.alloc_shared([q_rows], accum)
+            alpha_slots = T.alloc_shared([2 * block_rows], accum) if rs_pv else None  # rs_pv: alpha, by alpha_slot
+            p_frag = T.alloc_fragment([block_rows, block_n], cdtype) if rs_pv else None
+            # l of WG0's rows for WG1 (with in_merge also m, after it)
+            l_shared = T.alloc_shared([2 * q_rows if in_merge else q_rows], accum)
+            if in_merge:
+                ticket_slots = T.alloc_shared([2], "int32")  # a program's tickets: its first / last segment's
+                ticket_ready = T.alloc_barrier([1, 1])  # one per slot: thread 0 has written it
+                merge_ticket = (ticket_slots, ticket_ready)
+                merge_state = T.alloc_local([2], "int32")  # [ticket, 1 when this program merges the request]
+                m_r = T.alloc_fragment([q_rows], accum)  # WG1: WG0's row max
+                w_r = T.alloc_local([4], accum)  # WG1: the other part's merge weights (only the PRELUDE helpers index it)
+            else:
+                merge_ticket = merge_state = m_r = w_r = None
+
+            # S (rows x tokens) and O (rows x dims); tws: S^T and O^T
+            acc_s = T.alloc_fragment([block_n, q_rows] if transposed else [block_rows, block_n], accum)
+            acc_o_l = T.alloc_fragment([HALF, q_rows] if transposed else [block_rows, HALF], accum)
+            if transposed:
+                l_acc = T.alloc_fragment([block_n, q_rows], accum)  # WG0: per-thread partial column sums of P
+                # WG1's O^T as four 64-dim tiles: TileLang 0.1.9 gives a [256, 16] accumulator of the second
+                # warpgroup a thread-dependent register index (nvcc puts it in local memory); 64 rows do not
+                acc_o_r0 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+                acc_o_r1 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+                acc_o_r2 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+                acc_o_r3 = T.alloc_fragment([TWS_TILE, q_rows], accum)
+            else:
+                acc_o_r = T.alloc_fragment([block_rows, HALF], accum)
+            m_prev = T.alloc_fragment([q_rows], accum)
+            m_cur = T.alloc_fragment([q_rows], accum)
+            alpha = T.alloc_fragment([q_rows], accum)
+            if not transposed:  # tws keeps per-thread sums (l_acc) instead
+                row_sum = T.alloc_fragment([q_rows], accum)
+            l_sum = T.alloc_fragment([q_rows], accum)
+            l_r = T.alloc_fragment([q_rows], accum)
+            alpha_r = T.alloc_fragment([q_rows], accum)
+            raw = T.alloc_local([9 * fp8_rows, 16], kv_dtype)  # producer, fp8 cache only: 9 chunks per row
+            # producer: the pages of its rows of a block (fp8: 2 rows of the next block; 16-bit: 4 rows)
+            pages = T.alloc_local([2 if is_fp8 else block_n // 16], "int32")
+            if tile_ready:  # k_ready per tile (part_barrier), k_free per buffer
+                k_ready = T.alloc_barrier([128] * (2 * N_PARTS))
+                k_free = (T.alloc_cluster_barrier([256 + 8, 256 + 8]) if cluster  # + one per warp of the pair's consumers
+                          else T.alloc_barrier([256, 256]))
+            else:
+                k_ready = T.alloc_barrier([128, 128])
+                k_free = T.alloc_barrier([256, 256])
+            q_ready = T.alloc_barrier(128)
+            q_free = T.alloc_barrier(128)  # WG0 alone reads Q
+            p_ready = T.alloc_barrier(128)
+            p_free = T.alloc_barrier(128)
+            l_ready = T.alloc_barrier(128)
+            l_free = T.alloc_barrier(128)
+
+            seg = T.alloc_var("int32")  # non-empty request segments started by this program (per thread)
+
+            tx = T.get_thread_binding()
+            wait_for_inputs(cfg.pdl)
+            if tracing:
+                T.evaluate(T.call_extern("handle", "mla_trace_begin",
+                                         T.access_ptr(out_partial[num_slots - 1, 0, 0], "w")))
+            row0 = row_block * block_rows
+            width = blocks_per_part[0]
+            part_lo = part * width
+            part_hi = T.min(part_lo + width, cu_blocks[batch])
+            kv_scale = k_scale[0]
+            scale_log2 = sm_scale[0] * kv_scale * LOG2E * (2.0 ** Q_F16_SHIFT if q_to_f16 else 1.0)
+
+            seg = 0
+            if tx < 128:
+                if transposed:
+                    # ------------------------------------------------ tws WG0: S^T, softmax down columns, P, O^T[:256]
+                    # Same protocol as WG0 below; the running max is a cross-warp reduction per block, the row
+                    # sums stay per thread (l_acc, rescaled like O) until the segment's end.
+                    T.set_max_nreg(regs_wg0, grows(regs_wg0, threads))
+                    if pad_rows:
+                        zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            tok0 = qo_indptr[req]
+                            vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                            n_blk = blk_hi - blk_lo
+                            T.fill(acc_o_l, 0)
+                            T.fill(l_acc, 0)
+                            T.fill(m_cur, -T.infinity(accum))
+                            T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                            if q_to_f16:
+                                q_bf16_to_f16(q_l, q_r, q_t, tx)
+                            for blk in T.serial(n_blk):
+                                g = g0 + blk
+                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s)
+                                if blk == n_blk - 1:
+                                    T.barrier_arrive(q_free[0])
+                                mask_scale_t(acc_s, (blk_lo + blk) * block_n, vis0, scale_log2)
+                                T.copy(m_cur, m_prev)
+                                # the scratch by plain address: its two halves alternate by block, so no barrier
+                                # is needed before the write (TileLang's thread-sync pass would add one)
+                                T.evaluate(T.call_extern("handle", "mla_colmax4", acc_s.data,
+                                                         m_cur.data, T.address_of(colmax_s[0]), g & 1))
+                                for i in T.Parallel(q_rows):
+                                    alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
+                                                              T.exp2(m_prev[i] - m_cur[i]))
+                                for j, i in T.Parallel(block_n, q_rows):
+                                    acc_s[j, i] = T.exp2(acc_s[j, i]
+                                                         - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                                    l_acc[j, i] = l_acc[j, i] * alpha[i] + acc_s[j, i]
+                                T.barrier_wait(p_free[0], p_free_parity(g))
+                                for i in T.Parallel(q_rows):
+                                    alpha_shared[i] = alpha[i]
+                                for j, i in T.Parallel(block_n, q_rows):
+                                    p_shared[i, j] = acc_s[j, i]
+                                T.fence_proxy_async()
+                                T.barrier_arrive(p_ready[0])
+                                for d, i in T.Parallel(HALF, q_rows):
+                                    acc_o_l[d, i] *= alpha[i]
+                                pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
+                                T.barrier_arrive(k_free[kv_buffer(g)])
+
+                            T.reduce_sum(l_acc, l_sum, dim=0)
+                            T.barrier_wait(l_free[0], seg_free_parity(seg))
+                            for i in T.Parallel(q_rows):
+                                l_shared[i] = l_sum[i]
+                            if in_merge:
+                                for i in T.Parallel(q_rows):
+                                    l_shared[q_rows + i] = m_cur[i]
+                            T.barrier_arrive(l_ready[0])
+                            first, n_parts = request_parts(req_lo, req_hi, width)
+                            wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
+                                              part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
+                                              out, lse, out_partial, lse_partial)
+                            seg = seg + 1
+                else:
+                    # ------------------------------------------------ WG0: S, softmax, P, O[:, :256]
+                    T.set_max_nreg(REGS_WG0, 1)
+                    if pad_rows:
+                        zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)  # WG0 is Q's only reader
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            kv_len = kv_lens[req]
+                            tok0 = qo_indptr[req]
+                            vis0 = kv_len - q_len + 1  # row r sees positions < vis0 + r // H
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)  # g of the segment's first block
+                            n_blk = blk_hi - blk_lo
+                            T.fill(acc_o_l, 0)
+                            T.fill(l_sum, 0)
+                            T.fill(m_cur, -T.infinity(accum))
+                            T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+                            if q_to_f16:
+                                q_bf16_to_f16(q_l, q_r, q_t, tx)
+                            for blk in T.serial(n_blk):
+                                g = g0 + blk
+                                pos0 = (blk_lo + blk) * block_n
+                                trace(0, g, 0)
+                                score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s)
+                                trace(0, g, 2)
+                                if blk == n_blk - 1:
+                                    T.barrier_arrive(q_free[0])  # last read of this segment's Q
+                                if pfree_early:  # WG1's P V (g - 1) ran before S (g) on the tensor pipe: no wait
+                                    T.barrier_wait(p_free[0], p_free_parity(g))
+                                # scale_in_exp: S stays raw (scale 1 here) until the row max and P's exp2 apply it
+                                mask_scale(acc_s, pos0, vis0, row0, T.float32(1.0) if scale_in_exp else scale_log2)
+                                T.copy(m_cur, m_prev)
+                                if tree_max:
+                                    T.evaluate(T.call_extern("handle", "mla_row_max2", acc_s.data, m_cur.data,
+                                                             scale_log2 if scale_in_exp else T.float32(1.0)))
+                                else:
+                                    T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+                                # A row that has seen nothing yet keeps max -inf: offset by 0 instead, so
+                                # exp2 gives 0, not NaN.
+                                for i in T.Parallel(block_rows):
+                                    alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
+                                                              T.exp2(m_prev[i] - m_cur[i]))
+                                if rescale_early:
+                                    for i, d in T.Parallel(block_rows, HALF):
+                                        acc_o_l[i, d] *= alpha[i]
+                                for i, j in T.Parallel(block_rows, block_n):
+                                    acc_s[i, j] = T.exp2(acc_s[i, j] * (scale_log2 if scale_in_exp else T.float32(1.0))
+                                                         - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
+                                if not pv_first:
+                                    T.reduce_sum(acc_s, row_sum, dim=1)
+                                    for i in T.Parallel(block_rows):
+                                        l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                                if rs_pv:
+                                    T.copy(acc_s, p_frag)
+                                    if not pv_first and not rescale_early:
+                                        rescale_rows(acc_o_l, alpha)
+                                    # alpha's slot was last read by WG1 for block g - 2, before the p_free arrival
+                                    # WG0 waited for at block g - 1. Plain-address stores: TileLang's thread-sync
+                                    # pass would put a barrier of the warpgroup around each of them.
+                                    T.evaluate(T.call_extern("handle", "mla_store_rows64",
+                                                             alpha_slots.access_ptr("r", offset=alpha_slot(g) * block_rows)
+                                                             if pv_early else
+                                                             T.address_of(alpha_slots[alpha_slot(g) * block_rows]),
+                                                             alpha.data))
+                                    # WG1 has finished with P of block g - 1
+                                    trace(0, g, 3)
+                                    if not pfree_early:
+                                        T.barrier_wait(p_free[0], p_free_parity(g))
+                                    trace(0, g, 4)
+                                    # pv_early: a read-only access_ptr, or TileLang's fence-proxy pass would take the
+                                    # call for a generic write and fence it before WG0's GEMM (the fence follows it)
+                                    T.evaluate(T.call_extern("handle", "mla_store_p64",
+                                                             p_shared.access_ptr("r") if pv_early
+                                                             else T.address_of(p_shared[0, 0]), p_frag.data))
+                                    if pv_first and not pv_early:  # P goes to WG1 before WG0's own P V is issued
+                                        T.fence_proxy_async()
+                                        T.barrier_arrive(p_ready[0])
+                                        trace(0, g, 5)
+                                    if pv_first and not rescale_early:
+                                        rescale_rows(acc_o_l, alpha)
+                                    if kv_buffer(g) == 0:
+                                        T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
+                                    else:
+                                        T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
+                                    if pv_early:  # the fence waits for P's stores, now behind WG0's GEMM
+                                        T.fence_proxy_async()
+                                        T.barrier_arrive(p_ready[0])
+                                        trace(0, g, 5)
+                                    if pv_first:  # the row sums (this thread's share) while the tensor cores run
+                                        T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data,
+                                                                 row_sum.data))
+                                        for i in T.Parallel(block_rows):
+                                            l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                                    else:
+                                        T.fence_proxy_async()  # P: generic stores, read by WG1's WGMMA (async proxy)
+                                        T.barrier_arrive(p_ready[0])
+                                    trace(0, g, 6)
+                                    T.wait_wgmma(0)
+                                    T.warpgroup_fence_operand(acc_o_l, num_regs=block_rows * HALF // 128)
+                                    trace(0, g, 7)
+                                else:
+                                    # WG1 has finished with P / alpha of block g - 1
+                                    T.barrier_wait(p_free[0], p_free_parity(g))
+                                    for i in T.Parallel(block_rows):
+                                        alpha_shared[i] = alpha[i]
+                                    T.copy(acc_s, p_shared)
+                                    T.fence_proxy_async()  # P: generic stores, read by WGMMA (async proxy)
+                                    T.barrier_arrive(p_ready[0])
+                                    rescale_rows(acc_o_l, alpha)
+                                    pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
+                                release_kv(k_free, g, tx)
+
+                            if pv_first:  # each thread held its share of the row sums
+                                T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
+                            # epilogue: hand l (and m) to WG1, merge the request's parts if this program is the last
+                            # of a few, write O[:, :256] and the LSE
+                            T.barrier_wait(l_free[0], seg_free_parity(seg))
+                            for i in T.Parallel(block_rows):
+                                l_shared[i] = l_sum[i]
+                            if in_merge:
+                                for i in T.Parallel(block_rows):
+                                    l_shared[block_rows + i] = m_cur[i]
+                            T.barrier_arrive(l_ready[0])
+                            first, n_parts = request_parts(req_lo, req_hi, width)
+                            wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
+                                              part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
+                                              out, lse, out_partial, lse_partial)
+                            seg = seg + 1
+                    trace_end(0)
+            elif tx < 256:
+                if transposed:
+                    # ------------------------------------------------ tws WG1: O^T[256:]
+                    T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            tok0 = qo_indptr[req]
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                            T.fill(acc_o_r0, 0)
+                            T.fill(acc_o_r1, 0)
+                            T.fill(acc_o_r2, 0)
+                            T.fill(acc_o_r3, 0)
+                            for blk in T.serial(blk_hi - blk_lo):
+                                g = g0 + blk
+                                T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                                T.barrier_wait(p_ready[0], p_ready_parity(g))
+                                for i in T.Parallel(q_rows):
+                                    alpha_r[i] = alpha_shared[i]
+                                for d, i in T.Parallel(TWS_TILE, q_rows):
+                                    acc_o_r0[d, i] *= alpha_r[i]
+                                    acc_o_r1[d, i] *= alpha_r[i]
+                                    acc_o_r2[d, i] *= alpha_r[i]
+                                    acc_o_r3[d, i] *= alpha_r[i]
+                                if kv_buffer(g) == 0:
+                                    pv_quarters(p_shared, kv0_r, acc_o_r0, acc_o_r1, acc_o_r2, acc_o_r3)
+                                else:
+                                    pv_quarters(p_shared, kv1_r, acc_o_r0, acc_o_r1, acc_o_r2, acc_o_r3)
+                                T.barrier_arrive(p_free[0])
+                                T.barrier_arrive(k_free[kv_buffer(g)])
+
+                            T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+                            for i in T.Parallel(q_rows):
+                                l_r[i] = l_shared[i]
+                            if in_merge:
+                                for i in T.Parallel(q_rows):
+                                    m_r[i] = l_shared[q_rows + i]
+                            T.barrier_arrive(l_free[0])
+                            first, n_parts = request_parts(req_lo, req_hi, width)
+                            store_right_t[0].normalize(acc_o_r0, l_r, kv_scale, alpha_r)
+                            store_right_t[1].normalize(acc_o_r1, l_r, kv_scale, alpha_r)
+                            store_right_t[2].normalize(acc_o_r2, l_r, kv_scale, alpha_r)
+                            store_right_t[3].normalize(acc_o_r3, l_r, kv_scale, alpha_r)
+                            if in_merge:
+                                merge_begin(merge_count, merge_ticket, req, row_block, first, part, n_parts, merge_state)
+                                if merge_state[1] == 1:
+                                    other = merge_other(first, part, req)
+                                    merge_weights(l_r, m_r, alpha_r, w_r, other, row0, lse_partial)
+                                    merge_add(acc_o_r0, alpha_r, w_r, other, row0, HALF, out_partial, 1)
+                                    merge_add(acc_o_r1, alpha_r, w_r, other, row0, HALF + TWS_TILE, out_partial, 1)
+                                    merge_add(acc_o_r2, alpha_r, w_r, other, row0, HALF + 2 * TWS_TILE, out_partial, 1)
+                                    merge_add(acc_o_r3, alpha_r, w_r, other, row0, HALF + 3 * TWS_TILE, out_partial, 1)
+                                    store_right_t[0].normalize(acc_o_r0, l_r, T.float32(1), alpha_r)
+                                    store_right_t[1].normalize(acc_o_r1, l_r, T.float32(1), alpha_r)
+                                    store_right_t[2].normalize(acc_o_r2, l_r, T.float32(1), alpha_r)
+                                    store_right_t[3].normalize(acc_o_r3, l_r, T.float32(1), alpha_r)
+                            direct = store_direct(n_parts, merge_state)
+                            store_right_t[0].write(acc_o_r0, l_r, l_r, direct, part + req, tok0, row0, out, lse,
+                                                   out_partial, lse_partial)
+                            store_right_t[1].write(acc_o_r1, l_r, l_r, direct, part + req, tok0, row0, out, lse,
+                                                   out_partial, lse_partial)
+                            store_right_t[2].write(acc_o_r2, l_r, l_r, direct, part + req, tok0, row0, out, lse,
+                                                   out_partial, lse_partial)
+                            store_right_t[3].write(acc_o_r3, l_r, l_r, direct, part + req, tok0, row0, out, lse,
+                                                   out_partial, lse_partial)
+                            if in_merge:
+                                merge_end(merge_count, req, row_block, n_parts, merge_state)
+                            seg = seg + 1
+                else:
+                    # ------------------------------------------------ WG1: O[:, 256:]
+                    T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))  # fp8's 160 is a .dec
+                    for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                        req_lo = cu_blocks[req]
+                        req_hi = cu_blocks[req + 1]
+                        blk_lo = T.max(part_lo, req_lo) - req_lo
+                        blk_hi = T.min(part_hi, req_hi) - req_lo
+                        if blk_hi > blk_lo:
+                            tok0 = qo_indptr[req]
+                            g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                            T.fill(acc_o_r, 0)
+                            for blk in T.serial(blk_hi - blk_lo):
+                                g = g0 + blk
+                                trace(1, g, 0)
+                                # its V half (tile_ready: that tile's own barrier)
+                                T.barrier_wait(k_ready[part_barrier(g, PART_R) if tile_ready else kv_buffer(g)],
+                                               kv_ready_parity(g))
+                                trace(1, g, 1)
+                                T.barrier_wait(p_ready[0], p_ready_parity(g))
+                                trace(1, g, 2)
+                                for i in T.Parallel(block_rows):
+                                    alpha_r[i] = (alpha_slots[alpha_slot(g) * block_rows + i] if rs_pv
+                                                  else alpha_shared[i])
+                                rescale_rows(acc_o_r, alpha_r)
+                                pv_block(p_shared, g, kv0_r, kv1_r, acc_o_r)
+                                trace(1, g, 3)
+                                T.barrier_arrive(p_free[0])
+                                release_kv(k_free, g, tx)
+
+                            T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+                            for i in T.Parallel(block_rows):
+                                l_r[i] = l_shared[i]
+                            if in_merge:
+                                for i in T.Parallel(block_rows):
+                                    m_r[i] = l_shared[block_rows + i]
+                            T.barrier_arrive(l_free[0])
+                            first, n_parts = request_parts(req_lo, req_hi, width)
+                            wg1_store_segment(acc_o_r, l_r, m_r, alpha_r, w_r, alpha_r, kv_scale, first, n_parts, part,
+                                              req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
+                                              lse, out_partial, lse_partial)
+                            seg = seg + 1
+                    trace_end(1)
+            else:
+                # ------------------------------------------------ WG2: producer
+                T.set_max_nreg(regs_producer, grows(regs_producer, threads))
+                t = tx - 256 if n_producers == 1 else (tx - 256) % 128
+                pw = (tx - 256) // 128  # producer warpgroup (rr_fp8: it converts the blocks g with g % n == pw)
+                if cluster_rope and part_hi < part_lo:
+                    # never taken: with every tile multicast, this tma_copy is what makes TileLang pass the cache's
+                    # tensor map (kv_cache_desc), which MLA_TMA_MC issues through
+                    T.tma_copy(kv_cache[0, 0:block_n, KV_LORA_RANK:HEAD_DIM], k0_t, barrier=k_ready[0])
+                for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
+                    req_lo = cu_blocks[req]
+                    req_hi = cu_blocks[req + 1]
+                    blk_lo = T.max(part_lo, req_lo) - req_lo
+                    blk_hi = T.min(part_hi, req_hi) - req_lo
+                    if blk_hi > blk_lo:
+                        kv_len = kv_lens[req]
+                        tok0 = qo_indptr[req]
+                        pt0 = page_table_start[req]
+                        g0 = segment_first_block(part_lo, req_lo, blk_lo)
+                        produce_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi,
+                                        g0, seg, pw, pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t,
+                                        q_free, q_ready, k_free, k_ready, t)
+                        seg = seg + 1
+                if rr_fp8:
+                    # Tail: producer 0's last Q copies have landed (the others issue no cp.async). Not the part's
+                    # last k_ready as below: a producer done early may be two fills ahead of that barrier.
+                    if pw == 0 and seg > 0:
+                        T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
+                elif part_hi > part_lo:
+                    # Tail: no producer thread exits with cp.async in flight. With only cp.async gathers the part's
+                    # last copy's k_ready phase is enough: it completes once all
+                    # 128 producer threads' copies have landed (a noinc arrival waits for all of its thread's earlier
+                    # cp.async, Q included). A TMA block's phase (bytes + plain arrivals) or an fp8 block's
+                    # (registers, plain arrivals) waits for none of them: then also the block before (a gather,
+                    # maybe) and the last segment's Q. (cp.async.wait_group would make TileLang add a named barrier
+                    # whose id collides with WG0's.)
+                    if tma_kv and part_hi - part_lo > 1:
+                        T.barrier_wait(k_ready[last_copy_barrier(part_hi - part_lo - 2)],
+                                       kv_ready_parity(part_hi - part_lo - 2))
+                    T.barrier_wait(k_ready[last_copy_barrier(part_hi - part_lo - 1)],
+                                   kv_ready_parity(part_hi - part_lo - 1))
+                    if tma_kv or is_fp8:
+                        T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
+                trace_end(2)
+            if cluster:  # no CTA exits while its pair may still copy into it or arrive on its k_free
+                T.cluster_sync()
+
+    return mla_decode_split
