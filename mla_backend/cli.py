@@ -1,4 +1,4 @@
-"""``mla-backend`` command line: ``selfcheck`` (the default) and ``bench``.
+"""``mla-backend`` command line: ``selfcheck`` (the default), ``bench`` and ``compile``.
 
 ``selfcheck`` prints the versions, the device and the implementation the dispatcher picks for a
 DeepSeek-V3 shape, then runs ``mla_decode`` on fresh random data and checks it; exit status 1 on failure.
@@ -146,15 +146,74 @@ def bench(argv: list[str]) -> int:
     return int(bench_module.main(argv) or 0)
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def compile_kernels(args) -> int:
+    """Compiles sm_90a kernel variants ahead of time (no GPU needed, nvcc is): into TileLang's disk cache, so that
+    engines start without compiling, or with ``--into-package`` into the package's prebuilt folder for a wheel."""
+    from .kernels import prebuilt
+
+    kv_dtypes = _str_list(args.kv_dtype)
+    unknown = [d for d in (args.dtype, *kv_dtypes) if d not in ("float16", "bfloat16", "float8_e4m3fn")]
+    if unknown or args.dtype == "float8_e4m3fn":
+        print(f"mla-backend compile: dtype/kv-dtype {unknown or [args.dtype]} not supported; expected float16 or "
+              "bfloat16 (q), and those or float8_e4m3fn (cache)", file=sys.stderr)
+        return 2
+    variants = [(h, s, p, args.dtype, kv) for h in _int_list(args.heads) for s in _int_list(args.q_len)
+                for p in _int_list(args.page) for kv in kv_dtypes]
+    plans = _int_list(args.plan_batches)
+    total = len(variants) + len(plans)
+    width = 30
+
+    def progress(line: str) -> None:
+        if line.startswith("["):
+            done = int(line[1:line.index("/")])
+            bar = "#" * (width * done // total)
+            print(f"[{bar:<{width}}] {line[line.index(']') + 2:]} ({done}/{total})", flush=True)
+        else:
+            print(line, flush=True)
+
+    print(f"compiling {len(variants)} kernel variants and {len(plans)} planners for sm_90a with {args.workers} "
+          f"worker(s){' into the package' if args.into_package else ''}", flush=True)
+    seconds = prebuilt.compile_variants(variants, plans, into_package=args.into_package, workers=args.workers,
+                                        progress=progress)
+    print(f"done: {len(seconds)} compiled, {sum(seconds.values()):.0f} s of compile time")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mla-backend", description="MLA paged decode backend: self-check, benchmark")
+    from .kernels import prebuilt
+
+    parser = argparse.ArgumentParser(prog="mla-backend",
+                                     description="MLA paged decode backend: self-check, benchmark, ahead-of-time compile")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("selfcheck", help="versions, device, dispatch choice and a correctness check (default)")
     sub.add_parser("bench", help="the decode benchmark: every later argument goes to mla_backend.bench.main")
+    comp = sub.add_parser("compile", help="compile Hopper kernel variants ahead of time (into TileLang's cache)")
+    join = ",".join
+    comp.add_argument("--heads", default=join(map(str, prebuilt.ENGINE_HEADS)), help="query heads per GPU, comma list")
+    comp.add_argument("--q-len", default=join(map(str, prebuilt.ENGINE_Q_LENS)), help="queries per request (1..4)")
+    comp.add_argument("--page", default=join(map(str, prebuilt.ENGINE_PAGE_SIZES)), help="page sizes, comma list")
+    comp.add_argument("--dtype", default="bfloat16", help="query dtype: bfloat16 or float16")
+    comp.add_argument("--kv-dtype", default="bfloat16,float8_e4m3fn", help="cache dtypes, comma list")
+    comp.add_argument("--plan-batches", default=join(map(str, prebuilt.ENGINE_PLAN_BATCHES)),
+                      help="largest batch of each one-launch planner variant (powers of two from 256)")
+    comp.add_argument("--workers", type=int, default=1, help="parallel compile processes")
+    comp.add_argument("--into-package", action="store_true",
+                      help="write the package's prebuilt folder (for building a wheel) instead of TileLang's cache")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # forwarded untouched: argparse would try to parse the benchmark's own options
         return bench(argv[1:])
-    return selfcheck(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if args.command == "compile":
+        return compile_kernels(args)
+    return selfcheck(args)
 
 
 if __name__ == "__main__":

@@ -154,6 +154,9 @@ def get_plan_kernel(max_batch: int, block_n: int):
                 import tilelang
                 from tilelang import tvm
 
+                from . import prebuilt
+
+                prebuilt.seed(prebuilt.plan_name(key[0], block_n))
                 kernel = _KERNELS[key] = tilelang.compile(build_plan_kernel(max_batch, block_n, pdl),
                                                           target=tvm.target.Target(target_for_arch("sm90")))
     return kernel

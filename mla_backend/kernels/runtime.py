@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import prebuilt
 from .combine import use_tiled_combine, use_wide_combine
 from .configs import KernelConfig, compat_pass_configs, config_for, merged_parts, target_for_arch
 
@@ -61,6 +62,11 @@ def tl_dtype(dtype: torch.dtype) -> str:
     return _TORCH_TO_TL[dtype]
 
 
+def torch_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _variant_key(variant: tuple, cfg: KernelConfig | None = None) -> tuple:
     """``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` plus the arch's tile config."""
     return (*variant, cfg if cfg is not None else config_for(variant[-1]))
@@ -87,6 +93,13 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         from . import combine as comb
         from . import portable, sm90
 
+        # The wheel's compiled kernels (prebuilt.py) land in TileLang's cache first, so the compiles below load them.
+        shipped = arch == "sm90" and prebuilt.seed(prebuilt.variant_name(
+            num_heads, q_len, page_size, torch_name(dtype), torch_name(kv_dtype)))
+        if not shipped:
+            logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s is not among the prebuilt kernels: "
+                        "TileLang compiles it (nvcc) or loads it from its disk cache", num_heads, q_len, page_size,
+                        dtype, kv_dtype, arch)
         build_decode_kernel = (sm90 if cfg.kernel == "tws" else portable).build_decode_kernel
         build_combine_kernel = comb.build_combine_kernel
         target = tvm.target.Target(target_for_arch(arch))
@@ -109,8 +122,9 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         STATS.seconds += seconds
         STATS.variants += (key,)
         # A disk-cache hit takes well under a second; a real compile takes several.
+        source = "prebuilt" if shipped else ("disk cache hit" if seconds < 1.5 else "compiled")
         logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s (%s) ready in %.2fs (%s)", num_heads, q_len,
-                    page_size, dtype, kv_dtype, arch, cfg.kernel, seconds, "disk cache hit" if seconds < 1.5 else "compiled")
+                    page_size, dtype, kv_dtype, arch, cfg.kernel, seconds, source)
         _KERNELS[key] = kernels = Kernels(split, combine, combine_wide, combine_tiled, merged)
         return kernels
 

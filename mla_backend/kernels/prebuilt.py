@@ -1,0 +1,192 @@
+"""Kernels shipped compiled: TileLang disk-cache entries packed into the wheel, and the command that builds them.
+
+TileLang keys a compiled kernel by its TIR, target, pass configs and the TileLang build (version, platform and a
+hash of ``libtilelang.so``), and keeps it under ``TILELANG_CACHE_DIR/<version>-<platform>/kernels/<key>/``. An entry
+holds the generated sources and ``executable.so`` (host launcher + sm_90a cubin), so loading it needs neither nvcc
+nor a GPU-side JIT. ``mla-backend compile --into-package`` fills ``mla_backend/kernels/prebuilt/`` with the entries
+of the variants engines use (``ENGINE_VARIANTS``) and a manifest; at run time ``seed(variant)`` copies a variant's
+entries into the user's TileLang cache before the first compile, so ``tilelang.compile`` finds them there.
+
+A wheel's entries serve the TileLang build they were compiled with (the manifest names it); with another TileLang
+the kernels JIT-compile and cache as before, and ``seed`` says so once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+logger = logging.getLogger("mla_backend")
+
+PACKAGE_DIR = Path(__file__).with_name("prebuilt")
+MANIFEST = "manifest.json"
+
+# DeepSeek-V3 at TP1..TP8 (128 / 64 / 32 / 16 heads per GPU), decode and MTP with one draft, the page sizes of
+# SGLang (1, and 64 for FlashMLA-style pools) and vLLM (16 and 64), a bf16 or fp8 cache.
+ENGINE_HEADS = (16, 32, 64, 128)
+ENGINE_Q_LENS = (1, 2)
+ENGINE_PAGE_SIZES = (1, 16, 64)
+ENGINE_DTYPES = (("bfloat16", "bfloat16"), ("bfloat16", "float8_e4m3fn"))
+# One planner kernel per power of two of the largest batch, up to 4096 requests.
+ENGINE_PLAN_BATCHES = (256, 512, 1024, 2048, 4096)
+
+
+def variant_name(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str) -> str:
+    return f"h{num_heads}-q{q_len}-p{page_size}-{dtype}-{kv_dtype}"
+
+
+def plan_name(max_batch: int, block_n: int) -> str:
+    return f"plan-b{max_batch}-n{block_n}"
+
+
+def engine_variants() -> list[tuple[int, int, int, str, str]]:
+    """``(num_heads, q_len, page_size, dtype, kv_dtype)`` of every variant the wheel carries."""
+    return [(h, s, p, d, kv) for h in ENGINE_HEADS for s in ENGINE_Q_LENS for p in ENGINE_PAGE_SIZES
+            for d, kv in ENGINE_DTYPES]
+
+
+def _tilelang_cache_dir() -> Path:
+    """TileLang's disk cache (``TILELANG_CACHE_DIR``, read by TileLang at import)."""
+    from tilelang.env import env
+
+    return Path(env.TILELANG_CACHE_DIR)
+
+
+def _entries_dir(cache_dir: Path) -> Path | None:
+    """The folder of entries under a TileLang cache: ``<version>-<platform>/kernels`` (one TileLang per cache here)."""
+    found = sorted(cache_dir.glob("*/kernels"))
+    return found[0] if found else None
+
+
+class _Manifest:
+    """What ``PACKAGE_DIR`` holds: the TileLang version and namespace it was built with, and the cache keys of each
+    variant (a combine shared by several variants is stored once)."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = root = PACKAGE_DIR if root is None else root
+        path = root / MANIFEST
+        self.data = json.loads(path.read_text()) if path.is_file() else None
+
+    def keys_for(self, name: str) -> list[str] | None:
+        return None if self.data is None else self.data["variants"].get(name)
+
+    def matches_installed(self) -> bool:
+        import tilelang
+
+        return self.data is not None and self.data["tilelang"] == tilelang.__version__
+
+
+_manifest: _Manifest | None = None
+_mismatch_logged = False
+
+
+def seed(name: str) -> bool:
+    """Copies variant ``name``'s prebuilt entries into TileLang's cache (once; entries already there are kept).
+    Returns whether the wheel carries the variant for the installed TileLang."""
+    global _manifest, _mismatch_logged
+    if _manifest is None:
+        _manifest = _Manifest()
+    keys = _manifest.keys_for(name)
+    if keys is None:
+        return False
+    if not _manifest.matches_installed():
+        if not _mismatch_logged:
+            import tilelang
+
+            logger.info("mla_backend: the wheel's kernels were compiled with TileLang %s; TileLang %s is installed, so "
+                        "kernels JIT-compile on first use", _manifest.data["tilelang"], tilelang.__version__)
+            _mismatch_logged = True
+        return False
+    dest_root = _tilelang_cache_dir() / _manifest.data["cache_subdir"]
+    dest_root.mkdir(parents=True, exist_ok=True)
+    for key in keys:
+        dest = dest_root / key
+        if not dest.exists():
+            tmp = dest_root / f".{key}.mla_backend_tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(_manifest.root / "entries" / key, tmp)
+            try:
+                os.replace(tmp, dest)  # atomic: a concurrent process sees no half-copied entry
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    return True
+
+
+# ---- building: mla-backend compile ------------------------------------------------------------------------------
+
+def _compile_into(task: tuple) -> tuple[str, list[str], float]:
+    """Worker: compiles one variant (or planner) into a private TileLang cache dir and lists the entries it made.
+    Runs in a fresh process, so ``TILELANG_CACHE_DIR`` is set before TileLang is imported."""
+    name, spec, cache_dir = task
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    import time
+
+    import torch
+
+    start = time.perf_counter()
+    if spec[0] == "plan":
+        from .plan_kernel import get_plan_kernel
+
+        get_plan_kernel(spec[1], spec[2])
+    else:
+        from .runtime import get_kernels
+
+        heads, q_len, page, dtype, kv_dtype = spec
+        get_kernels(heads, q_len, page, getattr(torch, dtype), getattr(torch, kv_dtype), "sm90")
+    kernels_dir = _entries_dir(Path(cache_dir))
+    keys = sorted(p.name for p in kernels_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return name, keys, time.perf_counter() - start
+
+
+def compile_variants(variants: list[tuple], plan_batches: tuple[int, ...] = (), block_n: int = 64,
+                     into_package: bool = False, workers: int = 1, progress=print) -> dict:
+    """Compiles ``(num_heads, q_len, page_size, dtype, kv_dtype)`` variants for sm_90a (no GPU needed; nvcc is).
+
+    Without ``into_package`` each lands in TileLang's own cache (ahead-of-time warm-up of this machine). With it,
+    ``PACKAGE_DIR`` is rebuilt from scratch: ``entries/<key>/`` and ``manifest.json``, which a wheel then carries.
+    Returns ``{name: seconds}``.
+    """
+    import concurrent.futures
+    import multiprocessing
+    import tempfile
+
+    tasks = [(variant_name(*v), tuple(v)) for v in variants]
+    tasks += [(plan_name(b, block_n), ("plan", b, block_n)) for b in plan_batches]
+    scratch = Path(tempfile.mkdtemp(prefix="mla_backend_compile_"))
+    jobs = []
+    for i, (name, spec) in enumerate(tasks):
+        # Into the package: a private cache per task, so its entries are exactly that task's. Otherwise the
+        # user's cache, where entries other variants share are compiled once.
+        cache_dir = str(scratch / str(i)) if into_package else str(_tilelang_cache_dir())
+        jobs.append((name, spec, cache_dir))
+    seconds, keys_of = {}, {}
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=ctx) as pool:
+        futures = [pool.submit(_compile_into, job) for job in jobs]
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            name, keys, sec = future.result()
+            seconds[name], keys_of[name] = sec, keys
+            progress(f"[{done}/{len(jobs)}] {name}: {sec:.1f}s")
+    if into_package:
+        import tilelang
+
+        shutil.rmtree(PACKAGE_DIR, ignore_errors=True)
+        (PACKAGE_DIR / "entries").mkdir(parents=True)
+        cache_subdir = None
+        for i, (name, _spec) in enumerate(tasks):
+            src_root = _entries_dir(scratch / str(i))
+            cache_subdir = str(src_root.relative_to(scratch / str(i)))
+            for key in keys_of[name]:
+                dest = PACKAGE_DIR / "entries" / key
+                if not dest.exists():
+                    shutil.copytree(src_root / key, dest)
+        manifest = {"tilelang": tilelang.__version__, "arch": "sm90", "target": "sm_90a", "cache_subdir": cache_subdir,
+                    "variants": keys_of}
+        (PACKAGE_DIR / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        size = sum(f.stat().st_size for f in PACKAGE_DIR.rglob("*") if f.is_file())
+        progress(f"{PACKAGE_DIR}: {len(list((PACKAGE_DIR / 'entries').iterdir()))} kernels, {size / 2**20:.1f} MiB")
+    shutil.rmtree(scratch, ignore_errors=True)
+    return seconds

@@ -1,0 +1,62 @@
+"""Prebuilt kernels: ``compile_variants(into_package=True)`` packs TileLang cache entries with a manifest, and a fresh
+process with an empty TileLang cache and no nvcc on its PATH loads them instead of compiling.
+
+Uses the one-launch planner kernel (the quickest sm_90a kernel to build); the decode variants take the same path.
+Lowering and nvcc run on the CPU; loading the entry needs no GPU.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("tilelang")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed to build the entries")]
+
+LOAD = textwrap.dedent("""
+    import json, pathlib, sys, time
+    from mla_backend.kernels import prebuilt
+    prebuilt.PACKAGE_DIR = pathlib.Path(sys.argv[1])
+    from mla_backend.kernels.plan_kernel import get_plan_kernel
+    start = time.perf_counter()
+    get_plan_kernel(256, 64)
+    print(json.dumps({"seconds": time.perf_counter() - start}))
+""")
+
+
+def test_prebuilt_planner_loads_without_nvcc(tmp_path, monkeypatch):
+    from mla_backend.kernels import prebuilt
+
+    package = tmp_path / "prebuilt"
+    monkeypatch.setattr(prebuilt, "PACKAGE_DIR", package)
+    seconds = prebuilt.compile_variants([], plan_batches=(256,), into_package=True, progress=lambda _line: None)
+    assert list(seconds) == [prebuilt.plan_name(256, 64)]
+    manifest = json.loads((package / prebuilt.MANIFEST).read_text())
+    keys = manifest["variants"][prebuilt.plan_name(256, 64)]
+    assert len(keys) == 1 and (package / "entries" / keys[0] / "executable.so").is_file()
+
+    cache = tmp_path / "user-cache"
+    nvcc_free_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                     if not os.path.exists(os.path.join(p, "nvcc")))
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(cache), PATH=nvcc_free_path, CUDA_HOME="/nonexistent")
+    env.pop("CUDA_PATH", None)
+    run = subprocess.run([sys.executable, "-c", LOAD, str(package)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (cache / manifest["cache_subdir"] / keys[0] / "executable.so").is_file()
+    # Without nvcc a compile would have failed; loading the entry takes a fraction of the compile measured above.
+    loaded = json.loads(run.stdout.strip().splitlines()[-1])["seconds"]
+    assert loaded < seconds[prebuilt.plan_name(256, 64)] / 2, (loaded, seconds)
+
+
+def test_no_manifest_means_no_prebuilt(tmp_path, monkeypatch):
+    from mla_backend.kernels import prebuilt
+
+    monkeypatch.setattr(prebuilt, "PACKAGE_DIR", tmp_path / "empty")
+    monkeypatch.setattr(prebuilt, "_manifest", None)
+    assert prebuilt.seed(prebuilt.variant_name(16, 1, 64, "bfloat16", "bfloat16")) is False
