@@ -25,14 +25,14 @@ from .metadata import INDEX_DTYPE, MLADecodeMetadata
 # A part may hold a single block where its partial is small: the combine merges a request's partials with all their
 # loads in flight, so spreading a short batch over every SM wins (b=1, s=4096, h=16: 64 one-block parts instead of 16
 # of four). Past 32 rows a one-block part's partial (rows x 2 KB: 128 KB at 64 rows, written and read back) outweighs
-# the 72 KB block it reads: two blocks at least (session 19, graph replay: b=1 s=4096 h=128 24.8 -> 21.8 us, b=4
+# the 72 KB block it reads: two blocks at least (graph replay: b=1 s=4096 h=128 24.8 -> 21.8 us, b=4
 # s=2048 h=64 25.4 -> 22.8; at 32 rows two blocks were 1-1.7 us slower, so those keep one).
 MIN_BLOCKS_PER_PART = 1
 MIN_BLOCKS_PER_PART_WIDE = 2
 SMALL_PARTIAL_ROWS = 32
 MIN_BLOCK_ROWS = 16  # the fewest rows of any kernel config's tile: merge counters for every kernel's row blocks
 # What a request segment costs a part beyond its blocks, in blocks: its Q, its partial written and merged, the
-# pipeline's restart. Fitted to session 25's A/B on the H100 (benchmarks/RESULTS.md): parts aligned to equal requests
+# pipeline's restart. Fitted to an A/B on the H100 (benchmarks/RESULTS.md): parts aligned to equal requests
 # (1-3 blocks wider, half the segments) were 2.4-9.8% faster at h=128 / 64 / 32 x s_q 2, 7 wider 1% faster at h=16
 # b=128, and a 3% wider cut with a third fewer segments (b=128 s_k=16384 h=128: 497 -> 512) 1-3.6% slower.
 SEGMENT_COST_BLOCKS = 8

@@ -1,10 +1,11 @@
-"""GPU machine: A/B of Hopper kernel settings in one process, rounds interleaved so clock drift hits both alike.
+"""GPU machine: A/B of environment settings in one process, rounds interleaved so clock drift hits both alike.
 
 Each setting's decode step (quick_time.decode_step: fixed lengths, random page order) is captured under its env,
 then per round and setting: the bench's timing (256 MB L2 flush + spin before each replay, median), back-to-back
 replays (mean) and the bench's timing of the eager call (under the setting's env: the bench's default mode). Prints
 the median over rounds.
-    PYTHONPATH=$PWD:scripts python3 scripts/ab_interleave.py "64,8192,128,2,64;..." "tws:MLA_BACKEND_SM90_KERNEL=tws" ...
+    PYTHONPATH=$PWD:scripts python3 scripts/ab_interleave.py "64,8192,128,2,64;..." "a:" "b:NAME=VALUE" ...
+A setting is ``label:NAME=VALUE,...`` (no pairs: the environment as it is; two such give the noise floor).
 """
 import os
 import statistics

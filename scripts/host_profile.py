@@ -5,7 +5,6 @@ GPU finishes each call long before the host has issued the next, so no launch wa
 whole call.
     PYTHONPATH=$PWD:scripts python3 scripts/host_profile.py [b s h s_q page]
 """
-import contextlib
 import cProfile
 import pstats
 import statistics
@@ -31,41 +30,6 @@ def stage_times(fn, n=2000):
     return statistics.median(ts)
 
 
-def earlier_config_for(arch: str):
-    """config_for as it was before session 27 (git show f71654f:mla_backend/kernels/configs.py): each setting read by
-    os.environ.get, the config resolved on every call."""
-    import dataclasses
-    import os
-
-    from mla_backend.kernels import configs
-
-    if arch != "sm90":
-        return configs.CONFIGS[arch]
-    cfg = configs.SM90_KERNELS[os.environ.get(configs.SM90_KERNEL_ENV, configs.DEFAULT_SM90_KERNEL)]
-    for env, field in configs.SM90_SWITCHES:
-        if os.environ.get(env, "1") == "0" and getattr(cfg, field):
-            cfg = dataclasses.replace(cfg, **{field: False})
-    return cfg
-
-
-@contextlib.contextmanager
-def earlier_settings_path():
-    """The op's settings read as before session 27: os.environ.get for each (``earlier_config_for``), and config_for
-    called again inside get_kernels."""
-    from mla_backend.kernels import configs, runtime
-
-    fast, config_for, get_kernels = configs._FAST_ENV, configs.config_for, runtime.get_kernels
-    configs._FAST_ENV = False  # pick_combine's and verifying()'s reads through os.environ.get
-    configs.config_for = runtime.config_for = earlier_config_for
-    runtime.get_kernels = lambda *args, **kwargs: get_kernels(*args[:6], cfg=earlier_config_for(args[5]))
-    try:
-        yield
-    finally:
-        configs._FAST_ENV = fast
-        configs.config_for = runtime.config_for = config_for
-        runtime.get_kernels = get_kernels
-
-
 def main():
     b, s, h, sq, ps = (int(x) for x in (sys.argv[1:6] if len(sys.argv) > 5 else (1, 4096, 16, 1, 64)))
     eager, md, _ = decode_problem(b, s, h, sq, ps)
@@ -89,15 +53,6 @@ def main():
     }
     for name, fn in rows.items():
         print(f"{stage_times(fn):8.2f} us  {name}", flush=True)
-    # the whole call against the settings path before session 27 (os.environ.get per setting, config_for resolved on
-    # every call, and twice per call): rounds interleaved, median of each round's median
-    new, old = [], []
-    for _ in range(5):
-        new.append(stage_times(eager, 1000))
-        with earlier_settings_path():
-            old.append(stage_times(eager, 1000))
-    print(f"whole call, rounds interleaved: {statistics.median(new):.1f} us now, {statistics.median(old):.1f} us with "
-          f"the earlier settings path (rounds: {[round(x, 1) for x in new]} / {[round(x, 1) for x in old]})", flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(2000):

@@ -14,7 +14,7 @@ import csv
 import gzip
 import sys
 
-from mla_backend.kernels.mla_decode_ws import register_budget
+from mla_backend.kernels.sm90.protocol import register_budget
 
 
 def main(path: str, fp8: bool, transposed: bool, blocks_per_warp: float = 0) -> None:

@@ -11,7 +11,6 @@
 N at a time (no GPU needed), for a later timing run to load.
 ``--ncu``: one eager call per case and variant, no timing (for a profiler).
 ``--plan``: the split planner's GPU time per step, the one-launch kernel against the torch ops."""
-import os
 import sys
 
 import torch
@@ -37,25 +36,19 @@ def smoke(kernel: str) -> int:
 
 
 def plan_times() -> int:
-    """The planner's GPU time per step (the bench's timing: L2 flushed, median), one launch vs the torch ops."""
-    from unittest import mock
-
+    """The planner's GPU time per step (the bench's timing: L2 flushed, median) and its host time."""
     from mla_backend.bench import Timer
-    from mla_backend.planner import PLAN_KERNEL_ENV
 
     timer = Timer("cuda")
     for heads, q_len in ((16, 1), (128, 1), (128, 2)):
         for batch in (1, 64, 256):
             lens = torch.randint(1, 32768, (batch,), dtype=torch.int32, device="cuda")
-            cells = []
-            for name, env in (("kernel", "1"), ("torch", "0")):
-                with mock.patch.dict(os.environ, {PLAN_KERNEL_ENV: env}):
-                    planner = SplitPlanner(256, heads, q_len, "cuda")
-                plan = lambda: planner.plan(lens)  # noqa: E731
-                plan()
-                host = timer.host_us(plan)
-                cells.append(f"{name} {timer(plan, 30, host)['us']:6.1f} us (host {host:5.1f})")
-            print(f"plan h={heads:3d} s_q={q_len} b={batch:3d}: " + " | ".join(cells), flush=True)
+            planner = SplitPlanner(256, heads, q_len, "cuda")
+            plan = lambda: planner.plan(lens)  # noqa: E731
+            plan()
+            host = timer.host_us(plan)
+            print(f"plan h={heads:3d} s_q={q_len} b={batch:3d}: {timer(plan, 30, host)['us']:6.1f} us "
+                  f"(host {host:5.1f})", flush=True)
     return 0
 
 
@@ -132,7 +125,9 @@ def kernel_times(replay) -> str:
 
 
 def main() -> int:
-    kernel = os.environ.get("MLA_BACKEND_SM90_KERNEL", "default")
+    from mla_backend.kernels.configs import config_for
+
+    kernel = config_for("sm90").kernel
     if "--smoke" in sys.argv:
         return smoke(kernel)
     if "--plan" in sys.argv:
@@ -145,11 +140,12 @@ def main() -> int:
     if "--shapes" in sys.argv:
         runs = parse_shapes(sys.argv[sys.argv.index("--shapes") + 1])
     if "--precompile" in sys.argv:
-        from mla_backend.kernels import runtime
+        from mla_backend import warmup
 
         dtype, workers = q_dtype(), int(sys.argv[sys.argv.index("--precompile") + 1])
-        variants = [(h, sq, ps, dtype, torch.float8_e4m3fn if o["fp8"] else dtype, "sm90") for (_, _, h, sq, ps), o in runs]
-        print(f"precompiled {len(set(variants))} variant(s) in {runtime.warmup(variants, workers=workers):.1f} s")
+        shapes = [(h, sq, ps, dtype, torch.float8_e4m3fn if o["fp8"] else dtype) for (_, _, h, sq, ps), o in runs]
+        ready = warmup("cuda", shapes=shapes, workers=workers)
+        print(f"precompiled {len(ready.variants)} variant(s) in {ready.seconds:.1f} s")
         return 0
     for (b, s, h, sq, ps), opts in runs:
         fp8 = opts["fp8"]

@@ -28,8 +28,8 @@ ROLES = {0: "WG0", 1: "WG1", 2: "producer"}
 
 
 def summarise(words: list, shape: str, call_us: float) -> str:
-    """``words``: the traced program's int64 record (mla_decode_ws.TRACE_PRELUDE's layout)."""
-    from mla_backend.kernels.mla_decode_ws import TRACE_BLOCKS, TRACE_HEAD, TRACE_ROLES, TRACE_STEPS
+    """``words``: the traced program's int64 record (kernels/sm90/protocol.py's TRACE_PRELUDE layout)."""
+    from mla_backend.kernels.sm90.protocol import TRACE_BLOCKS, TRACE_HEAD, TRACE_ROLES, TRACE_STEPS
 
     clock = {(r, g): words[(r * TRACE_BLOCKS + g) * TRACE_STEPS:(r * TRACE_BLOCKS + g + 1) * TRACE_STEPS]
              for r in range(TRACE_ROLES) for g in range(TRACE_BLOCKS)}
@@ -65,11 +65,10 @@ def main() -> int:
     p.add_argument("--raw", help="append each shape's int64 record here")
     args = p.parse_args()
     from mla_backend.kernels import configs
-    from mla_backend.kernels.mla_decode_ws import TRACE_WORDS
+    from mla_backend.kernels.sm90.protocol import TRACE_WORDS
     from quick_time import decode_problem
 
-    name = os.environ.get(configs.SM90_KERNEL_ENV, configs.DEFAULT_SM90_KERNEL)
-    configs.SM90_KERNELS[name] = dataclasses.replace(configs.SM90_KERNELS[name], trace_part=args.part)
+    configs.CONFIGS["sm90"] = dataclasses.replace(configs.SM90, trace_part=args.part)  # the traced kernel
     for shape in args.shapes.split(";"):
         eager, md, _ = decode_problem(*(int(v) for v in shape.split(",")))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -73,7 +73,7 @@ def check(q, kv_cache, md, k_scale, dtype, rel_tol=1e-2):
 
 def parts_per_request(plan, batch):
     """The number of parts of each non-empty request under ``plan`` (the kernels' ``request_parts``)."""
-    from mla_backend.kernels.mla_decode import request_parts
+    from mla_backend.kernels.common import request_parts
 
     cu, width = plan.cu_blocks.tolist(), int(plan.blocks_per_part)
     return [request_parts(cu[r], cu[r + 1], width)[1] for r in range(batch) if cu[r + 1] > cu[r]]
@@ -155,14 +155,22 @@ def test_combine_paths(lens, heads, q_len, kind):
     check(q, kv_cache, md, k_scale, BF16)
 
 
+def force_combine(monkeypatch, choice: str) -> None:
+    """mla_decode launches the ``choice`` combine ("row", "wide" or "tiled") whatever the shape."""
+    from mla_backend.kernels import runtime
+
+    attr = {"row": "combine", "wide": "combine_wide", "tiled": "combine_tiled"}[choice]
+    monkeypatch.setattr(runtime, "pick_combine", lambda kernels, *shape: getattr(kernels, attr))
+
+
 @pytest.mark.parametrize("heads,q_len,page_size", [(1, 1, 64), (16, 3, 16)])
 @pytest.mark.parametrize("choice", ["row", "wide", "tiled"])
 def test_every_combine(choice, heads, q_len, page_size, monkeypatch):
-    """Each combine forced (MLA_BACKEND_COMBINE) on one plan with empty requests, requests of one part, of two (which
+    """Each combine forced (runtime.pick_combine patched) on one plan with empty requests, requests of one part, of two (which
     the split kernel merges) and of up to ~80 parts; 1 and 48 rows (the tiled combine's 16-row tiles clamped and
     whole). Against the reference."""
     _kernel_or_skip(heads=heads, q_len=q_len, page_size=page_size)
-    monkeypatch.setenv("MLA_BACKEND_COMBINE", choice)
+    force_combine(monkeypatch, choice)
     lens = [0, 1, 63, 300, 3000, 8192, 20000, 5, 0, 700]
     q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, page_size, BF16, seed=31 + heads)
     md.plan = SplitPlanner(len(lens), heads, q_len, "cuda").plan(md.kv_lens)
@@ -183,7 +191,7 @@ def test_tiled_and_row_combines_agree_bit_for_bit(heads, q_len, monkeypatch):
     assert max(parts) <= 8 and sum(p > 2 for p in parts) >= 2, parts
     results = {}
     for choice in ("row", "tiled"):
-        monkeypatch.setenv("MLA_BACKEND_COMBINE", choice)
+        force_combine(monkeypatch, choice)
         out = torch.full((q.shape[0], heads, 512), float("nan"), dtype=BF16, device="cuda")
         results[choice] = mla_decode(q, kv_cache, md, SCALE, out=out, return_lse=True)
     assert torch.equal(results["row"][0], results["tiled"][0]) and torch.equal(results["row"][1], results["tiled"][1])
@@ -197,7 +205,7 @@ def test_two_part_requests_merged_in_kernel(heads, q_len, kv_dtype):
     the same bits on every run (whichever program finishes second), and every merge counter back at 0."""
     _kernel_or_skip(heads=heads, q_len=q_len, kv_dtype=kv_dtype)
     from mla_backend.kernels.configs import config_for, merged_parts
-    from mla_backend.kernels.mla_decode import num_row_blocks
+    from mla_backend.kernels.common import num_row_blocks
 
     lens = [3000, 1, 5000, 64, 700, 2500, 129, 4096, 0, 1300]
     q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, 64, BF16, kv_dtype, seed=heads + q_len)
@@ -331,19 +339,21 @@ def test_strided_query_views():
     assert torch.equal(got, want)
 
 
+def torch_planner(fused: SplitPlanner, heads: int, q_len: int) -> SplitPlanner:
+    """The torch-ops planner (on the CPU) with ``fused``'s size, SM count and blocks: the plan kernel's reference."""
+    return SplitPlanner(fused.max_batch, heads, q_len, "cpu", num_sms=fused.num_sms, block_n=fused.block_n)
+
+
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 2), (32, 1)])
-def test_plan_kernel_matches_torch_planner(heads, q_len, monkeypatch):
+def test_plan_kernel_matches_torch_planner(heads, q_len):
     """The one-launch planner (sm90) writes the same plan as the torch ops: ragged lengths with zeros and block
     edges, equal lengths (where the cut aligned to the requests wins), batches from 1 to the planner's max, an
     all-empty batch, three part counts (heads x q_len)."""
     _kernel_or_skip(heads=heads, q_len=q_len)
     import random
 
-    from mla_backend.planner import PLAN_KERNEL_ENV
-
     fused = SplitPlanner(300, heads, q_len, "cuda")
-    monkeypatch.setenv(PLAN_KERNEL_ENV, "0")
-    torch_ops = SplitPlanner(300, heads, q_len, "cuda")
+    torch_ops = torch_planner(fused, heads, q_len)
     assert fused._kernel is not None and torch_ops._kernel is None
     rng = random.Random(heads * 10 + q_len)
     for trial in range(40):
@@ -354,31 +364,30 @@ def test_plan_kernel_matches_torch_planner(heads, q_len, monkeypatch):
         elif trial % 3 == 0:  # equal lengths: 4096 .. 32768 tokens or a random count
             lens = [rng.choice([4096, 8192, 16384, 32768, rng.randrange(1, 40000)])] * batch
         kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        a, b = fused.plan(kv_lens), torch_ops.plan(kv_lens)
+        a, b = fused.plan(kv_lens), torch_ops.plan(kv_lens.cpu())
         for name in ("blocks_per_part", "part_begin_req", "part_end_req"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), (trial, name, lens)
-        assert torch.equal(a.cu_blocks[: batch + 1], b.cu_blocks[: batch + 1]), (trial, lens)
+            assert torch.equal(getattr(a, name).cpu(), getattr(b, name)), (trial, name, lens)
+        assert torch.equal(a.cu_blocks[: batch + 1].cpu(), b.cu_blocks[: batch + 1]), (trial, lens)
 
 
-def test_plan_kernels_warm_up_to_the_engine_batch(monkeypatch):
+def test_plan_kernels_warm_up_to_the_engine_batch():
     """warm_up_plan_kernels (SGLang's warm-up, for its eager planners) compiles one planner kernel per power of two up
     to the engine's max batch: a planner for 1000 requests built afterwards compiles nothing and plans as the torch
     ops do."""
     _kernel_or_skip()
     from mla_backend.kernels import plan_kernel
     from mla_backend.kernels.configs import config_for
-    from mla_backend.planner import PLAN_KERNEL_ENV, warm_up_plan_kernels
+    from mla_backend.planner import warm_up_plan_kernels
 
     assert warm_up_plan_kernels(torch.device("cuda"), 1000) == 3  # 256, 512, 1024
     compiled = dict(plan_kernel._KERNELS)
     fused = SplitPlanner(1000, 16, 1, "cuda")
     assert plan_kernel._KERNELS == compiled and fused._kernel is compiled[(1024, fused.block_n, config_for("sm90").pdl)]
-    monkeypatch.setenv(PLAN_KERNEL_ENV, "0")
-    torch_ops = SplitPlanner(1000, 16, 1, "cuda")
+    torch_ops = torch_planner(fused, 16, 1)
     lens = torch.randint(0, 9000, (1000,), dtype=torch.int32, device="cuda")
-    a, b = fused.plan(lens), torch_ops.plan(lens)
+    a, b = fused.plan(lens), torch_ops.plan(lens.cpu())
     for name in ("blocks_per_part", "part_begin_req", "part_end_req", "cu_blocks"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert torch.equal(getattr(a, name).cpu(), getattr(b, name)), name
 
 
 def test_plan_with_other_block_size_is_refused():
@@ -460,7 +469,6 @@ def test_plan_kernel_waits_for_a_predecessor_that_triggers_early(backend, monkey
     would plan from the lengths of the step before."""
     _kernel_or_skip()
     from mla_backend.kernels import plan_kernel
-    from mla_backend.planner import PLAN_KERNEL_ENV
 
     monkeypatch.setattr(plan_kernel, "_KERNELS", {})  # compiled (or loaded) under this launcher
     monkeypatch.setenv("TILELANG_EXECUTION_BACKEND", backend)
@@ -470,13 +478,12 @@ def test_plan_kernel_waits_for_a_predecessor_that_triggers_early(backend, monkey
         if backend == "tvm_ffi":
             raise
         pytest.skip(f"TileLang's {backend} launcher is not usable here: {type(err).__name__}: {err}")
-    monkeypatch.setenv(PLAN_KERNEL_ENV, "0")
-    torch_ops = SplitPlanner(300, 16, 1, "cuda")
+    torch_ops = torch_planner(fused, 16, 1)
     g = torch.Generator().manual_seed(3)
     new_lens = torch.randint(1, 40000, (300,), generator=g, dtype=torch.int32).cuda()
     stale = torch.randint(1, 40000, (300,), generator=g, dtype=torch.int32).cuda()
     kv_lens = stale.clone()
-    want = torch_ops.plan(new_lens)
+    want = torch_ops.plan(new_lens.cpu())
     want = {name: getattr(want, name).clone() for name in ("blocks_per_part", "part_begin_req", "part_end_req")}
     copy = _early_trigger_copy(kv_lens.numel(), "int32")
     for _ in range(3):
@@ -488,4 +495,4 @@ def test_plan_kernel_waits_for_a_predecessor_that_triggers_early(backend, monkey
         torch.cuda.synchronize()
         assert torch.equal(kv_lens, new_lens)
         for name, value in want.items():
-            assert torch.equal(getattr(got, name), value), f"{name}: the planner read kv_lens before its writer finished"
+            assert torch.equal(getattr(got, name).cpu(), value), f"{name}: the planner read kv_lens before its writer finished"

@@ -3,7 +3,7 @@
 Lowering runs TileLang's whole pipeline (layout inference, pipelining, WGMMA selection, codegen to CUDA
 C++), so a kernel that TileLang rejects, or whose CUDA source does not compile, fails here in CI rather
 than on the first GPU. What is left to the GPU tests is numerics and launch-time limits.
-Each lowering takes ~10-20 s on 2 cores, so every variant is lowered once per session.
+Each lowering takes ~10-20 s on 2 cores, so every variant is lowered once per test session.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _smem_bytes(mod) -> int:
 
 @pytest.fixture(scope="module")
 def cuda_lowered():
-    """``get(kind, variant) -> CompiledArtifact`` for sm_90a, lowered once per session."""
+    """``get(kind, variant) -> CompiledArtifact`` for sm_90a, lowered once per test session."""
     cache = {}
 
     def get(kind, variant):
