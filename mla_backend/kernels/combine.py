@@ -7,7 +7,7 @@ batches with many parts per request; the tiled one per (request, 16 rows) for la
 import tilelang.language as T
 
 from ..constants import KV_LORA_RANK, MAX_PARTS
-from .common import LN2, wait_for_inputs
+from .common import LN2, request_parts, wait_for_inputs
 
 
 # Partial rows the combine loads back to back (independent loads in flight per thread): rounds of
