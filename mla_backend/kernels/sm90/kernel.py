@@ -47,13 +47,13 @@ def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtyp
     # producer thread t copies 16-byte chunks: row (r * 16 + t // 8) of a 64-row tile, chunk t % 8 (+ 8 u)
     vec = 8  # dtype elements per 16-byte cp.async
     # fp8 cache, ws: the producer keeps one row's loads in flight while it converts the other (next block's row 0
-    # during this block's row 1); tws: a whole block ahead, in two sets of two rows (set g & 1 holds block g's rows)
+    # during this block's row 1); tws: TWS_FP8_PRODUCERS producer warpgroups, block g converted by producer
+    # g % n_producers from its raw registers (its stores by plain address: ahead_fp8)
     ahead_fp8 = is_fp8 and transposed
-    # tws, fp8 cache, several producer warpgroups: block g is converted by producer g % n_producers, from one set
     threads = kernel_threads(is_fp8, transposed)
     n_producers = threads // 128 - 2
     rr_fp8 = n_producers > 1
-    fp8_rows = 2 if rr_fp8 or not ahead_fp8 else 4  # KV rows of raw bytes a producer thread holds
+    fp8_rows = 2  # KV rows of raw bytes a producer thread holds (fp8)
     # ws with an fp8 cache computes in fp16 (shared tiles, P): e4m3 -> fp16 is one instruction per pair
     # (bf16 takes five), exact, and fp16 holds P and the e4m3 values with more precision than bf16. A bf16
     # q is converted in shared memory, times 2^-Q_F16_SHIFT (undone in the softmax scale).

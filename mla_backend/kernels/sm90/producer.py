@@ -2,8 +2,8 @@
 
 A 16-bit cache: each block's page ids, then (once both consumers have released the buffer) the block by TMA where it
 lies in one page (the CTAs of a cluster pair multicast it), else by a cp.async gather. An fp8 cache: plain loads into
-registers and a conversion to fp16 in shared memory; the tws fp8 kernel runs two producer warpgroups taking blocks
-in turn (rr_segment).
+registers and a conversion to fp16 in shared memory (the ws kernel: stream_segment, one row's loads in flight while
+the other converts; the tws kernel: two producer warpgroups taking blocks in turn, rr_segment).
 """
 
 from types import SimpleNamespace
@@ -15,32 +15,9 @@ from .protocol import (FP8_PREFETCH_AHEAD, HALF, PART_L, PART_R, PART_T, kv_buff
                        seg_free_parity)
 
 
-def producer_macros(k):
-    """The producer's macros for variant ``k`` (kernel.variant_spec): Q, KV blocks (TMA, cp.async, fp8 conversion), one request segment."""
-    ahead_fp8, block_n, box_issuer, cluster, cluster_rope, convert, is_fp8, n_producers, num_heads, page_size, q_rows, rows, rr_fp8, tile_ready, tma_kv, trace, vec = (
-        k.ahead_fp8, k.block_n, k.box_issuer, k.cluster, k.cluster_rope, k.convert, k.is_fp8, k.n_producers, k.num_heads, k.page_size, k.q_rows, k.rows, k.rr_fp8, k.tile_ready, k.tma_kv, k.trace, k.vec)
-
-
-    @T.macro
-    def load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t):
-        """cp.async of the segment's valid Q rows (rows past ``rows`` keep the zeros written at start)."""
-        for r in T.serial(q_rows // 16):
-            i = r * 16 + t // 8
-            if row0 + i < rows:
-                for u in T.serial(HALF // (8 * vec)):
-                    c = u * 8 * vec + (t % 8) * vec
-                    T.ptx_cp_async(
-                        T.access_ptr(q_l[i, c], "w", vec),
-                        T.access_ptr(q_nope[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, c], "r", vec),
-                        vec)
-                    T.ptx_cp_async(
-                        T.access_ptr(q_r[i, c], "w", vec),
-                        T.access_ptr(q_nope[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, HALF + c], "r", vec),
-                        vec)
-                T.ptx_cp_async(
-                    T.access_ptr(q_t[i, (t % 8) * vec], "w", vec),
-                    T.access_ptr(q_pe[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, (t % 8) * vec], "r", vec),
-                    vec)
+def fp8_macros(k):
+    """An fp8 cache's loads into registers, their conversion into the shared tiles, and L2 prefetches."""
+    (ahead_fp8, block_n, convert, page_size) = (k.ahead_fp8, k.block_n, k.convert, k.page_size)
 
     @T.macro
     def store_converted(raw, chunk, dst, j, c):
@@ -104,31 +81,48 @@ def producer_macros(k):
             fp8_issue_row(kv_cache, pages[r], pos0, kv_len, raw, slot0 + r, r, t)
 
     @T.macro
-    def fp8_issue_block(kv_cache, pages, pos0, kv_len, raw, g, t):
-        """tws producer: fp8_issue_rows for block g into raw set ``kv_buffer(g)`` (slots 2 set, 2 set + 1)."""
-        if kv_buffer(g) == 0:
-            fp8_issue_rows(kv_cache, pages, pos0, kv_len, raw, 0, t)
-        else:
-            fp8_issue_rows(kv_cache, pages, pos0, kv_len, raw, 2, t)
+    def prefetch_block(kv_cache, page_table, pt0, pos0, kv_len, t):
+        """Asks L2 for the fp8 cache rows pos0 .. pos0 + 63 of one request: thread t takes half t % 2 of
+        row t // 2 (288 bytes, at most 4 lines: bytes 0, 128, 256 and 287 of the half). Per-thread line
+        prefetches: the bulk form takes a warp-uniform address and would loop over the warp's rows."""
+        p = pos0 + t // 2
+        if p < kv_len:
+            page = page_table[pt0 + p // page_size]
+            for u in T.unroll(4):
+                T.evaluate(T.call_extern("handle", "mla_l2_prefetch", T.access_ptr(
+                    kv_cache[page, p % page_size, (t % 2) * (HEAD_DIM // 2) + T.min(u * 128, HEAD_DIM // 2 - 1)],
+                    "r", 1)))
+
+    return SimpleNamespace(store_converted=store_converted, fp8_row=fp8_row, fp8_pages=fp8_pages,
+        fp8_issue_row=fp8_issue_row, fp8_convert_row=fp8_convert_row, fp8_block=fp8_block,
+        fp8_issue_rows=fp8_issue_rows, prefetch_block=prefetch_block)
+
+
+def kv_macros(k):
+    """Q and a 16-bit cache's KV blocks into shared memory: cp.async gathers, TMA (multicast in a cluster pair)."""
+    (block_n, box_issuer, cluster, cluster_rope, num_heads, page_size, q_rows, rows, tma_kv, vec) = (k.block_n,
+        k.box_issuer, k.cluster, k.cluster_rope, k.num_heads, k.page_size, k.q_rows, k.rows, k.tma_kv, k.vec)
 
     @T.macro
-    def fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, n_left, pages, raw, row_set, kv_l, kv_r, k_t, t):
-        """tws producer, one block (its buffer is free): raw set ``row_set`` (this thread's 2 rows) -> the
-        block's shared tiles, and the next block's loads into the other set. ptxas counts all of a thread's
-        loads on one scoreboard, so a conversion waits for every load in flight: the next block's rows are
-        issued right after the first conversion (which waits for this block's, issued a block ago), not
-        before it, where that wait would include them and expose their whole latency every block. Then the
-        page entries of the block after. Conversions and loads are volatile asm, kept in this order by ptxas.
-        (No L2 prefetch here: L2 is the busy unit, and prefetches only added requests to it.)"""
-        slot = 2 * row_set
-        store_converted(raw, slot * 9, kv_l, t // 4, (t % 4) * 16)  # row 0's first chunk: waits for this block's loads
-        if n_left > 1:
-            fp8_issue_row(kv_cache, pages[0], pos0 + block_n, kv_len, raw, 2 - slot, 0, t)
-            fp8_issue_row(kv_cache, pages[1], pos0 + block_n, kv_len, raw, 3 - slot, 1, t)
-            if n_left > 2:
-                fp8_pages(page_table, pt0, pos0 + 2 * block_n, kv_len, pages, t)
-        fp8_convert_row(raw, slot, 0, kv_l, kv_r, k_t, t, 1)
-        fp8_convert_row(raw, slot + 1, 1, kv_l, kv_r, k_t, t)
+    def load_q(q_nope, q_pe, q_l, q_r, q_t, tok0, row0, t):
+        """cp.async of the segment's valid Q rows (rows past ``rows`` keep the zeros written at start)."""
+        for r in T.serial(q_rows // 16):
+            i = r * 16 + t // 8
+            if row0 + i < rows:
+                for u in T.serial(HALF // (8 * vec)):
+                    c = u * 8 * vec + (t % 8) * vec
+                    T.ptx_cp_async(
+                        T.access_ptr(q_l[i, c], "w", vec),
+                        T.access_ptr(q_nope[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, c], "r", vec),
+                        vec)
+                    T.ptx_cp_async(
+                        T.access_ptr(q_r[i, c], "w", vec),
+                        T.access_ptr(q_nope[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, HALF + c], "r", vec),
+                        vec)
+                T.ptx_cp_async(
+                    T.access_ptr(q_t[i, (t % 8) * vec], "w", vec),
+                    T.access_ptr(q_pe[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, (t % 8) * vec], "r", vec),
+                    vec)
 
     @T.macro
     def kv_pages(page_table, pt0, pos0, kv_len, pages, t):
@@ -219,38 +213,32 @@ def producer_macros(k):
         fill_part(kv_cache, pages, pos0, kv_len, kv_r, HALF, g, PART_R, k_ready, k_free, t)
         fill_part(kv_cache, pages, pos0, kv_len, k_t, KV_LORA_RANK, g, PART_T, k_ready, k_free, t)
 
-    @T.macro
-    def prefetch_block(kv_cache, page_table, pt0, pos0, kv_len, t):
-        """Asks L2 for the fp8 cache rows pos0 .. pos0 + 63 of one request: thread t takes half t % 2 of
-        row t // 2 (288 bytes, at most 4 lines: bytes 0, 128, 256 and 287 of the half). Per-thread line
-        prefetches: the bulk form takes a warp-uniform address and would loop over the warp's rows."""
-        p = pos0 + t // 2
-        if p < kv_len:
-            page = page_table[pt0 + p // page_size]
-            for u in T.unroll(4):
-                T.evaluate(T.call_extern("handle", "mla_l2_prefetch", T.access_ptr(
-                    kv_cache[page, p % page_size, (t % 2) * (HEAD_DIM // 2) + T.min(u * 128, HEAD_DIM // 2 - 1)],
-                    "r", 1)))
+    return SimpleNamespace(load_q=load_q, kv_pages=kv_pages, load_kv=load_kv, load_kv_tma=load_kv_tma,
+        load_part=load_part, fill_part=fill_part, release_kv=release_kv, load_parts=load_parts)
+
+
+def producer_macros(k):
+    """The producer's request segments for variant ``k`` (kernel.variant_spec), and ``release_kv`` for the consumers."""
+    (block_n, is_fp8, n_producers, tile_ready, tma_kv, trace) = (k.block_n, k.is_fp8, k.n_producers, k.tile_ready,
+        k.tma_kv, k.trace)
+    f, v = fp8_macros(k), kv_macros(k)
+    fp8_pages, fp8_issue_row, fp8_convert_row, fp8_block, fp8_issue_rows, prefetch_block = (
+        f.fp8_pages, f.fp8_issue_row, f.fp8_convert_row, f.fp8_block, f.fp8_issue_rows, f.prefetch_block)
+    load_q, kv_pages, load_kv, load_kv_tma, load_parts = v.load_q, v.kv_pages, v.load_kv, v.load_kv_tma, v.load_parts
 
     @T.macro
     def stream_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi, g0, seg, pw,
                        pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, q_free, q_ready, k_free,
                        k_ready, t):
         """The producer warpgroup, one request segment (blocks blk_lo .. blk_hi - 1 of the request, g0 the first's
-        g): Q, then every block, through TMA or cp.async, or an fp8 cache's loads and conversions (ws, tws with one
-        producer)."""
+        g): Q, then every block, through TMA or cp.async, or (ws) an fp8 cache's loads and conversions."""
         # Q of segment seg: WG0 has finished reading Q of segment seg - 1
         # the segment's first blocks (ws: later ones are asked for FP8_PREFETCH_AHEAD ahead)
         if is_fp8:
             for a in T.serial(FP8_PREFETCH_AHEAD):
                 if blk_lo + a < blk_hi:
                     prefetch_block(kv_cache, page_table, pt0, (blk_lo + a) * block_n, kv_len, t)
-        if ahead_fp8:  # the segment's first block (later ones: during the block before)
-            fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
-            fp8_issue_block(kv_cache, pages, blk_lo * block_n, kv_len, raw, g0, t)
-            if blk_lo + 1 < blk_hi:
-                fp8_pages(page_table, pt0, (blk_lo + 1) * block_n, kv_len, pages, t)
-        elif is_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
+        if is_fp8:  # row 0 of the segment's first block (later ones: during the previous block)
             fp8_pages(page_table, pt0, blk_lo * block_n, kv_len, pages, t)
             fp8_issue_row(kv_cache, pages[0], blk_lo * block_n, kv_len, raw, 0, 0, t)
         T.barrier_wait(q_free[0], seg_free_parity(seg))
@@ -259,9 +247,9 @@ def producer_macros(k):
         for blk in T.serial(blk_hi - blk_lo):
             g = g0 + blk
             pos0 = (blk_lo + blk) * block_n
-            if is_fp8 and not ahead_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
+            if is_fp8 and blk_lo + blk + FP8_PREFETCH_AHEAD < blk_hi:
                 prefetch_block(kv_cache, page_table, pt0, pos0 + FP8_PREFETCH_AHEAD * block_n, kv_len, t)
-            if is_fp8 and not ahead_fp8:  # loads go to registers: issue them before the buffer is free
+            if is_fp8:  # loads go to registers: issue them before the buffer is free
                 fp8_issue_row(kv_cache, pages[1], pos0, kv_len, raw, 1, 1, t)
                 if blk + 1 < blk_hi - blk_lo:
                     fp8_pages(page_table, pt0, pos0 + block_n, kv_len, pages, t)
@@ -274,14 +262,7 @@ def producer_macros(k):
             trace(2, g, 1)
             T.barrier_wait(k_free[kv_buffer(g)], kv_free_parity(g))
             trace(2, g, 2)
-            if ahead_fp8:  # (tws: the next block's loads are issued in there)
-                if kv_buffer(g) == 0:
-                    fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
-                                      pages, raw, 0, kv0_l, kv0_r, k0_t, t)
-                else:
-                    fp8_produce_block(kv_cache, page_table, pt0, pos0, kv_len, blk_hi - blk_lo - blk,
-                                      pages, raw, 1, kv1_l, kv1_r, k1_t, t)
-            elif is_fp8:
+            if is_fp8:
                 if kv_buffer(g) == 0:
                     fp8_block(kv_cache, pages, pos0, kv_len, blk + 1 < blk_hi - blk_lo, raw,
                               kv0_l, kv0_r, k0_t, t)
@@ -349,6 +330,5 @@ def producer_macros(k):
                 if blk + 2 * n_producers < n_blk:
                     fp8_pages(page_table, pt0, pos0 + 2 * n_producers * block_n, kv_len, pages, t)
 
-    produce_segment = rr_segment if rr_fp8 else stream_segment
-
-    return SimpleNamespace(load_q=load_q, store_converted=store_converted, fp8_row=fp8_row, fp8_pages=fp8_pages, fp8_issue_row=fp8_issue_row, fp8_convert_row=fp8_convert_row, fp8_block=fp8_block, fp8_issue_rows=fp8_issue_rows, fp8_issue_block=fp8_issue_block, fp8_produce_block=fp8_produce_block, kv_pages=kv_pages, load_kv=load_kv, load_kv_tma=load_kv_tma, load_part=load_part, fill_part=fill_part, release_kv=release_kv, load_parts=load_parts, prefetch_block=prefetch_block, stream_segment=stream_segment, rr_segment=rr_segment, produce_segment=produce_segment)
+    return SimpleNamespace(stream_segment=stream_segment, rr_segment=rr_segment,
+                           produce_segment=rr_segment if k.rr_fp8 else stream_segment, release_kv=v.release_kv)

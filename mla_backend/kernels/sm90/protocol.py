@@ -29,10 +29,8 @@ REGS_WG0, REGS_WG1, REGS_PRODUCER = 240, 168, 80
 # fp8 cache: the producer holds 2 rows x 144 B of raw bytes per thread (72 registers: one row's loads in
 # flight while the other converts); WG1 needs fewer there (it peaks at R153): 240 + 160 + 104 = 504.
 REGS_WG1_FP8, REGS_PRODUCER_FP8 = 160, 104
-# tws, fp8 cache: the transposed consumers need few registers (ptxas: R97 / R63), so the producer takes them and
-# holds 4 rows of raw bytes (144 registers): the next block's two rows load while this block's two convert.
-REGS_TWS_FP8 = (160, 104, 240)
-# tws, fp8 cache, TWS_FP8_PRODUCERS > 1 producer warpgroups taking blocks in turn, each with one set of raw
+# tws, fp8 cache: the transposed consumers need few registers (ptxas: R97 / R63), so TWS_FP8_PRODUCERS producer
+# warpgroups take blocks in turn, each with one set of raw
 # registers (its 2 rows of a block, 72 registers): a block's loads are issued when its producer has converted
 # the block TWS_FP8_PRODUCERS before, so they have that many blocks' time to land, less one conversion. One
 # warpgroup with two sets cannot do that: ptxas counts all of a thread's loads on one scoreboard, so each
@@ -52,7 +50,7 @@ def register_budget(fp8: bool, transposed: bool = False) -> tuple[int, int, int]
     """setmaxnreg of (WG0, WG1, producer) for a kernel variant (``transposed``: tws with h x q_len <= 16; each of
     tws fp8's producer warpgroups gets the producer's)."""
     if transposed and fp8:
-        return REGS_TWS_FP8 if TWS_FP8_PRODUCERS == 1 else REGS_TWS_FP8_RR
+        return REGS_TWS_FP8_RR
     return (REGS_WG0, REGS_WG1_FP8, REGS_PRODUCER_FP8) if fp8 else (REGS_WG0, REGS_WG1, REGS_PRODUCER)
 
 
