@@ -69,11 +69,8 @@ def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtyp
     # ws WG0 multiplies its half of P V from P in registers (as FlashAttention-3's first consumer does for
     # head_dim_v 512): no WGMMA of WG0 reads P's shared tile (WG1's copy), so WG0 stores P and alpha without a
     # barrier of its own and issues its GEMM before handing P to WG1; alpha goes to a slot per block parity, so
-    # it is stored before WG0 waits for WG1 to be done with the previous P.
+    # it is stored before WG0 waits for WG1 to be done with the previous P. roles.wg0_ws has the rest of its order.
     rs_pv = not transposed
-    # rs_pv: WG0 hands P to WG1 and issues its P V right after P is made; its row sums (per thread, the quad's added
-    # once per segment) follow while the GEMMs run
-    pv_first = rs_pv
     # ws, 16-bit cache: each tile of a KV buffer (left, right, rope) lands on its own k_ready, so WG0's S starts on
     # the left tile while the rest is in flight and WG1 waits for its V half only; the buffer is freed as one
     tile_ready = not transposed and not is_fp8
@@ -88,20 +85,6 @@ def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtyp
         """The rank of a cluster_kv pair that issues tile ``part`` of block g for both CTAs."""
         return g % 2 if part == PART_T else (0 if part == PART_L else 1)
 
-    # ws WG0: S's row max by a tree (a prelude helper on the m64n64 accumulator) instead of TileLang's chain
-    tree_max = not transposed
-    # rs_pv WG0, FlashAttention-3's order: P's stores for WG1, WG0's own P V issued, then the fence (it waits for the
-    # stores) and p_ready, so WG0's GEMM no longer waits for the fence
-    pv_early = pv_first
-    # rs_pv WG0: O's rescale right after alpha and unconditional, so ptxas can interleave its multiplies with P's
-    # exp2s (which the MUFU pipe bounds) instead of running them after P's hand-over
-    rescale_early = rs_pv
-    # rs_pv WG0 with tree_max: the row max of the raw scores times the (positive) scale, P = exp2(S * scale - m) as
-    # one FFMA per element (no multiply of S before the max)
-    scale_in_exp = rs_pv and tree_max
-    # rs_pv WG0: the wait for WG1 to be done with P (g - 1) right after S (g), so that no wait (a branch) splits the
-    # code from the row max to P's stores, which ptxas then schedules as one block
-    pfree_early = rs_pv
     # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
     # combine kernel
     in_merge = merged_parts(cfg) == 2
@@ -141,15 +124,12 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
         out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2).
     """
     k = variant_spec(num_heads, q_len, page_size, dtype, kv_dtype, cfg)
-    (accum, block_n, block_rows, cdtype, cfg, cluster, cluster_rope, dtype, fp8_rows, in_merge, is_fp8, kv_dtype,
-        last_copy_barrier, n_producers, n_row_blocks, num_heads, pad_rows, page_size, pfree_early, pv_early, pv_first,
-        q_len, q_rows, q_to_f16, regs_producer, regs_wg0, regs_wg1, rescale_early, rows, rr_fp8, rs_pv, scale_in_exp,
-        store_right_t, threads, tile_ready, tma_kv, trace, trace_end, tracing, transposed, tree_max) = (k.accum,
-        k.block_n, k.block_rows, k.cdtype, k.cfg, k.cluster, k.cluster_rope, k.dtype, k.fp8_rows, k.in_merge,
-        k.is_fp8, k.kv_dtype, k.last_copy_barrier, k.n_producers, k.n_row_blocks, k.num_heads, k.pad_rows,
-        k.page_size, k.pfree_early, k.pv_early, k.pv_first, k.q_len, k.q_rows, k.q_to_f16, k.regs_producer,
-        k.regs_wg0, k.regs_wg1, k.rescale_early, k.rows, k.rr_fp8, k.rs_pv, k.scale_in_exp, k.store_right_t,
-        k.threads, k.tile_ready, k.tma_kv, k.trace, k.trace_end, k.tracing, k.transposed, k.tree_max)
+    accum, block_n, block_rows, cdtype = k.accum, k.block_n, k.block_rows, k.cdtype
+    cfg, cluster, fp8_rows, in_merge = k.cfg, k.cluster, k.fp8_rows, k.in_merge
+    is_fp8, kv_dtype, n_producers, n_row_blocks = k.is_fp8, k.kv_dtype, k.n_producers, k.n_row_blocks
+    q_rows, q_to_f16, regs_producer, rows = k.q_rows, k.q_to_f16, k.regs_producer, k.rows
+    rs_pv, threads, tile_ready, tracing = k.rs_pv, k.threads, k.tile_ready, k.tracing
+    transposed = k.transposed
     p, c, e = producer_macros(k), consumer_macros(k), epilogue_macros(k)
     (wg0_tws, wg0_ws), (wg1_tws, wg1_ws), producer = (wg0_roles(k, c, e, p), wg1_roles(k, c, e, p),
                                                       producer_role(k, c, e, p))

@@ -17,17 +17,12 @@ from .protocol import (HALF, PART_R, REGS_WG0, TWS_TILE, WG0_NAMED_BARRIER, alph
 def wg0_roles(k, c, e, p):
     """WG0 of variant ``k`` (c, e, p: the consumer, epilogue and producer macros): (tws, ws)."""
     accum, block_n, block_rows = k.accum, k.block_n, k.block_rows
-    in_merge, pad_rows, pfree_early = k.in_merge, k.pad_rows, k.pfree_early
-    pv_early, pv_first, q_len = k.pv_early, k.pv_first, k.q_len
+    in_merge, pad_rows, q_len = k.in_merge, k.pad_rows, k.q_len
     q_rows, q_to_f16, regs_wg0 = k.q_rows, k.q_to_f16, k.regs_wg0
-    rescale_early, rs_pv, scale_in_exp = k.rescale_early, k.rs_pv, k.scale_in_exp
     threads, trace, trace_end = k.threads, k.trace, k.trace_end
-    tree_max = k.tree_max
     mask_scale, mask_scale_t, pv_block = c.mask_scale, c.mask_scale_t, c.pv_block
-    q_bf16_to_f16, rescale_rows, score_block = c.q_bf16_to_f16, c.rescale_rows, c.score_block
-    zero_pad_rows = c.zero_pad_rows
-    release_kv = p.release_kv
-    wg0_store_segment = e.wg0_store_segment
+    q_bf16_to_f16, score_block, zero_pad_rows = c.q_bf16_to_f16, c.score_block, c.zero_pad_rows
+    release_kv, wg0_store_segment = p.release_kv, e.wg0_store_segment
 
     @T.macro
     def wg0_tws(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
@@ -137,101 +132,65 @@ def wg0_roles(k, c, e, p):
                     trace(0, g, 2)
                     if blk == n_blk - 1:
                         T.barrier_arrive(q_free[0])  # last read of this segment's Q
-                    if pfree_early:  # WG1's P V (g - 1) ran before S (g) on the tensor pipe: no wait
-                        T.barrier_wait(p_free[0], p_free_parity(g))
-                    # scale_in_exp: S stays raw (scale 1 here) until the row max and P's exp2 apply it
-                    mask_scale(acc_s, pos0, vis0, row0, T.float32(1.0) if scale_in_exp else scale_log2)
+                    # WG1's P V (g - 1) ran before S (g) on the tensor pipe: the wait for its release of P is
+                    # due, and no wait (a branch) then splits the softmax for ptxas's scheduler
+                    T.barrier_wait(p_free[0], p_free_parity(g))
+                    # S stays raw (scale 1 here): the row max and P's exp2 apply the scale (one FFMA per element)
+                    mask_scale(acc_s, pos0, vis0, row0, T.float32(1.0))
                     T.copy(m_cur, m_prev)
-                    if tree_max:
-                        T.evaluate(T.call_extern("handle", "mla_row_max2", acc_s.data, m_cur.data,
-                                                 scale_log2 if scale_in_exp else T.float32(1.0)))
-                    else:
-                        T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+                    # S's row max by a 4-level tree per thread (TileLang's reduce_max is a 16-deep chain)
+                    T.evaluate(T.call_extern("handle", "mla_row_max2", acc_s.data, m_cur.data, scale_log2))
                     # A row that has seen nothing yet keeps max -inf: offset by 0 instead, so
                     # exp2 gives 0, not NaN.
                     for i in T.Parallel(block_rows):
                         alpha[i] = T.if_then_else(m_cur[i] == -T.infinity(accum), 1,
                                                   T.exp2(m_prev[i] - m_cur[i]))
-                    if rescale_early:
-                        for i, d in T.Parallel(block_rows, HALF):
-                            acc_o_l[i, d] *= alpha[i]
+                    # O's rescale right after alpha, unconditional: ptxas interleaves its multiplies with P's exp2s
+                    for i, d in T.Parallel(block_rows, HALF):
+                        acc_o_l[i, d] *= alpha[i]
                     for i, j in T.Parallel(block_rows, block_n):
-                        acc_s[i, j] = T.exp2(acc_s[i, j] * (scale_log2 if scale_in_exp else T.float32(1.0))
+                        acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2
                                              - T.if_then_else(m_cur[i] == -T.infinity(accum), 0, m_cur[i]))
-                    if not pv_first:
-                        T.reduce_sum(acc_s, row_sum, dim=1)
-                        for i in T.Parallel(block_rows):
-                            l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                    if rs_pv:
-                        T.copy(acc_s, p_frag)
-                        if not pv_first and not rescale_early:
-                            rescale_rows(acc_o_l, alpha)
-                        # alpha's slot was last read by WG1 for block g - 2, before the p_free arrival
-                        # WG0 waited for at block g - 1. Plain-address stores: TileLang's thread-sync
-                        # pass would put a barrier of the warpgroup around each of them.
-                        T.evaluate(T.call_extern("handle", "mla_store_rows64",
-                                                 alpha_slots.access_ptr("r", offset=alpha_slot(g) * block_rows)
-                                                 if pv_early else
-                                                 T.address_of(alpha_slots[alpha_slot(g) * block_rows]),
-                                                 alpha.data))
-                        # WG1 has finished with P of block g - 1
-                        trace(0, g, 3)
-                        if not pfree_early:
-                            T.barrier_wait(p_free[0], p_free_parity(g))
-                        trace(0, g, 4)
-                        # pv_early: a read-only access_ptr, or TileLang's fence-proxy pass would take the
-                        # call for a generic write and fence it before WG0's GEMM (the fence follows it)
-                        T.evaluate(T.call_extern("handle", "mla_store_p64",
-                                                 p_shared.access_ptr("r") if pv_early
-                                                 else T.address_of(p_shared[0, 0]), p_frag.data))
-                        if pv_first and not pv_early:  # P goes to WG1 before WG0's own P V is issued
-                            T.fence_proxy_async()
-                            T.barrier_arrive(p_ready[0])
-                            trace(0, g, 5)
-                        if pv_first and not rescale_early:
-                            rescale_rows(acc_o_l, alpha)
-                        if kv_buffer(g) == 0:
-                            T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
-                        else:
-                            T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
-                        if pv_early:  # the fence waits for P's stores, now behind WG0's GEMM
-                            T.fence_proxy_async()
-                            T.barrier_arrive(p_ready[0])
-                            trace(0, g, 5)
-                        if pv_first:  # the row sums (this thread's share) while the tensor cores run
-                            T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data,
-                                                     row_sum.data))
-                            for i in T.Parallel(block_rows):
-                                l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
-                        else:
-                            T.fence_proxy_async()  # P: generic stores, read by WG1's WGMMA (async proxy)
-                            T.barrier_arrive(p_ready[0])
-                        trace(0, g, 6)
-                        T.wait_wgmma(0)
-                        T.warpgroup_fence_operand(acc_o_l, num_regs=block_rows * HALF // 128)
-                        trace(0, g, 7)
+                    # P V from P in registers (WG0's half; FlashAttention-3's first consumer for head_dim_v 512)
+                    T.copy(acc_s, p_frag)
+                    # alpha's slot was last read by WG1 for block g - 2, before the p_free arrival WG0 waited for
+                    # at block g - 1. A read-only access_ptr: TileLang's thread-sync pass would put a barrier of the
+                    # warpgroup around a store it can see.
+                    T.evaluate(T.call_extern("handle", "mla_store_rows64",
+                                             alpha_slots.access_ptr("r", offset=alpha_slot(g) * block_rows),
+                                             alpha.data))
+                    trace(0, g, 3)
+                    trace(0, g, 4)
+                    # P's copy for WG1 by a read-only access_ptr, or TileLang's fence-proxy pass would take the call
+                    # for a generic write and fence it before WG0's GEMM (the fence follows it)
+                    T.evaluate(T.call_extern("handle", "mla_store_p64", p_shared.access_ptr("r"), p_frag.data))
+                    if kv_buffer(g) == 0:
+                        T.wgmma_gemm(p_frag, kv0_l, acc_o_l)
                     else:
-                        # WG1 has finished with P / alpha of block g - 1
-                        T.barrier_wait(p_free[0], p_free_parity(g))
-                        for i in T.Parallel(block_rows):
-                            alpha_shared[i] = alpha[i]
-                        T.copy(acc_s, p_shared)
-                        T.fence_proxy_async()  # P: generic stores, read by WGMMA (async proxy)
-                        T.barrier_arrive(p_ready[0])
-                        rescale_rows(acc_o_l, alpha)
-                        pv_block(p_shared, g, kv0_l, kv1_l, acc_o_l)
+                        T.wgmma_gemm(p_frag, kv1_l, acc_o_l)
+                    # FlashAttention-3's order: the fence (it waits for P's stores) and p_ready behind WG0's GEMM
+                    T.fence_proxy_async()
+                    T.barrier_arrive(p_ready[0])
+                    trace(0, g, 5)
+                    # the row sums (this thread's share) while the tensor cores run
+                    T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data, row_sum.data))
+                    for i in T.Parallel(block_rows):
+                        l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                    trace(0, g, 6)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc_o_l, num_regs=block_rows * HALF // 128)
+                    trace(0, g, 7)
                     release_kv(k_free, g, tx)
 
-                if pv_first:  # each thread held its share of the row sums
-                    T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
+                # each thread held its share of the row sums
+                T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
                 # epilogue: hand l (and m) to WG1, merge the request's parts if this program is the last
                 # of a few, write O[:, :256] and the LSE
                 T.barrier_wait(l_free[0], seg_free_parity(seg))
                 for i in T.Parallel(block_rows):
                     l_shared[i] = l_sum[i]
-                if in_merge:
-                    for i in T.Parallel(block_rows):
-                        l_shared[block_rows + i] = m_cur[i]
+                for i in T.Parallel(block_rows):
+                    l_shared[block_rows + i] = m_cur[i]
                 T.barrier_arrive(l_ready[0])
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
