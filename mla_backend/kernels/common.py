@@ -102,3 +102,14 @@ def wait_for_inputs(pdl: bool):
 def partial_lse(l_sum, m_cur):
     """A part's log2-domain LSE of a row (its partial slot's): -inf where the row saw nothing."""
     return T.if_then_else(l_sum > 0, T.log2(l_sum) + m_cur, -T.infinity("float32"))
+
+
+@T.macro
+def segment_span(cu_blocks, req, part_lo, part_hi):
+    """A part's segment of request ``req``: its flat blocks ``[req_lo, req_hi)`` and the segment's blocks
+    ``[blk_lo, blk_hi)`` of the request (empty where ``blk_hi <= blk_lo``), as let-bound values."""
+    req_lo = cu_blocks[req]
+    req_hi = cu_blocks[req + 1]
+    blk_lo = T.max(part_lo, req_lo) - req_lo
+    blk_hi = T.min(part_hi, req_hi) - req_lo
+    return req_lo, req_hi, blk_lo, blk_hi

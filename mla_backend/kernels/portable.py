@@ -17,7 +17,7 @@ import tilelang.language as T
 
 from ..constants import HEAD_DIM, KV_LORA_RANK, ROPE_DIM
 from .common import (LN2, LOG2E, make_store_rows, num_row_blocks, partial_lse, pipelined, request_parts,
-                     wait_for_inputs)
+                     segment_span, wait_for_inputs)
 from .configs import KernelConfig
 
 
@@ -152,10 +152,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             row0 = row_block * block_rows
 
             for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
-                req_lo = cu_blocks[req]
-                req_hi = cu_blocks[req + 1]
-                blk_lo = T.max(part_lo, req_lo) - req_lo
-                blk_hi = T.min(part_hi, req_hi) - req_lo
+                req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
                 if blk_hi > blk_lo:
                     kv_len = kv_lens[req]
                     tok0 = qo_indptr[req]

@@ -8,7 +8,7 @@ consumers keep the same protocol (protocol.py); kernel.py allocates the buffers 
 import tilelang.language as T
 
 from ...constants import HEAD_DIM, KV_LORA_RANK
-from ..common import request_parts
+from ..common import request_parts, segment_span
 from .protocol import (HALF, PART_R, REGS_WG0, TWS_TILE, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer, kv_ready_parity,
                        p_free_parity, p_ready_parity, part_barrier, seg_free_parity, seg_ready_parity,
                        segment_first_block)
@@ -22,7 +22,7 @@ def wg0_roles(k, c, e, p):
     threads, trace, trace_end = k.threads, k.trace, k.trace_end
     mask_scale, mask_scale_t, pv_block = c.mask_scale, c.mask_scale_t, c.pv_block
     q_bf16_to_f16, score_block, zero_pad_rows = c.q_bf16_to_f16, c.score_block, c.zero_pad_rows
-    release_kv, wg0_store_segment = p.release_kv, e.wg0_store_segment
+    release_kv, wg0_store_segment, give_l = p.release_kv, e.wg0_store_segment, e.give_l
 
     @T.macro
     def wg0_tws(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
@@ -38,10 +38,7 @@ def wg0_roles(k, c, e, p):
         if pad_rows:
             zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
-            req_lo = cu_blocks[req]
-            req_hi = cu_blocks[req + 1]
-            blk_lo = T.max(part_lo, req_lo) - req_lo
-            blk_hi = T.min(part_hi, req_hi) - req_lo
+            req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
             if blk_hi > blk_lo:
                 tok0 = qo_indptr[req]
                 vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
@@ -84,13 +81,7 @@ def wg0_roles(k, c, e, p):
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
                 T.reduce_sum(l_acc, l_sum, dim=0)
-                T.barrier_wait(l_free[0], seg_free_parity(seg))
-                for i in T.Parallel(q_rows):
-                    l_shared[i] = l_sum[i]
-                if in_merge:
-                    for i in T.Parallel(q_rows):
-                        l_shared[q_rows + i] = m_cur[i]
-                T.barrier_arrive(l_ready[0])
+                give_l(l_shared, l_sum, m_cur, l_ready, l_free, seg)
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
                                   part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
@@ -108,10 +99,7 @@ def wg0_roles(k, c, e, p):
         if pad_rows:
             zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)  # WG0 is Q's only reader
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
-            req_lo = cu_blocks[req]
-            req_hi = cu_blocks[req + 1]
-            blk_lo = T.max(part_lo, req_lo) - req_lo
-            blk_hi = T.min(part_hi, req_hi) - req_lo
+            req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
             if blk_hi > blk_lo:
                 kv_len = kv_lens[req]
                 tok0 = qo_indptr[req]
@@ -186,12 +174,7 @@ def wg0_roles(k, c, e, p):
                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
                 # epilogue: hand l (and m) to WG1, merge the request's parts if this program is the last
                 # of a few, write O[:, :256] and the LSE
-                T.barrier_wait(l_free[0], seg_free_parity(seg))
-                for i in T.Parallel(block_rows):
-                    l_shared[i] = l_sum[i]
-                for i in T.Parallel(block_rows):
-                    l_shared[block_rows + i] = m_cur[i]
-                T.barrier_arrive(l_ready[0])
+                give_l(l_shared, l_sum, m_cur, l_ready, l_free, seg)
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
                                   part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
@@ -213,6 +196,7 @@ def wg1_roles(k, c, e, p):
     wg1_store_segment = e.wg1_store_segment
     pv_block, pv_quarters, rescale_rows = c.pv_block, c.pv_quarters, c.rescale_rows
     release_kv = p.release_kv
+    take_l = e.take_l
 
     @T.macro
     def wg1_tws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, merge_count,
@@ -222,10 +206,7 @@ def wg1_roles(k, c, e, p):
         """tws WG1: O^T[256:] as four 64-dim tiles."""
         T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
-            req_lo = cu_blocks[req]
-            req_hi = cu_blocks[req + 1]
-            blk_lo = T.max(part_lo, req_lo) - req_lo
-            blk_hi = T.min(part_hi, req_hi) - req_lo
+            req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
             if blk_hi > blk_lo:
                 tok0 = qo_indptr[req]
                 g0 = segment_first_block(part_lo, req_lo, blk_lo)
@@ -251,13 +232,7 @@ def wg1_roles(k, c, e, p):
                     T.barrier_arrive(p_free[0])
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
-                T.barrier_wait(l_ready[0], seg_ready_parity(seg))
-                for i in T.Parallel(q_rows):
-                    l_r[i] = l_shared[i]
-                if in_merge:
-                    for i in T.Parallel(q_rows):
-                        m_r[i] = l_shared[q_rows + i]
-                T.barrier_arrive(l_free[0])
+                take_l(l_shared, l_r, m_r, l_ready, l_free, seg)
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 store_right_t[0].normalize(acc_o_r0, l_r, kv_scale, alpha_r)
                 store_right_t[1].normalize(acc_o_r1, l_r, kv_scale, alpha_r)
@@ -297,10 +272,7 @@ def wg1_roles(k, c, e, p):
         """ws WG1: O[:, 256:] from P in shared memory."""
         T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))  # fp8's 160 is a .dec
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
-            req_lo = cu_blocks[req]
-            req_hi = cu_blocks[req + 1]
-            blk_lo = T.max(part_lo, req_lo) - req_lo
-            blk_hi = T.min(part_hi, req_hi) - req_lo
+            req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
             if blk_hi > blk_lo:
                 tok0 = qo_indptr[req]
                 g0 = segment_first_block(part_lo, req_lo, blk_lo)
@@ -323,13 +295,7 @@ def wg1_roles(k, c, e, p):
                     T.barrier_arrive(p_free[0])
                     release_kv(k_free, g, tx)
 
-                T.barrier_wait(l_ready[0], seg_ready_parity(seg))
-                for i in T.Parallel(block_rows):
-                    l_r[i] = l_shared[i]
-                if in_merge:
-                    for i in T.Parallel(block_rows):
-                        m_r[i] = l_shared[block_rows + i]
-                T.barrier_arrive(l_free[0])
+                take_l(l_shared, l_r, m_r, l_ready, l_free, seg)
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 wg1_store_segment(acc_o_r, l_r, m_r, alpha_r, w_r, alpha_r, kv_scale, first, n_parts, part,
                                   req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
@@ -359,10 +325,7 @@ def producer_role(k, c, e, p):
             # tensor map (kv_cache_desc), which MLA_TMA_MC issues through
             T.tma_copy(kv_cache[0, 0:block_n, KV_LORA_RANK:HEAD_DIM], k0_t, barrier=k_ready[0])
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
-            req_lo = cu_blocks[req]
-            req_hi = cu_blocks[req + 1]
-            blk_lo = T.max(part_lo, req_lo) - req_lo
-            blk_hi = T.min(part_hi, req_hi) - req_lo
+            req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
             if blk_hi > blk_lo:
                 kv_len = kv_lens[req]
                 tok0 = qo_indptr[req]
