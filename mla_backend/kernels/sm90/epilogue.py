@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..common import LN2, SegmentStore, partial_lse
-from .protocol import HALF, MERGE_DONE_SHIFT, TWS_COLS, TWS_TILE, seg_free_parity, seg_ready_parity
+from .protocol import HALF, MERGE_DONE_SHIFT, TWS_COLS, TWS_TILE
 
 
 def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_lse: bool = True) -> SegmentStore:
@@ -56,28 +56,6 @@ def epilogue_macros(k):
     """The segment epilogues of variant ``k`` (kernel.variant_spec): normalise, merge, write."""
     in_merge, n_row_blocks, q_rows, rows, store_left, store_left_t, store_right, transposed = (
         k.in_merge, k.n_row_blocks, k.q_rows, k.rows, k.store_left, k.store_left_t, k.store_right, k.transposed)
-
-    @T.macro
-    def give_l(l_shared, l_sum, m_cur, l_ready, l_free, seg: T.Ref):
-        """WG0, a segment's end: its row sums l (and, to merge, its row maxima m) to WG1 through shared memory."""
-        T.barrier_wait(l_free[0], seg_free_parity(seg))
-        for i in T.Parallel(q_rows):
-            l_shared[i] = l_sum[i]
-        if in_merge:
-            for i in T.Parallel(q_rows):
-                l_shared[q_rows + i] = m_cur[i]
-        T.barrier_arrive(l_ready[0])
-
-    @T.macro
-    def take_l(l_shared, l_r, m_r, l_ready, l_free, seg: T.Ref):
-        """WG1, a segment's end: WG0's l (and m) from shared memory."""
-        T.barrier_wait(l_ready[0], seg_ready_parity(seg))
-        for i in T.Parallel(q_rows):
-            l_r[i] = l_shared[i]
-        if in_merge:
-            for i in T.Parallel(q_rows):
-                m_r[i] = l_shared[q_rows + i]
-        T.barrier_arrive(l_free[0])
 
     @T.macro
     def merge_begin(merge_count, merge_ticket, req, row_block, first, part, n_parts, merge_state):
@@ -153,4 +131,4 @@ def epilogue_macros(k):
     wg0_store_segment = make_store_segment(store_left_t if transposed else store_left, 0, HALF // TWS_TILE)
     wg1_store_segment = make_store_segment(store_right, HALF)
 
-    return SimpleNamespace(give_l=give_l, take_l=take_l, merge_begin=merge_begin, merge_end=merge_end, merge_weights=merge_weights, merge_add=merge_add, merge_other=merge_other, store_direct=store_direct, make_store_segment=make_store_segment, wg0_store_segment=wg0_store_segment, wg1_store_segment=wg1_store_segment)
+    return SimpleNamespace(merge_begin=merge_begin, merge_end=merge_end, merge_weights=merge_weights, merge_add=merge_add, merge_other=merge_other, store_direct=store_direct, make_store_segment=make_store_segment, wg0_store_segment=wg0_store_segment, wg1_store_segment=wg1_store_segment)

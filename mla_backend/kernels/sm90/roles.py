@@ -22,7 +22,18 @@ def wg0_roles(k, c, e, p):
     threads, trace, trace_end = k.threads, k.trace, k.trace_end
     mask_scale, mask_scale_t, pv_block = c.mask_scale, c.mask_scale_t, c.pv_block
     q_bf16_to_f16, score_block, zero_pad_rows = c.q_bf16_to_f16, c.score_block, c.zero_pad_rows
-    release_kv, wg0_store_segment, give_l = p.release_kv, e.wg0_store_segment, e.give_l
+    release_kv, wg0_store_segment = p.release_kv, e.wg0_store_segment
+
+    @T.macro
+    def segment_start(acc_o, l_part, m_cur, q_ready, seg: T.Ref, q_l, q_r, q_t, tx):
+        """WG0, a segment's start: O, the row sums and the running max reset, then the wait for the segment's Q
+        (converted to fp16 x 2^-8 in place for an fp8 cache under a bf16 q)."""
+        T.fill(acc_o, 0)
+        T.fill(l_part, 0)
+        T.fill(m_cur, -T.infinity(accum))
+        T.barrier_wait(q_ready[0], seg_ready_parity(seg))
+        if q_to_f16:
+            q_bf16_to_f16(q_l, q_r, q_t, tx)
 
     @T.macro
     def wg0_tws(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
@@ -44,12 +55,7 @@ def wg0_roles(k, c, e, p):
                 vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
                 g0 = segment_first_block(part_lo, req_lo, blk_lo)
                 n_blk = blk_hi - blk_lo
-                T.fill(acc_o_l, 0)
-                T.fill(l_acc, 0)
-                T.fill(m_cur, -T.infinity(accum))
-                T.barrier_wait(q_ready[0], seg_ready_parity(seg))
-                if q_to_f16:
-                    q_bf16_to_f16(q_l, q_r, q_t, tx)
+                segment_start(acc_o_l, l_acc, m_cur, q_ready, seg, q_l, q_r, q_t, tx)
                 for blk in T.serial(n_blk):
                     g = g0 + blk
                     score_block(q_l, q_r, q_t, g, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, k_ready, acc_s)
@@ -81,7 +87,13 @@ def wg0_roles(k, c, e, p):
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
                 T.reduce_sum(l_acc, l_sum, dim=0)
-                give_l(l_shared, l_sum, m_cur, l_ready, l_free, seg)
+                T.barrier_wait(l_free[0], seg_free_parity(seg))
+                for i in T.Parallel(q_rows):
+                    l_shared[i] = l_sum[i]
+                if in_merge:
+                    for i in T.Parallel(q_rows):
+                        l_shared[q_rows + i] = m_cur[i]
+                T.barrier_arrive(l_ready[0])
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
                                   part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
@@ -106,12 +118,7 @@ def wg0_roles(k, c, e, p):
                 vis0 = kv_len - q_len + 1  # row r sees positions < vis0 + r // H
                 g0 = segment_first_block(part_lo, req_lo, blk_lo)  # g of the segment's first block
                 n_blk = blk_hi - blk_lo
-                T.fill(acc_o_l, 0)
-                T.fill(l_sum, 0)
-                T.fill(m_cur, -T.infinity(accum))
-                T.barrier_wait(q_ready[0], seg_ready_parity(seg))
-                if q_to_f16:
-                    q_bf16_to_f16(q_l, q_r, q_t, tx)
+                segment_start(acc_o_l, l_sum, m_cur, q_ready, seg, q_l, q_r, q_t, tx)
                 for blk in T.serial(n_blk):
                     g = g0 + blk
                     pos0 = (blk_lo + blk) * block_n
@@ -174,7 +181,12 @@ def wg0_roles(k, c, e, p):
                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
                 # epilogue: hand l (and m) to WG1, merge the request's parts if this program is the last
                 # of a few, write O[:, :256] and the LSE
-                give_l(l_shared, l_sum, m_cur, l_ready, l_free, seg)
+                T.barrier_wait(l_free[0], seg_free_parity(seg))
+                for i in T.Parallel(block_rows):
+                    l_shared[i] = l_sum[i]
+                for i in T.Parallel(block_rows):
+                    l_shared[block_rows + i] = m_cur[i]
+                T.barrier_arrive(l_ready[0])
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
                                   part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
@@ -186,7 +198,7 @@ def wg0_roles(k, c, e, p):
 
 
 def wg1_roles(k, c, e, p):
-    """WG1 of variant ``k``: (tws, ws)."""
+    """WG1 of variant ``k`` (tws, ws) and its producer warpgroup(s): (wg1_tws, wg1_ws, producer)."""
     block_rows, in_merge, q_rows = k.block_rows, k.in_merge, k.q_rows
     regs_wg1, rs_pv, store_right_t = k.regs_wg1, k.rs_pv, k.store_right_t
     threads, tile_ready, trace = k.threads, k.tile_ready, k.trace
@@ -196,7 +208,11 @@ def wg1_roles(k, c, e, p):
     wg1_store_segment = e.wg1_store_segment
     pv_block, pv_quarters, rescale_rows = c.pv_block, c.pv_quarters, c.rescale_rows
     release_kv = p.release_kv
-    take_l = e.take_l
+    block_n, cluster_rope, is_fp8 = k.block_n, k.cluster_rope, k.is_fp8
+    last_copy_barrier, n_producers, regs_producer = k.last_copy_barrier, k.n_producers, k.regs_producer
+    rr_fp8, threads, tma_kv = k.rr_fp8, k.threads, k.tma_kv
+    trace_end = k.trace_end
+    produce_segment = p.produce_segment
 
     @T.macro
     def wg1_tws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, merge_count,
@@ -232,7 +248,13 @@ def wg1_roles(k, c, e, p):
                     T.barrier_arrive(p_free[0])
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
-                take_l(l_shared, l_r, m_r, l_ready, l_free, seg)
+                T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+                for i in T.Parallel(q_rows):
+                    l_r[i] = l_shared[i]
+                if in_merge:
+                    for i in T.Parallel(q_rows):
+                        m_r[i] = l_shared[q_rows + i]
+                T.barrier_arrive(l_free[0])
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 store_right_t[0].normalize(acc_o_r0, l_r, kv_scale, alpha_r)
                 store_right_t[1].normalize(acc_o_r1, l_r, kv_scale, alpha_r)
@@ -295,24 +317,19 @@ def wg1_roles(k, c, e, p):
                     T.barrier_arrive(p_free[0])
                     release_kv(k_free, g, tx)
 
-                take_l(l_shared, l_r, m_r, l_ready, l_free, seg)
+                T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+                for i in T.Parallel(block_rows):
+                    l_r[i] = l_shared[i]
+                if in_merge:
+                    for i in T.Parallel(block_rows):
+                        m_r[i] = l_shared[block_rows + i]
+                T.barrier_arrive(l_free[0])
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 wg1_store_segment(acc_o_r, l_r, m_r, alpha_r, w_r, alpha_r, kv_scale, first, n_parts, part,
                                   req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
                                   lse, out_partial, lse_partial)
                 seg = seg + 1
         trace_end(1)
-
-    return wg1_tws, wg1_ws
-
-
-def producer_role(k, c, e, p):
-    """The producer warpgroup(s) of variant ``k``."""
-    block_n, cluster_rope, is_fp8 = k.block_n, k.cluster_rope, k.is_fp8
-    last_copy_barrier, n_producers, regs_producer = k.last_copy_barrier, k.n_producers, k.regs_producer
-    rr_fp8, threads, tma_kv = k.rr_fp8, k.threads, k.tma_kv
-    trace_end = k.trace_end
-    produce_segment = p.produce_segment
 
     @T.macro
     def producer(q_nope, q_pe, kv_cache, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks, part_begin_req,
@@ -357,5 +374,5 @@ def producer_role(k, c, e, p):
                 T.barrier_wait(q_ready[0], seg_ready_parity(seg - 1))
         trace_end(2)
 
-    return producer
+    return wg1_tws, wg1_ws, producer
 
