@@ -71,7 +71,7 @@ def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
 
 def _waits_before(src: str, first_read: str) -> bool:
     """pdl: the kernel waits for the stream's previous kernel (griddepcontrol.wait) before its first read of
-    ``first_read`` (kernel-ws.md)."""
+    ``first_read`` (docs/kernels.md)."""
     body = kernel_body(src)
     return body.index("cudaGridDependencySynchronize();") < body.index(first_read)
 

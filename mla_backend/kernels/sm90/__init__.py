@@ -6,8 +6,12 @@ list, ``blocks_per_part``, direct write when a request lies in one part, partial
 log2 partial LSE, natural-log final LSE, zeros / -inf for rows that see nothing, causal rule
 ``pos < kv_len - q_len + row // num_heads + 1``, fp8 scale folded into S and O, clamped tail reads).
 The only difference visible to the host is the KV block size: 64 tokens, so the split planner must
-be built with ``block_n=SM90_WS.block_n`` (64) when this kernel is used. The combine kernels of
-``combine.py`` are shared (it does not depend on the block size).
+be built with ``block_n=configs.SM90.block_n`` (64). The combine kernels of ``combine.py`` are shared (they do not
+depend on the block size).
+
+Modules: ``protocol`` (budgets, barrier parities, the CUDA prelude ``prelude.cuh``), ``producer`` (Q and KV into
+shared memory), ``consumers`` (S, mask, P V), ``epilogue`` (normalise, merge, write), ``roles`` (each warpgroup's
+request walk), ``kernel`` (one variant's choices and the prim_func).
 
 Layout of one program (part, 64-row block), 384 threads = 3 warpgroups (tws with an fp8 cache: 512, two
 producer warpgroups taking blocks in turn, ``TWS_FP8_PRODUCERS``):
@@ -36,7 +40,7 @@ Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + d
 
 There is no room for a separate fp8 staging tile (64 x 576 x 1 = 36864 B), so for an fp8 cache the
 producer loads with plain loads and converts in registers; the per-tensor ``k_scale`` is applied to S
-(through the softmax scale) and to O, as in ``mla_decode``. With an fp8 cache the ws kernel computes in
+(through the softmax scale) and to O, as in ``portable.py``. With an fp8 cache the ws kernel computes in
 fp16 whatever q's dtype: e4m3 -> fp16 is one hardware instruction per pair (``cvt.rn.f16x2.e4m3x2``;
 bf16 would take five), exact, and a bf16 q becomes fp16 x 2^-8 in shared memory (exact unless below
 2^-6, where the absolute error stays under 2^-17; overflow only above 2^24), the 2^8 undone in the
@@ -46,7 +50,7 @@ next block's first row during this block's second), issues a block's loads befor
 buffer, and first asks L2 for the rows of the block two ahead (``prefetch.global.L2``). The tws producer
 (whose consumers leave it 240 registers) holds 4 rows: the next block's two load while this block's two
 convert, issued after this block's first conversion (one scoreboard counts all of a thread's loads), and
-asks L2 for nothing past a segment's first two blocks (docs/kernel-ws.md). With TWS_FP8_PRODUCERS = 2 (the
+asks L2 for nothing past a segment's first two blocks (docs/kernels.md). With TWS_FP8_PRODUCERS = 2 (the
 default) the tws fp8 kernel has 512 threads: two producer warpgroups take blocks in turn, each converting
 from one row set and then issuing its next block's loads, which so have two blocks' time to land.
 
@@ -75,8 +79,8 @@ after named barrier 13 (the consumers' 256 threads), adds 1 << 16, the second
 waits for that (``ld.acquire``), adds the other partial to its own normalised O by LSE (the same rounding either way
 round), writes out / lse and resets the counter. Requests of more parts and empty ones are left to the combine.
 
-docs/kernel-ws.md walks through the phases (request boundary, odd block count, empty segment, a part
-that touches several requests); tests/test_lowering_ws.py simulates them for random plans.
+docs/kernels.md walks through the phases (request boundary, odd block count, empty segment, a part
+that touches several requests); tests/test_lowering_ws_protocol.py simulates them for random plans.
 """
 
 from .kernel import build_decode_kernel, variant_spec

@@ -147,7 +147,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     num_parts = T.dynamic("num_parts")
     num_slots = T.dynamic("num_slots")
     num_counts = T.dynamic("num_counts")
-    # q is read through runtime (token, head) strides, as in mla_decode (the op guarantees 16-byte
+    # q is read through runtime (token, head) strides, as in portable.py (the op guarantees 16-byte
     # aligned rows for cp.async).
     q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
     q_pe_stride = (T.dynamic("q_pe_stride_t"), T.dynamic("q_pe_stride_h"), 1)
