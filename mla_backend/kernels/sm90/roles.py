@@ -209,7 +209,7 @@ def wg1_roles(k, c, e, p):
     pv_block, pv_quarters, rescale_rows = c.pv_block, c.pv_quarters, c.rescale_rows
     release_kv = p.release_kv
     block_n, cluster_rope, is_fp8 = k.block_n, k.cluster_rope, k.is_fp8
-    last_copy_barrier, n_producers, regs_producer = k.last_copy_barrier, k.n_producers, k.regs_producer
+    last_copy_barrier = k.last_copy_barrier
     rr_fp8, threads, tma_kv = k.rr_fp8, k.threads, k.tma_kv
     trace_end = k.trace_end
     produce_segment = p.produce_segment
