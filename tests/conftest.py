@@ -1,12 +1,43 @@
-"""Shared test setup: tests marked ``gpu`` are skipped, with the reason, where torch sees no CUDA GPU."""
+"""Shared test setup.
+
+* Tests marked ``gpu`` are skipped, with the reason, where torch sees no CUDA GPU.
+* The full lowering matrix is marked ``slow``: every test of a ``tests/test_lowering*.py`` module that lowers a
+  kernel (uses a fixture named ``*lower*`` or calls ``tilelang.lower`` / a ``_lower*`` helper). Each lowering takes
+  20-60 s on 2 cores; together they took ~30 of the suite's 32 minutes. pyproject's ``addopts`` deselects them by
+  default (``-m 'not slow'``), so ``python3 -m pytest -q`` keeps their pure-Python checks (barrier protocol
+  simulations, register budgets, prim_func scripts) and lowers only tests/test_tilelang_versions.py's representative
+  variants; ``python3 -m pytest -m slow`` (.ci/run's second pass) or ``-m ''`` runs the rest.
+"""
 
 from __future__ import annotations
+
+import inspect
+import re
 
 import pytest
 import torch
 
+# A lowering: a fixture that lowers (lowered, lowered_tws, cuda_lowered, ...) or a call that does.
+_LOWERING_CALL = re.compile(r"(?<![\w.])(?:tilelang\.lower|tilelang\.compile|_lower\w*)\(")
 
+
+def _lowers(item) -> bool:
+    if any("lower" in name for name in getattr(item, "fixturenames", ())):
+        return True
+    function = getattr(item, "function", None)
+    try:
+        source = inspect.getsource(function) if function is not None else ""
+    except (OSError, TypeError):
+        return False
+    return _LOWERING_CALL.search(source) is not None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if item.path.name.startswith("test_lowering") and _lowers(item):
+            item.add_marker(slow)
     if torch.cuda.is_available():
         return
     why = f"needs a CUDA GPU; torch {torch.__version__} reports none (torch.cuda.is_available() is False)"

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# CI: the kernels lowered for sm_90a (and two split variants nvcc-compiled) under each TileLang release an install
+# of this project can resolve to, by tests/test_tilelang_versions.py:
+#   0.1.9   the main install (.ci/constraints.txt; vLLM 0.26's pin)          required
+#   0.1.11  SGLang 0.5.17's pin                                              required
+#   0.1.12  vLLM 0.27 .. 0.33's pin                                          pending: reported, does not fail CI
+#   0.1.15  the newest release                                              pending: reported, does not fail CI
+# pyproject admits the required ones (>=0.1.9,!=0.1.10,<0.1.12). The pending ones need the kernel changes of issue
+# #45 (0.1.12: T.ClusterKernel for the cluster launch; 0.1.15: the TMA multicast's destination pointer without a
+# write mask); once they pass, move them to MLA_BACKEND_TILELANG_MATRIX's default and widen pyproject's range.
+# Each side version goes into .ci/tilelang-<version> with the apache-tvm-ffi its METADATA admits (the one verified
+# here), put first on PYTHONPATH for one pytest run. --no-deps: torch, numpy, ... come from the main install;
+# z3-solver and torch-c-dlpack-ext go into the side directory too, as in install_hip_toolchain.sh (0.1.11 looks for
+# libz3 beside itself).
+#   bash .ci/tilelang_matrix.sh install   # side directories only (~30-60 s and ~300 MB each)
+#   bash .ci/tilelang_matrix.sh test      # one pytest run per version, then a table; exit 1 if a required one failed
+#   bash .ci/tilelang_matrix.sh           # both
+# MLA_BACKEND_TILELANG_MATRIX (required side versions, default "0.1.11"), MLA_BACKEND_TILELANG_PENDING (default
+# "0.1.12 0.1.15"), MLA_BACKEND_TILELANG_MAIN=0 (skip the main install's run, e.g. when the README command just ran
+# the file under it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+what="${1:-all}"
+
+# version -> apache-tvm-ffi: tilelang 0.1.11 (>=0.1.10,~=0.1.0) and 0.1.12 (>=0.1.10,<=0.1.11) with 0.1.11, as
+# install_hip_toolchain.sh; 0.1.15 (>=0.1.11,<0.1.13) with 0.1.12.
+declare -A TVM_FFI=([0.1.11]=0.1.11 [0.1.12]=0.1.11 [0.1.15]=0.1.12)
+SIDE_VERSIONS="${MLA_BACKEND_TILELANG_MATRIX-0.1.11}"
+PENDING_VERSIONS="${MLA_BACKEND_TILELANG_PENDING-0.1.12 0.1.15}"
+
+install_side() {  # install_side VERSION: .ci/tilelang-VERSION, unless it already holds that version
+  local v=$1 dir=".ci/tilelang-$1"
+  if [ -d "$dir/tilelang-$v.dist-info" ] && [ -d "$dir/apache_tvm_ffi-${TVM_FFI[$v]}.dist-info" ] &&
+     [ -d "$dir/z3_solver-4.15.4.0.dist-info" ]; then
+    return 0
+  fi
+  rm -rf "$dir"
+  "$PYTHON" -m pip install -q --no-deps --target "$dir" "tilelang==$v" "apache-tvm-ffi==${TVM_FFI[$v]}" \
+    torch-c-dlpack-ext==0.1.5 z3-solver==4.15.4.0 ||
+    { echo "tilelang $v side install failed"; rm -rf "$dir"; return 1; }
+}
+
+declare -A RESULT
+run_version() {  # run_version VERSION [SIDE_DIR]
+  local v=$1 dir=${2:-} log rc start=$SECONDS
+  log="$(mktemp)"
+  echo "=== TileLang $v: tests/test_tilelang_versions.py${dir:+ (PYTHONPATH=$dir)}"
+  if [ -n "$dir" ]; then
+    PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" MLA_BACKEND_EXPECT_TILELANG="$v" \
+      "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider -m "" tests/test_tilelang_versions.py 2>&1 | tee "$log"
+  else
+    MLA_BACKEND_EXPECT_TILELANG="$v" \
+      "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider -m "" tests/test_tilelang_versions.py 2>&1 | tee "$log"
+  fi
+  rc=${PIPESTATUS[0]}
+  RESULT[$v]="$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|no tests ran' "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')"
+  RESULT[$v]="${RESULT[$v]:-no summary} (rc $rc, $((SECONDS - start)) s)"
+  rm -f "$log"
+  return "$rc"
+}
+
+if [ "$what" = all ] || [ "$what" = install ]; then
+  for v in $SIDE_VERSIONS $PENDING_VERSIONS; do install_side "$v"; done
+fi
+[ "$what" = install ] && exit 0
+
+failed=0
+main_version="$("$PYTHON" -c 'import tilelang; print(tilelang.__version__.split("+")[0])' 2>/dev/null || echo none)"
+rows=()
+if [ "${MLA_BACKEND_TILELANG_MAIN:-1}" != 0 ]; then
+  run_version "$main_version" || failed=1
+  rows+=("$main_version:main install")
+fi
+for v in $SIDE_VERSIONS $PENDING_VERSIONS; do
+  kind=required
+  case " $PENDING_VERSIONS " in *" $v "*) kind=pending ;; esac
+  if [ -d ".ci/tilelang-$v/tilelang-$v.dist-info" ]; then
+    run_version "$v" ".ci/tilelang-$v" || { [ "$kind" = required ] && failed=1; }
+  else
+    RESULT[$v]="not installed (.ci/tilelang-$v missing)"
+    [ "$kind" = required ] && failed=1
+  fi
+  rows+=("$v:$kind")
+done
+
+echo "=== TileLang matrix (tests/test_tilelang_versions.py: sm_90a lowering, nvcc -c of two split variants)"
+for row in "${rows[@]}"; do
+  printf '  tilelang %-7s %-13s -> %s\n' "${row%%:*}" "(${row#*:})" "${RESULT[${row%%:*}]}"
+done
+exit "$failed"
