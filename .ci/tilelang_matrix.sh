@@ -71,6 +71,9 @@ rows=()
 if [ "${MLA_BACKEND_TILELANG_MAIN:-1}" != 0 ]; then
   run_version "$main_version" || failed=1
   rows+=("$main_version:main install")
+else
+  RESULT[$main_version]="not run here (MLA_BACKEND_TILELANG_MAIN=0: .ci/run's README command and -m slow passes ran it)"
+  rows+=("$main_version:main install")
 fi
 for v in $SIDE_VERSIONS $PENDING_VERSIONS; do
   kind=required
