@@ -32,6 +32,11 @@ DTYPES = ("bfloat16", "float16")
 # (num_heads, q_len, page_size): TP8 (16 heads) and TP1 (128), decode and one MTP token, SGLang's page 1, 16, 64
 SPLITS = [(d, h, q, p) for d in DTYPES for h in (16, 128) for q in (1, 2) for p in (1, 16, 64)]
 COMBINES = [(d, h, q, wide) for d in DTYPES for h in (16, 128) for q in (1, 2) for wide in (False, True)]
+# MLA_BACKEND_HIP_VARIANTS=quick: two splits and four combines (the corners) for a quick local check; CI runs all.
+if os.environ.get("MLA_BACKEND_HIP_VARIANTS", "all") == "quick":
+    SPLITS = [("bfloat16", 16, 1, 64), ("float16", 128, 2, 1)]
+    COMBINES = [("bfloat16", 16, 1, False), ("bfloat16", 16, 1, True), ("float16", 128, 2, False),
+                ("float16", 128, 2, True)]
 GFX942_LDS_LIMIT = 64 * 1024  # bytes of LDS per workgroup (and per CU) on MI300X
 # rocWMMA is in no Debian suite. TileLang's HIP common.h includes <rocwmma/rocwmma.hpp> but uses nothing of it
 # except ``hip_bfloat16``, which rocWMMA's types header brings in from HIP's <hip/hip_bfloat16.h>: this stand-in
