@@ -2,10 +2,10 @@
 
 * Tests marked ``gpu`` are skipped, with the reason, where torch sees no CUDA GPU.
 * The full lowering matrix is marked ``slow``: every test of a ``tests/test_lowering*.py`` module that lowers a
-  kernel (uses a fixture named ``*lower*`` or calls ``tilelang.lower`` / a ``_lower*`` helper), and the gfx942 builds
-  of tests/test_hip_codegen.py (fixture ``hip_build``: 10+ minutes on 2 busy cores). Each lowering takes 20-60 s on
-  2 idle cores, 2-3 minutes on busy ones; together they took ~30 of the suite's 32 minutes. pyproject's ``addopts`` deselects them by
-  default (``-m 'not slow'``), so ``python3 -m pytest -q`` keeps their pure-Python checks (barrier protocol
+  kernel (uses a fixture named ``*lower*`` or calls ``tilelang.lower`` / a ``_lower*`` helper), and the gfx942
+  builds of tests/test_hip_codegen.py (fixture ``hip_build``: 10+ minutes on 2 busy cores). Each lowering takes
+  20-60 s on 2 idle cores, 2-3 minutes on busy ones; together they took ~30 of the suite's 32 minutes. pyproject's
+  ``addopts`` deselects them by default (``-m 'not slow'``), so ``python3 -m pytest -q`` keeps their pure-Python checks (barrier protocol
   simulations, register budgets, prim_func scripts) and lowers only tests/test_tilelang_versions.py's representative
   variants; ``python3 -m pytest -m slow`` (.ci/run's second pass) or ``-m ''`` runs the rest.
 """
