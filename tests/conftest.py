@@ -5,9 +5,10 @@
   kernel (uses a fixture named ``*lower*`` or calls ``tilelang.lower`` / a ``_lower*`` helper), and the gfx942
   builds of tests/test_hip_codegen.py (fixture ``hip_build``: 10+ minutes on 2 busy cores). Each lowering takes
   20-60 s on 2 idle cores, 2-3 minutes on busy ones; together they took ~30 of the suite's 32 minutes. pyproject's
-  ``addopts`` deselects them by default (``-m 'not slow'``), so ``python3 -m pytest -q`` keeps their pure-Python checks (barrier protocol
-  simulations, register budgets, prim_func scripts) and lowers only tests/test_tilelang_versions.py's representative
-  variants; ``python3 -m pytest -m slow`` (.ci/run's second pass) or ``-m ''`` runs the rest.
+  ``addopts`` deselects them by default (``-m 'not slow'``), so ``python3 -m pytest -q`` keeps their pure-Python
+  checks (barrier protocol simulations, register budgets, prim_func scripts) and lowers only
+  tests/test_tilelang_versions.py's representative variants; ``python3 -m pytest -m slow`` (.ci/run's second pass)
+  or ``-m ''`` runs the rest.
 """
 
 from __future__ import annotations
