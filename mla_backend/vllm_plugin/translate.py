@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..constants import MAX_Q_LEN
-from ..metadata import INDEX_DTYPE, MLADecodeMetadata
+from ..metadata import INDEX_DTYPE, MetadataSource, MLADecodeMetadata
 from ..planner import SplitPlanner
 
 
@@ -136,6 +136,8 @@ class DecodeMetadataBuilder:
             page_size=self.page_size,
             q_len=q_len,
             max_kv_len=max_seq_len,
+            # The row width, so that check_indices holds each request to its own row, not only to the table's end.
+            source=MetadataSource("block_table", row_pages=block_table.shape[1]),
         )
         metadata.plan = self._planners[q_len].plan(metadata.kv_lens)
         return metadata
