@@ -20,7 +20,7 @@ import pytest
 import torch
 
 # A lowering: a fixture that lowers (lowered, lowered_tws, cuda_lowered, ...) or a call that does.
-_LOWERING_CALL = re.compile(r"(?<![\w.])(?:tilelang\.lower|tilelang\.compile|_lower\w*)\(")
+_LOWERING_CALL = re.compile(r"(?<![\w.])(?:tilelang\.lower|tilelang\.compile|_lower\w*)\(|getfixturevalue\(\s*\S*lower")
 
 
 def _lowers(item) -> bool:
