@@ -5,9 +5,9 @@
 #   0.1.11  SGLang 0.5.17's pin                                              required
 #   0.1.12  vLLM 0.27 .. 0.33's pin                                          pending: reported, does not fail CI
 #   0.1.15  the newest release                                              pending: reported, does not fail CI
-# pyproject admits the required ones (>=0.1.9,!=0.1.10,<0.1.12). The pending ones need the kernel changes of issue
-# #45 (0.1.12: T.ClusterKernel for the cluster launch; 0.1.15: the TMA multicast's destination pointer without a
-# write mask); once they pass, move them to MLA_BACKEND_TILELANG_MATRIX's default and widen pyproject's range.
+# pyproject admits the required ones (>=0.1.9,!=0.1.10,<0.1.12). The pending ones need kernel changes (0.1.12:
+# T.ClusterKernel for the cluster launch; 0.1.15: the TMA multicast's destination pointer without a write mask);
+# once they pass, move them to MLA_BACKEND_TILELANG_MATRIX's default and widen pyproject's range.
 # Each side version goes into .ci/tilelang-<version> with the apache-tvm-ffi its METADATA admits (the one verified
 # here), put first on PYTHONPATH for one pytest run. --no-deps: torch, numpy, ... come from the main install;
 # z3-solver and torch-c-dlpack-ext go into the side directory too, as in install_hip_toolchain.sh (0.1.11 looks for
