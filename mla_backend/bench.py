@@ -494,7 +494,7 @@ def environment(argv: list[str]) -> dict:
         env.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / 2**30, 1))
     from .kernels.configs import config_for
 
-    env["sm90_kernel"] = config_for("sm90").kernel  # the Hopper schedule ours ran (MLA_BACKEND_SM90_KERNEL)
+    env["sm90_kernel"] = config_for("sm90").kernel  # the Hopper kernel's name in the records
     for k, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
                    ("git", ["git", "-C", os.path.dirname(__file__), "describe", "--always", "--dirty"])):
         try:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from .dispatch import REFERENCE, log_choice, select_impl
-from .kernels.configs import env_get
 from .metadata import MLADecodeMetadata
 from .planner import SplitPlan, plan_split_kv
 from .reference import mla_decode_reference
@@ -21,9 +21,13 @@ _SCALARS: dict[tuple, torch.Tensor] = {}
 VERIFY = {"calls": 0, "max_rel_err": 0.0, "max_lse_err": 0.0, "calls_by_q_len": {}}
 
 
+# Read once, when the op is imported (an engine sets it before it loads the plugin), not on every call.
+_VERIFY_ON = os.environ.get("MLA_BACKEND_VERIFY") == "1"
+
+
 def verifying() -> bool:
-    """MLA_BACKEND_VERIFY=1: eager kernel calls are recomputed by the reference (results in ``VERIFY``)."""
-    return env_get("MLA_BACKEND_VERIFY") == "1"
+    """MLA_BACKEND_VERIFY=1 at import: eager kernel calls are recomputed by the reference (results in ``VERIFY``)."""
+    return _VERIFY_ON
 
 
 def _scalar(value: float, device: torch.device) -> torch.Tensor:

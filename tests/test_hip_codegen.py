@@ -60,7 +60,8 @@ import tilelang
 from tilelang import tvm
 from tvm.target import Target
 from mla_backend.kernels import configs
-from mla_backend.kernels.mla_decode import build_combine_kernel, build_decode_kernel
+from mla_backend.kernels.combine import build_combine_kernel
+from mla_backend.kernels.portable import build_decode_kernel
 
 out_dir, jobs, compile_cmd = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 target = Target(configs.target_for_arch("gfx942"))

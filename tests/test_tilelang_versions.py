@@ -75,22 +75,20 @@ def test_expected_tilelang_is_imported():
 def _split_kernel(variant):
     """The split prim_func the op builds for ``variant`` under the default sm90 settings."""
     cfg = configs.config_for("sm90")
-    try:  # kernels/sm90/ (the warp-specialised kernel in modules)
-        from mla_backend.kernels.sm90 import build_decode_kernel
-    except ImportError:  # before: one module, mla_decode_ws.py
-        from mla_backend.kernels.mla_decode_ws import build_decode_kernel_ws as build_decode_kernel
+    from mla_backend.kernels.sm90 import build_decode_kernel
+
     return build_decode_kernel(*variant, cfg=cfg)
 
 
 def _prim_func(kind: str, variant: tuple):
-    from mla_backend.kernels import mla_decode, plan_kernel
+    from mla_backend.kernels import combine, plan_kernel
 
     pdl = configs.config_for("sm90").pdl
     if kind == "split":
         return _split_kernel(variant)
     if kind == "combine":
         *shape, wide = variant
-        return mla_decode.build_combine_kernel(*shape, wide=wide, pdl=pdl)
+        return combine.build_combine_kernel(*shape, wide=wide, pdl=pdl)
     return plan_kernel.build_plan_kernel(*variant, pdl=pdl)
 
 

@@ -126,7 +126,7 @@ def test_register_is_cheap_and_idempotent():
         import torch
         new = set(sys.modules) - before
         heavy = sorted(m for m in new if m.startswith(("tilelang", "tvm", "mla_backend.kernels.runtime",
-                                                         "mla_backend.kernels.mla_decode",
+                                                         "mla_backend.kernels.sm90", "mla_backend.kernels.combine",
                                                          "mla_backend.vllm_plugin.backend",
                                                          "vllm.model_executor")))
         print(json.dumps({"heavy": heavy, "path": AttentionBackendEnum.CUSTOM.get_path(),

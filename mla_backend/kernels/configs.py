@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 # What the kernels accept (the op validates against these before launching), re-exported for older imports
@@ -45,11 +44,6 @@ CONFIGS = {"sm90": SM90, "gfx942": GFX942}
 def config_for(arch: str) -> KernelConfig:
     """The tile configuration the kernels of ``arch`` ("sm90" or "gfx942") are built and planned with."""
     return CONFIGS[arch]
-
-
-def env_get(name: str, default: str | None = None) -> str | None:
-    """``os.environ.get`` (kept for callers outside kernels/; the kernels read no environment)."""
-    return os.environ.get(name, default)
 
 
 def merged_parts(cfg: KernelConfig) -> int:
