@@ -81,17 +81,21 @@ def plan_cost(width, segments, num_parts, segment_cost):
 
 
 def num_parts_for(num_sms: int, num_heads: int, q_len: int, block_rows: int = 64) -> int:
-    """One part per SM and row block: ``rows`` tiles of 64 share the SMs (at most ``MAX_PARTS``)."""
+    """One part per SM and row block: ``rows`` tiles of ``block_rows`` share the SMs (at most ``MAX_PARTS``)."""
     row_blocks = -(-num_heads * q_len // block_rows)
     return min(MAX_PARTS, max(1, num_sms // row_blocks))
 
 
-def default_block_n(device: torch.device) -> int:
-    """The KV block of the kernel that will run on ``device`` (Hopper's default config off-GPU)."""
+def device_config(device: torch.device):
+    """The tile config of the kernel that will run on ``device`` (Hopper's off-GPU)."""
     from .dispatch import device_arch
 
-    arch = device_arch(device)[0] or "sm90"
-    return config_for(arch).block_n
+    return config_for(device_arch(device)[0] or "sm90")
+
+
+def default_block_n(device: torch.device) -> int:
+    """The KV block of the kernel that will run on ``device`` (Hopper's default config off-GPU)."""
+    return device_config(device).block_n
 
 
 def plan_kernel_for(device: torch.device, max_batch: int, block_n: int):
@@ -130,7 +134,8 @@ class SplitPlanner:
         device = torch.device(device)
         self.max_batch, self.block_n = max_batch, block_n or default_block_n(device)
         self.num_sms = num_sms or device_sm_count(device)
-        self.num_parts = num_parts_for(self.num_sms, num_heads, q_len)
+        # gfx942's tiles hold 16 rows, not 64: its row blocks, and so its parts per SM, follow from its config
+        self.num_parts = num_parts_for(self.num_sms, num_heads, q_len, device_config(device).block_rows)
         self.segment_cost = SEGMENT_COST_BLOCKS
         rows = num_heads * q_len
         i32 = dict(dtype=INDEX_DTYPE, device=device)

@@ -297,3 +297,13 @@ def test_ragged_lengths_keep_the_even_cut_unless_aligning_is_cheaper():
         plan = SplitPlanner(batch, heads, 1, device="cpu", num_sms=132, block_n=64).plan(lens)
         total = int(((lens + 63) // 64).sum())
         assert int(plan.blocks_per_part[0]) == -(-total // num_parts_for(132, heads, 1))
+
+
+def test_num_parts_follow_the_tile_rows():
+    """Hopper's 64-row tiles vs gfx942's 16-row tiles: 128 heads on an MI300X's 304 CUs are 8 row blocks of 16, so 38
+    parts give one workgroup per CU, not 152 parts (four rounds)."""
+    from mla_backend.planner import num_parts_for
+
+    assert num_parts_for(132, 128, 1, 64) == 66
+    assert num_parts_for(304, 128, 1, 16) == 38
+    assert num_parts_for(304, 16, 1, 16) == 256  # capped at MAX_PARTS
