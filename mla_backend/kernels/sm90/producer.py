@@ -185,8 +185,11 @@ def kv_macros(k):
                     T.mbarrier_expect_tx(k_ready[part_barrier(g, part)], block_n * dst.shape[1] * 2)
                     if T.block_rank_in_cluster() == box_issuer(part, g):
                         for c in T.unroll(dst.shape[1] // 64):
+                            # Access mask 0: TMA writes the box (async proxy, completing on k_ready), not this
+                            # thread. With "w", TileLang 0.1.15's thread-sync pass plans a barrier inside this
+                            # one-thread branch and cannot lower it; 0.1.9 generates the same CUDA either way.
                             T.evaluate(T.call_extern("handle", "MLA_TMA_MC", k_ready[part_barrier(g, part)],
-                                                     T.access_ptr(dst[0, c * 64], "w", 1), col0 + c * 64, slot0,
+                                                     T.access_ptr(dst[0, c * 64], 0, 1), col0 + c * 64, slot0,
                                                      pages[0], 3))
             else:
                 T.tma_copy(kv_cache[pages[0], slot0:slot0 + block_n, col0:col0 + dst.shape[1]],
