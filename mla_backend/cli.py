@@ -168,21 +168,19 @@ def compile_kernels(args) -> int:
     variants = [(h, s, p, args.dtype, kv) for h in _int_list(args.heads) for s in _int_list(args.q_len)
                 for p in _int_list(args.page) for kv in kv_dtypes]
     plans = _int_list(args.plan_batches)
-    total = len(variants) + len(plans)
     width = 30
 
-    def progress(line: str) -> None:
-        if line.startswith("["):
-            done = int(line[1:line.index("/")])
-            bar = "#" * (width * done // total)
-            print(f"[{bar:<{width}}] {line[line.index(']') + 2:]} ({done}/{total})", flush=True)
-        else:
-            print(line, flush=True)
+    def progress(done: int, total: int, name: str, seconds: float) -> None:
+        print(f"[{'#' * (width * done // total):<{width}}] {name}: {seconds:.1f}s ({done}/{total})", flush=True)
 
     print(f"compiling {len(variants)} kernel variants and {len(plans)} planners for sm_90a with {args.workers} "
           f"worker(s){' into the package' if args.into_package else ''}", flush=True)
     seconds = prebuilt.compile_variants(variants, plans, into_package=args.into_package, workers=args.workers,
                                         progress=progress)
+    if args.into_package:
+        files = [f for f in prebuilt.PACKAGE_DIR.rglob("*") if f.is_file()]
+        print(f"{prebuilt.PACKAGE_DIR}: {len(list((prebuilt.PACKAGE_DIR / 'entries').iterdir()))} kernels, "
+              f"{sum(f.stat().st_size for f in files) / 2**20:.1f} MiB")
     print(f"done: {len(seconds)} compiled, {sum(seconds.values()):.0f} s of compile time")
     return 0
 
@@ -200,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     comp.add_argument("--heads", default=join(map(str, prebuilt.ENGINE_HEADS)), help="query heads per GPU, comma list")
     comp.add_argument("--q-len", default=join(map(str, prebuilt.ENGINE_Q_LENS)), help="queries per request (1..4)")
     comp.add_argument("--page", default=join(map(str, prebuilt.ENGINE_PAGE_SIZES)), help="page sizes, comma list")
-    comp.add_argument("--dtype", default="bfloat16", help="query dtype: bfloat16 or float16")
-    comp.add_argument("--kv-dtype", default="bfloat16,float8_e4m3fn", help="cache dtypes, comma list")
+    comp.add_argument("--dtype", default=prebuilt.ENGINE_DTYPE, help="query dtype: bfloat16 or float16")
+    comp.add_argument("--kv-dtype", default=join(prebuilt.ENGINE_KV_DTYPES), help="cache dtypes, comma list")
     comp.add_argument("--plan-batches", default=join(map(str, prebuilt.ENGINE_PLAN_BATCHES)),
                       help="largest batch of each one-launch planner variant (powers of two from 256)")
     comp.add_argument("--workers", type=int, default=1, help="parallel compile processes")

@@ -29,7 +29,8 @@ MANIFEST = "manifest.json"
 ENGINE_HEADS = (16, 32, 64, 128)
 ENGINE_Q_LENS = (1, 2)
 ENGINE_PAGE_SIZES = (1, 16, 64)
-ENGINE_DTYPES = (("bfloat16", "bfloat16"), ("bfloat16", "float8_e4m3fn"))
+ENGINE_DTYPE = "bfloat16"  # of q
+ENGINE_KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 # One planner kernel per power of two of the largest batch, up to 4096 requests.
 ENGINE_PLAN_BATCHES = (256, 512, 1024, 2048, 4096)
 
@@ -40,12 +41,6 @@ def variant_name(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtyp
 
 def plan_name(max_batch: int, block_n: int) -> str:
     return f"plan-b{max_batch}-n{block_n}"
-
-
-def engine_variants() -> list[tuple[int, int, int, str, str]]:
-    """``(num_heads, q_len, page_size, dtype, kv_dtype)`` of every variant the wheel carries."""
-    return [(h, s, p, d, kv) for h in ENGINE_HEADS for s in ENGINE_Q_LENS for p in ENGINE_PAGE_SIZES
-            for d, kv in ENGINE_DTYPES]
 
 
 def _tilelang_cache_dir() -> Path:
@@ -142,12 +137,12 @@ def _compile_into(task: tuple) -> tuple[str, list[str], float]:
 
 
 def compile_variants(variants: list[tuple], plan_batches: tuple[int, ...] = (), block_n: int = 64,
-                     into_package: bool = False, workers: int = 1, progress=print) -> dict:
+                     into_package: bool = False, workers: int = 1, progress=None) -> dict:
     """Compiles ``(num_heads, q_len, page_size, dtype, kv_dtype)`` variants for sm_90a (no GPU needed; nvcc is).
 
     Without ``into_package`` each lands in TileLang's own cache (ahead-of-time warm-up of this machine). With it,
     ``PACKAGE_DIR`` is rebuilt from scratch: ``entries/<key>/`` and ``manifest.json``, which a wheel then carries.
-    Returns ``{name: seconds}``.
+    ``progress(done, total, name, seconds)`` is called as each one finishes. Returns ``{name: seconds}``.
     """
     import concurrent.futures
     import multiprocessing
@@ -169,7 +164,8 @@ def compile_variants(variants: list[tuple], plan_batches: tuple[int, ...] = (), 
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             name, keys, sec = future.result()
             seconds[name], keys_of[name] = sec, keys
-            progress(f"[{done}/{len(jobs)}] {name}: {sec:.1f}s")
+            if progress is not None:
+                progress(done, len(jobs), name, sec)
     if into_package:
         import tilelang
 
@@ -186,7 +182,5 @@ def compile_variants(variants: list[tuple], plan_batches: tuple[int, ...] = (), 
         manifest = {"tilelang": tilelang.__version__, "arch": "sm90", "target": "sm_90a", "cache_subdir": cache_subdir,
                     "variants": keys_of}
         (PACKAGE_DIR / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        size = sum(f.stat().st_size for f in PACKAGE_DIR.rglob("*") if f.is_file())
-        progress(f"{PACKAGE_DIR}: {len(list((PACKAGE_DIR / 'entries').iterdir()))} kernels, {size / 2**20:.1f} MiB")
     shutil.rmtree(scratch, ignore_errors=True)
     return seconds
