@@ -34,7 +34,7 @@ def test_prebuilt_planner_loads_without_nvcc(tmp_path, monkeypatch):
 
     package = tmp_path / "prebuilt"
     monkeypatch.setattr(prebuilt, "PACKAGE_DIR", package)
-    seconds = prebuilt.compile_variants([], plan_batches=(256,), into_package=True, progress=lambda _line: None)
+    seconds = prebuilt.compile_variants([], plan_batches=(256,), into_package=True, progress=None)
     assert list(seconds) == [prebuilt.plan_name(256, 64)]
     manifest = json.loads((package / prebuilt.MANIFEST).read_text())
     keys = manifest["variants"][prebuilt.plan_name(256, 64)]
@@ -48,10 +48,12 @@ def test_prebuilt_planner_loads_without_nvcc(tmp_path, monkeypatch):
     run = subprocess.run([sys.executable, "-c", LOAD, str(package)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+    # Loaded, not compiled: the seeded entry is the only one in the cache (a compile under another key would add its
+    # own), and TileLang never announced a compile.
+    entries = sorted(p.name for p in (cache / manifest["cache_subdir"]).iterdir() if not p.name.startswith("."))
+    assert entries == keys
     assert (cache / manifest["cache_subdir"] / keys[0] / "executable.so").is_file()
-    # Without nvcc a compile would have failed; loading the entry takes a fraction of the compile measured above.
-    loaded = json.loads(run.stdout.strip().splitlines()[-1])["seconds"]
-    assert loaded < seconds[prebuilt.plan_name(256, 64)] / 2, (loaded, seconds)
+    assert "begins to compile" not in run.stdout + run.stderr
 
 
 def test_no_manifest_means_no_prebuilt(tmp_path, monkeypatch):
