@@ -178,9 +178,11 @@ def compile_kernels(args) -> int:
     seconds = prebuilt.compile_variants(variants, plans, into_package=args.into_package, workers=args.workers,
                                         progress=progress)
     if args.into_package:
-        files = [f for f in prebuilt.PACKAGE_DIR.rglob("*") if f.is_file()]
-        print(f"{prebuilt.PACKAGE_DIR}: {len(list((prebuilt.PACKAGE_DIR / 'entries').iterdir()))} kernels, "
-              f"{sum(f.stat().st_size for f in files) / 2**20:.1f} MiB")
+        root = prebuilt.release_dir()
+        files = [f for f in root.rglob("*") if f.is_file()]
+        print(f"{root}: {len(list((root / 'entries').iterdir()))} kernels, "
+              f"{sum(f.stat().st_size for f in files) / 2**20:.1f} MiB; the package carries kernels for TileLang "
+              f"{', '.join(prebuilt.packaged_releases())}")
     print(f"done: {len(seconds)} compiled, {sum(seconds.values()):.0f} s of compile time")
     return 0
 
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="largest batch of each one-launch planner variant (powers of two from 256)")
     comp.add_argument("--workers", type=int, default=1, help="parallel compile processes")
     comp.add_argument("--into-package", action="store_true",
-                      help="write the package's prebuilt folder (for building a wheel) instead of TileLang's cache")
+                      help="write the package's prebuilt folder for the installed TileLang (for building a wheel) instead of "
+                           "TileLang's cache")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # forwarded untouched: argparse would try to parse the benchmark's own options
         return bench(argv[1:])

@@ -36,9 +36,11 @@ def test_prebuilt_planner_loads_without_nvcc(tmp_path, monkeypatch):
     monkeypatch.setattr(prebuilt, "PACKAGE_DIR", package)
     seconds = prebuilt.compile_variants([], plan_batches=(256,), into_package=True, progress=None)
     assert list(seconds) == [prebuilt.plan_name(256, 64)]
-    manifest = json.loads((package / prebuilt.MANIFEST).read_text())
+    release = package / prebuilt.installed_tilelang()
+    assert prebuilt.packaged_releases() == [release.name]
+    manifest = json.loads((release / prebuilt.MANIFEST).read_text())
     keys = manifest["variants"][prebuilt.plan_name(256, 64)]
-    assert len(keys) == 1 and (package / "entries" / keys[0] / "executable.so").is_file()
+    assert len(keys) == 1 and (release / "entries" / keys[0] / "executable.so").is_file()
 
     cache = tmp_path / "user-cache"
     nvcc_free_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
@@ -62,3 +64,20 @@ def test_no_manifest_means_no_prebuilt(tmp_path, monkeypatch):
     monkeypatch.setattr(prebuilt, "PACKAGE_DIR", tmp_path / "empty")
     monkeypatch.setattr(prebuilt, "_manifest", None)
     assert prebuilt.seed(prebuilt.variant_name(16, 1, 64, "bfloat16", "bfloat16")) is False
+
+
+def test_another_release_is_not_seeded(tmp_path, monkeypatch):
+    """A folder compiled with another TileLang release is never copied into this one's cache."""
+    from mla_backend.kernels import prebuilt
+
+    name = prebuilt.variant_name(16, 1, 64, "bfloat16", "bfloat16")
+    other = tmp_path / "prebuilt" / "0.0.1"
+    (other / "entries" / "k0").mkdir(parents=True)
+    (other / prebuilt.MANIFEST).write_text(json.dumps({"tilelang": "0.0.1", "cache_subdir": "0.0.1-x/kernels",
+                                                       "variants": {name: ["k0"]}}))
+    monkeypatch.setattr(prebuilt, "PACKAGE_DIR", tmp_path / "prebuilt")
+    monkeypatch.setattr(prebuilt, "_manifest", None)
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    assert prebuilt.packaged_releases() == ["0.0.1"]
+    assert prebuilt.seed(name) is False
+    assert not (tmp_path / "cache").exists()

@@ -3,12 +3,15 @@
 TileLang keys a compiled kernel by its TIR, target, pass configs and the TileLang build (version, platform and a
 hash of ``libtilelang.so``), and keeps it under ``TILELANG_CACHE_DIR/<version>-<platform>/kernels/<key>/``. An entry
 holds the generated sources and ``executable.so`` (host launcher + sm_90a cubin), so loading it needs neither nvcc
-nor a GPU-side JIT. ``mla-backend compile --into-package`` fills ``mla_backend/kernels/prebuilt/`` with the entries
-of the variants engines use (``ENGINE_VARIANTS``) and a manifest; at run time ``seed(variant)`` copies a variant's
-entries into the user's TileLang cache before the first compile, so ``tilelang.compile`` finds them there.
+nor a GPU-side JIT. ``mla-backend compile --into-package`` fills ``mla_backend/kernels/prebuilt/<TileLang version>/``
+with the entries of the variants engines use (``ENGINE_*`` below) and a manifest; at run time ``seed(variant)`` copies
+a variant's entries into the user's TileLang cache before the first compile, so ``tilelang.compile`` finds them there.
 
-A wheel's entries serve the TileLang build they were compiled with (the manifest names it); with another TileLang
-the kernels JIT-compile and cache as before, and ``seed`` says so once.
+Entries serve only the TileLang release they were compiled with, and engines pin different releases (vLLM 0.26:
+0.1.9, SGLang 0.5.17: 0.1.11, ...), so the package folder holds one set per release, ``prebuilt/<version>/``: a wheel
+built after ``mla-backend compile --into-package`` ran under each release carries them all, and ``seed`` uses the set
+of the installed one. With a release the wheel has no set for, the kernels JIT-compile and cache as before, and
+``seed`` says so once.
 """
 
 from __future__ import annotations
@@ -50,6 +53,22 @@ def _tilelang_cache_dir() -> Path:
     return Path(env.TILELANG_CACHE_DIR)
 
 
+def installed_tilelang() -> str:
+    import tilelang
+
+    return tilelang.__version__
+
+
+def release_dir(version: str | None = None) -> Path:
+    """``PACKAGE_DIR/<TileLang version>``: the entries and manifest compiled with that release (default: installed)."""
+    return PACKAGE_DIR / (version or installed_tilelang())
+
+
+def packaged_releases() -> list[str]:
+    """The TileLang releases the package carries compiled kernels for."""
+    return sorted(d.name for d in PACKAGE_DIR.glob("*") if (d / MANIFEST).is_file())
+
+
 def _entries_dir(cache_dir: Path) -> Path | None:
     """The folder of entries under a TileLang cache: ``<version>-<platform>/kernels`` (one TileLang per cache here)."""
     found = sorted(cache_dir.glob("*/kernels"))
@@ -57,21 +76,16 @@ def _entries_dir(cache_dir: Path) -> Path | None:
 
 
 class _Manifest:
-    """What ``PACKAGE_DIR`` holds: the TileLang version and namespace it was built with, and the cache keys of each
-    variant (a combine shared by several variants is stored once)."""
+    """What one release folder holds: the TileLang version and cache namespace it was built with, and the cache keys
+    of each variant (a combine shared by several variants is stored once)."""
 
-    def __init__(self, root: Path | None = None):
-        self.root = root = PACKAGE_DIR if root is None else root
+    def __init__(self, root: Path):
+        self.root = root
         path = root / MANIFEST
         self.data = json.loads(path.read_text()) if path.is_file() else None
 
     def keys_for(self, name: str) -> list[str] | None:
         return None if self.data is None else self.data["variants"].get(name)
-
-    def matches_installed(self) -> bool:
-        import tilelang
-
-        return self.data is not None and self.data["tilelang"] == tilelang.__version__
 
 
 _manifest: _Manifest | None = None
@@ -83,17 +97,16 @@ def seed(name: str) -> bool:
     Returns whether the wheel carries the variant for the installed TileLang."""
     global _manifest, _mismatch_logged
     if _manifest is None:
-        _manifest = _Manifest()
+        _manifest = _Manifest(release_dir())
+    if _manifest.data is None:
+        releases = packaged_releases()
+        if releases and not _mismatch_logged:
+            logger.info("mla_backend: the package carries kernels compiled with TileLang %s; TileLang %s is installed, "
+                        "so kernels JIT-compile on first use", ", ".join(releases), installed_tilelang())
+            _mismatch_logged = True
+        return False
     keys = _manifest.keys_for(name)
     if keys is None:
-        return False
-    if not _manifest.matches_installed():
-        if not _mismatch_logged:
-            import tilelang
-
-            logger.info("mla_backend: the wheel's kernels were compiled with TileLang %s; TileLang %s is installed, so "
-                        "kernels JIT-compile on first use", _manifest.data["tilelang"], tilelang.__version__)
-            _mismatch_logged = True
         return False
     dest_root = _tilelang_cache_dir() / _manifest.data["cache_subdir"]
     dest_root.mkdir(parents=True, exist_ok=True)
@@ -140,8 +153,9 @@ def compile_variants(variants: list[tuple], plan_batches: tuple[int, ...] = (), 
                      into_package: bool = False, workers: int = 1, progress=None) -> dict:
     """Compiles ``(num_heads, q_len, page_size, dtype, kv_dtype)`` variants for sm_90a (no GPU needed; nvcc is).
 
-    Without ``into_package`` each lands in TileLang's own cache (ahead-of-time warm-up of this machine). With it,
-    ``PACKAGE_DIR`` is rebuilt from scratch: ``entries/<key>/`` and ``manifest.json``, which a wheel then carries.
+    Without ``into_package`` each lands in TileLang's own cache (ahead-of-time warm-up of this machine). With it, the
+    installed TileLang's release folder (``release_dir()``) is rebuilt from scratch: ``entries/<key>/`` and
+    ``manifest.json``, which a wheel then carries; other releases' folders are kept.
     ``progress(done, total, name, seconds)`` is called as each one finishes. Returns ``{name: seconds}``.
     """
     import concurrent.futures
@@ -167,20 +181,19 @@ def compile_variants(variants: list[tuple], plan_batches: tuple[int, ...] = (), 
             if progress is not None:
                 progress(done, len(jobs), name, sec)
     if into_package:
-        import tilelang
-
-        shutil.rmtree(PACKAGE_DIR, ignore_errors=True)
-        (PACKAGE_DIR / "entries").mkdir(parents=True)
+        root = release_dir()
+        shutil.rmtree(root, ignore_errors=True)
+        (root / "entries").mkdir(parents=True)
         cache_subdir = None
         for i, (name, _spec) in enumerate(tasks):
             src_root = _entries_dir(scratch / str(i))
             cache_subdir = str(src_root.relative_to(scratch / str(i)))
             for key in keys_of[name]:
-                dest = PACKAGE_DIR / "entries" / key
+                dest = root / "entries" / key
                 if not dest.exists():
                     shutil.copytree(src_root / key, dest)
-        manifest = {"tilelang": tilelang.__version__, "arch": "sm90", "target": "sm_90a", "cache_subdir": cache_subdir,
+        manifest = {"tilelang": installed_tilelang(), "arch": "sm90", "target": "sm_90a", "cache_subdir": cache_subdir,
                     "variants": keys_of}
-        (PACKAGE_DIR / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     shutil.rmtree(scratch, ignore_errors=True)
     return seconds
