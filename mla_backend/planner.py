@@ -153,7 +153,12 @@ class SplitPlanner:
         )
         self._part_ids = torch.arange(self.num_parts, **i32)
         # compiled here, before an engine captures its graphs: one launch per plan instead of ~18 torch ops
-        self._kernel = plan_kernel_for(device, max_batch, self.block_n)
+        kernel = plan_kernel_for(device, max_batch, self.block_n)
+        if kernel is not None:
+            from .kernels.runtime import launch_entry
+
+            kernel = launch_entry(kernel, 8)
+        self._kernel = kernel
 
     @property
     def buffers(self) -> SplitPlan:

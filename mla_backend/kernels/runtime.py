@@ -53,6 +53,43 @@ def pick_combine(kernels: "Kernels", batch: int, rows: int, num_parts: int):
     return kernels.combine
 
 
+# TileLang releases whose JITKernel call is, for kernels without outputs it allocates, a plain positional pass-through
+# to the tvm-ffi function ``main`` of the compiled module (jit/adapter/tvm_ffi.py). From 0.1.12 the adapter also picks
+# a module per device (and 0.1.15 converts ROCm fp8 arguments), so their kernels are called as objects.
+DIRECT_ENTRY_TILELANG = ("0.1.9", "0.1.11")
+
+
+def launch_entry(kernel, num_args: int):
+    """What a launch calls: the compiled module's tvm-ffi function, or ``kernel`` itself.
+
+    A TileLang 0.1.9 / 0.1.11 kernel call rebuilds its argument list in Python (a loop over the parameters, a list
+    membership test each) and resolves the module's entry (an FFI lookup per call for a freshly compiled module)
+    before it calls that function; the function itself converts the torch tensors, takes torch's current stream and
+    checks every argument's dtype, shape and device. The function is returned where the kernel runs through tvm-ffi,
+    allocates no output and takes ``num_args`` arguments; anything else (another release or execution backend) keeps
+    the kernel object.
+    """
+    import tilelang
+    from tilelang import tvm
+
+    adapter = getattr(kernel, "adapter", None)
+    if (tilelang.__version__.split("+")[0] not in DIRECT_ENTRY_TILELANG
+            or getattr(kernel, "execution_backend", None) != "tvm_ffi" or adapter is None or adapter.result_idx
+            or len(adapter.params) != num_args):
+        return kernel
+    module = adapter.executable
+    if isinstance(module, tvm.runtime.Executable):
+        module = module.jit()
+    return module.get_function("main")
+
+
+def launch_entries(kernels: Kernels) -> Kernels:
+    """``kernels`` with each kernel replaced by its :func:`launch_entry` (split: 18 arguments, combines: 7)."""
+    combine = lambda k: None if k is None else launch_entry(k, 7)  # noqa: E731
+    return Kernels(launch_entry(kernels.split, 18), combine(kernels.combine), combine(kernels.combine_wide),
+                   combine(kernels.combine_tiled), kernels.merged)
+
+
 STATS = CompileStats()
 _KERNELS: dict[tuple, tuple] = {}
 _LOCK = threading.Lock()
