@@ -16,8 +16,8 @@ FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz
 KV_DTYPES = Q_DTYPES + FP8_DTYPES
 
 
-def fail(arg: str, value, supported: str) -> None:
-    raise MLAInputError(f"mla_decode: {arg}={value} is not supported; expected {supported}")
+def fail(arg: str, value, supported: str, caller: str = "mla_decode") -> None:
+    raise MLAInputError(f"{caller}: {arg}={value} is not supported; expected {supported}")
 
 
 def split_query(q) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +48,7 @@ def normalize_kv_cache(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache
 
 
-def check_scales(softmax_scale, k_scale, device: torch.device | None = None) -> None:
+def check_scales(softmax_scale, k_scale, device: torch.device | None = None, caller: str = "mla_decode") -> None:
     """The softmax scale (and a host k_scale) must be finite and positive: the Hopper kernel takes S's row max before
     it applies the scale (max(c s) = c max(s) only for c > 0). A k_scale tensor is not read on the host (no sync): only
     its size, dtype and device are checked."""
@@ -58,14 +58,16 @@ def check_scales(softmax_scale, k_scale, device: torch.device | None = None) -> 
         if name == "k_scale" and isinstance(value, torch.Tensor):
             if value.numel() != 1 or not value.dtype.is_floating_point or (device is not None and value.device != device):
                 fail("k_scale", f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}",
-                     f"one float (a finite positive float, or a 1-element fp32 tensor on {device or 'the device of q'})")
+                     f"one float (a finite positive float, or a 1-element fp32 tensor on {device or 'the device of q'})",
+                     caller)
             continue
         try:
             number = float(value)
         except (TypeError, ValueError, RuntimeError):
             number = math.nan
         if isinstance(value, (bool, str, bytes)) or not math.isfinite(number) or number <= 0:
-            fail(name, repr(value), "a finite positive float" + (" or an fp32 device tensor" if name == "k_scale" else ""))
+            fail(name, repr(value), "a finite positive float" + (" or an fp32 device tensor" if name == "k_scale" else ""),
+                 caller)
 
 
 def check_inputs(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, metadata: MLADecodeMetadata,

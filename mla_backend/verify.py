@@ -1,0 +1,48 @@
+"""``MLA_BACKEND_VERIFY=1``: every eager kernel call recomputed by the fp32 reference, the worst error kept.
+
+A debugging aid for engine integrations: each check syncs the device, so never in production. The environment is
+read once, when this module is imported (an engine sets it before it loads the plugin).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .reference import mla_decode_reference
+
+logger = logging.getLogger("mla_backend")
+
+VERIFY = {"calls": 0, "max_rel_err": 0.0, "max_lse_err": 0.0, "calls_by_q_len": {}}
+VERIFYING = os.environ.get("MLA_BACKEND_VERIFY") == "1"
+
+
+def verifying() -> bool:
+    """MLA_BACKEND_VERIFY=1 at import: eager kernel calls are recomputed by the reference (results in ``VERIFY``)."""
+    return VERIFYING
+
+
+def verify_call(q_nope, q_pe, kv_cache, metadata, softmax_scale: float, k_scale, out, lse) -> None:
+    """Compare one kernel call's ``out`` / ``lse`` with the reference (on the kernel's device: it gathers only each
+    request's pages, never the whole cache) and update ``VERIFY``; a warning past 2e-2 / 1e-2."""
+    scale = float(k_scale) if k_scale is not None else 1.0
+    ref, ref_lse = mla_decode_reference(q_nope, q_pe, kv_cache, metadata, softmax_scale, scale)
+    err = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6))
+    finite = ref_lse.isfinite()
+    lse_err = float((lse[finite] - ref_lse[finite]).abs().max()) if bool(finite.any()) else 0.0
+    VERIFY["calls"] += 1
+    by_q_len = VERIFY["calls_by_q_len"]
+    by_q_len[str(metadata.q_len)] = by_q_len.get(str(metadata.q_len), 0) + 1
+    VERIFY["max_rel_err"] = max(VERIFY["max_rel_err"], err)
+    VERIFY["max_lse_err"] = max(VERIFY["max_lse_err"], lse_err)
+    if err > 2e-2 or lse_err > 1e-2:
+        logger.warning("mla_backend verify: rel err %.3e, LSE err %.3e (batch %d, q_len %s, page %d)", err, lse_err,
+                       metadata.batch_size, metadata.q_len, metadata.page_size)
+
+
+def verification_report() -> dict | None:
+    """Under MLA_BACKEND_VERIFY=1, a copy of the verification counters (``calls``, ``max_rel_err``, ``max_lse_err``,
+    ``calls_by_q_len``); None while verification is off."""
+    if not VERIFYING:
+        return None
+    return dict(VERIFY, calls_by_q_len=dict(VERIFY["calls_by_q_len"]))
