@@ -2,8 +2,8 @@
 
 A thin adapter: prefill, chunked prefill, prefix caching, the KV-cache write and the W_UK / W_UV
 projections are all inherited from vLLM's MLA common classes; this module only turns vLLM's decode
-metadata into :class:`~mla_backend.MLADecodeMetadata` (see :mod:`.translate`) and calls
-:func:`~mla_backend.mla_decode` from ``forward_mqa``.
+metadata into :class:`~mla_backend.MLADecodeMetadata` (see :mod:`.translate`) and launches the decode from
+``forward_mqa`` through each layer's :class:`~mla_backend.MLADecodeLauncher`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, Attent
 
 from ..constants import HEAD_DIM, KV_LORA_RANK, MAX_HEADS, MAX_Q_LEN, ROPE_DIM
 from ..dispatch import ENV_IMPL, TILELANG_GFX942, engine_impl_request, tilelang_available, warmup
+from ..launcher import MLADecodeLauncher
 from ..metadata import MLADecodeMetadata
-from ..op import mla_decode
 from .translate import DecodeMetadataBuilder, decode_q_len_limit
 
 # A child of vLLM's logger, so these lines appear in vLLM's log with its format and level.
@@ -227,18 +227,33 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
         self._impl = engine_impl_request()  # "auto", or e.g. tilelang-gfx942 on an MI300X (opt-in)
         # Keep q in the model dtype with an fp8 cache: the kernels dequantise K/V with k_scale.
         self.supports_quant_query_input = False
+        # The decode query lengths the metadata builder plans for (its reorder threshold), compiled at the launcher's
+        # build; built at this layer's first decode (vLLM's warm-up runs eagerly before it captures graphs).
+        spec = get_current_vllm_config().speculative_config
+        limit = decode_q_len_limit(spec.num_speculative_tokens, bool(getattr(spec, "parallel_drafting", False))
+                                   ) if spec is not None else 1
+        self._q_lens = tuple(range(1, min(limit, MAX_Q_LEN) + 1))
+        self._launch: MLADecodeLauncher | None = None
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
                     attn_metadata: TileLangMLAMetadata, layer: AttentionLayer
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         decode = attn_metadata.decode
         assert decode is not None and decode.mla is not None
-        result = mla_decode(q, kv_c_and_k_pe_cache, decode.mla, self.scale,
-                            k_scale=layer._k_scale if self._fp8_cache else None,
-                            return_lse=self.need_to_return_lse_for_decode, impl=self._impl, check_indices=False)
-        if self.need_to_return_lse_for_decode:
-            return result
-        return result, None
+        q_nope, q_pe = q if isinstance(q, tuple) else (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])
+        launch = self._launch or self._build_launcher(q_nope, kv_c_and_k_pe_cache, layer)
+        if self.need_to_return_lse_for_decode:  # a new LSE tensor, which DCP's merge reads after this call
+            return launch(q_nope, q_pe, kv_c_and_k_pe_cache, decode.mla, return_lse=True)
+        return launch(q_nope, q_pe, kv_c_and_k_pe_cache, decode.mla), None
+
+    def _build_launcher(self, q_nope: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer
+                        ) -> MLADecodeLauncher:
+        # layer._k_scale: vLLM's fp32 scale buffer, read by the kernels at each launch (loaded checkpoints refill it)
+        self._launch = MLADecodeLauncher(q_nope.device, q_nope.shape[1], page_size=kv_cache.shape[1],
+                                         dtype=q_nope.dtype, kv_dtype=kv_cache.dtype, softmax_scale=self.scale,
+                                         k_scale=layer._k_scale if self._fp8_cache else None, q_lens=self._q_lens,
+                                         impl=self._impl)
+        return self._launch
 
 
 def route_core_logs() -> None:
