@@ -314,5 +314,17 @@ def test_graph_metadata_hooks(kit_env, monkeypatch, graph_metadata):
     assert backend.forward_metadata.metadata.kv_lens.data_ptr() == kv_lens.data_ptr()  # the graph's buffers
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_decode_forward_matches_sglang_reference(kit_env, page_size):
+    # The whole decode step on CPU: SGLang's MLA module writes the cache and calls RadixAttention, which calls our
+    # forward_decode (each layer's launcher, the reference path here); the kit's dense reference attention agrees.
+    kit = _kit()
+    fixture = _build(page_size=page_size, prefix=(5, 70, 1))
+    actual = kit.run_mla_fixture_eager(fixture)
+    torch.testing.assert_close(actual, kit.expected_mla_fixture_output(fixture), atol=kit.MLA_ATOL, rtol=kit.MLA_RTOL)
+    (launch,) = fixture.backend._launchers.values()  # one layer: one launcher, built at its first decode
+    assert launch.num_heads == 16 and launch.page_size == page_size and launch.variant(1).is_reference
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -1,4 +1,5 @@
-"""``TileLangMLABackend``: an SGLang (0.5.17 API) ``AttentionBackend`` around :func:`mla_backend.mla_decode`.
+"""``TileLangMLABackend``: an SGLang (0.5.17 API) ``AttentionBackend`` around the MLA decode op (one
+:class:`mla_backend.MLADecodeLauncher` per layer).
 
 What runs where:
 
@@ -35,8 +36,9 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from ..constants import HEAD_DIM, KV_LORA_RANK, MAX_HEADS, MAX_Q_LEN, ROPE_DIM, SUPPORTED_PAGE_SIZES
 from ..dispatch import ENV_IMPL, REFERENCE, engine_impl_request, select_impl, warmup
+from ..launcher import MLADecodeLauncher
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
-from ..op import mla_decode, verification_report, verifying
+from ..verify import verification_report, verifying
 from ..planner import SplitPlanner
 from . import BACKEND_NAME
 from .page_table import FillFn, fill_page_table_torch, max_pages_per_request, sglang_decode_metadata
@@ -297,6 +299,7 @@ class TileLangMLABackend(AttentionBackend):
         self._retired_graph_buffers: list = []
         self._eager_page_table: Optional[torch.Tensor] = None
         self._eager_planners: dict = {}
+        self._launchers: dict[int, MLADecodeLauncher] = {}  # layer_id -> its launcher, built at its first decode
         self._verify_mask = None
         self._fill: FillFn = self._choose_fill()
         # Prefill / extend / mixed: SGLang's Triton backend, same runner (reads the same pools).
@@ -544,22 +547,29 @@ class TileLangMLABackend(AttentionBackend):
             raise RuntimeError(f"{BACKEND_NAME}: {forward_batch.forward_mode} forward without decode metadata "
                                "(init_forward_metadata was not called for this batch)")
         heads = layer.tp_q_head_num
+        if q_rope is not None:
+            q_nope, q_pe = _as3d(q, heads, KV_LORA_RANK), _as3d(q_rope, heads, ROPE_DIM)
+        else:
+            q = _as3d(q, heads, HEAD_DIM)
+            q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
+        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, HEAD_DIM)
+        launch = self._launchers.get(layer.layer_id) or self._build_launcher(layer)
+        return launch(q_nope, q_pe, kv_cache, meta.metadata).view(-1, heads * KV_LORA_RANK)
+
+    def _build_launcher(self, layer) -> MLADecodeLauncher:
+        heads = layer.tp_q_head_num
         if heads != self.num_heads:
             raise RuntimeError(f"{BACKEND_NAME}: layer has {heads} query heads, the backend was built for "
                                f"{self.num_heads} (decode attention-TP changes are not supported)")
-        if q_rope is not None:
-            query = (_as3d(q, heads, KV_LORA_RANK), _as3d(q_rope, heads, ROPE_DIM))
-        else:
-            query = _as3d(q, heads, HEAD_DIM)
-        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, HEAD_DIM)
         # SGLang stores fp8 KV with a plain cast (no scale); the op dequantises with k_scale
         # (FlashMLA's convention: layer.k_scale, or 1.0 when the checkpoint has none; the op requires one for fp8).
         k_scale = None
         if self.is_fp8_kvcache:
             k_scale = 1.0 if getattr(layer, "k_scale", None) is None else layer.k_scale
-        out = mla_decode(query, kv_cache, meta.metadata, layer.scaling, k_scale=k_scale, impl=self.impl,
-                         check_indices=False)
-        return out.view(-1, heads * KV_LORA_RANK)
+        launch = self._launchers[layer.layer_id] = MLADecodeLauncher(
+            self.device, heads, page_size=self.page_size, dtype=self.q_data_type, kv_dtype=self.kv_cache_dtype,
+            softmax_scale=layer.scaling, k_scale=k_scale, q_lens=self.config.q_lens, impl=self.impl)
+        return launch
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, q_rope=None,
                        k_rope=None, **kwargs):
