@@ -257,7 +257,9 @@ class DecodeForwardMetadata:
 
 
 @dataclass
-class _GraphBuffers:
+class _Buffers:
+    """Persistent decode metadata storage: the CUDA graphs' (refilled before each replay), or eager batches'."""
+
     max_bs: int
     width: int
     page_table: torch.Tensor  # int32 [max_bs, width]
@@ -295,9 +297,9 @@ class TileLangMLABackend(AttentionBackend):
         # Static page-table width: any request req_to_token can describe.
         self.width_static = max_pages_per_request(self.req_to_token.shape[1], self.page_size)
         self.forward_metadata: Optional[DecodeForwardMetadata] = None
-        self._graph: Optional[_GraphBuffers] = None
+        self._graph: Optional[_Buffers] = None
         self._retired_graph_buffers: list = []
-        self._eager_page_table: Optional[torch.Tensor] = None
+        self._eager: Optional[_Buffers] = None  # batches the graph buffers do not fit (grown, never shrunk)
         self._eager_planners: dict = {}
         self._launchers: dict[int, MLADecodeLauncher] = {}  # layer_id -> its launcher, built at its first decode
         self._verify_mask = None
@@ -419,7 +421,7 @@ class TileLangMLABackend(AttentionBackend):
             self._retired_graph_buffers.append(self._graph)
         width = self.width_static
         dev = self.device
-        self._graph = _GraphBuffers(
+        self._graph = _Buffers(
             max_bs=max_bs,
             width=width,
             page_table=torch.zeros(max_bs, width, dtype=INDEX_DTYPE, device=dev),
@@ -427,7 +429,7 @@ class TileLangMLABackend(AttentionBackend):
             kv_lens=torch.ones(max_bs, dtype=INDEX_DTYPE, device=dev),
         )
         for q_len in self.config.q_lens:
-            self._graph_qo_indptr(q_len)
+            self._qo_indptr(self._graph, q_len)
         self._stats["graph_state"] = [max_bs, max_num_tokens, width]
         if self.num_draft_tokens:
             try:  # like FlashMLA: verify is causal, so the draft stage needs no dense tree mask
@@ -453,11 +455,11 @@ class TileLangMLABackend(AttentionBackend):
         # Verify is causal over the drafts (topk 1): nothing depends on the draft's tree mask.
         pass
 
-    def _graph_qo_indptr(self, q_len: int) -> torch.Tensor:
-        g = self._graph
-        t = g.qo_indptr.get(q_len)
+    def _qo_indptr(self, buffers: _Buffers, q_len: int) -> torch.Tensor:
+        t = buffers.qo_indptr.get(q_len)
         if t is None:
-            t = g.qo_indptr[q_len] = torch.arange(g.max_bs + 1, dtype=INDEX_DTYPE, device=self.device) * q_len
+            t = buffers.qo_indptr[q_len] = torch.arange(buffers.max_bs + 1, dtype=INDEX_DTYPE,
+                                                        device=self.device) * q_len
         return t
 
     def _planner(self, q_len: int, bs: int) -> SplitPlanner:
@@ -491,13 +493,17 @@ class TileLangMLABackend(AttentionBackend):
             max_len = int(forward_batch.seq_lens[:bs].max()) + n_draft
         return min(max_pages_per_request(max_len, self.page_size), self.width_static)
 
-    def _eager_table(self, bs: int, width: int) -> torch.Tensor:
-        buf = self._eager_page_table
-        if buf is None or buf.shape[0] < bs or buf.shape[1] < width:
-            rows = _pow2(max(bs, 0 if buf is None else buf.shape[0]))
+    def _eager_buffers(self, bs: int, width: int) -> _Buffers:
+        """The eager batches' page table (at least ``bs`` x ``width``), offsets, lengths and query offsets, kept from
+        step to step: an eager step allocates nothing."""
+        buf = self._eager
+        if buf is None or buf.max_bs < bs or buf.width < width:
+            rows = _pow2(max(bs, 0 if buf is None else buf.max_bs))
             # power-of-two widths keep the page-table kernel's constexpr row stride stable
-            cols = max(width, min(_pow2(max(width, 0 if buf is None else buf.shape[1])), self.width_static))
-            buf = self._eager_page_table = torch.zeros(rows, cols, dtype=INDEX_DTYPE, device=self.device)
+            cols = max(width, min(_pow2(max(width, 0 if buf is None else buf.width)), self.width_static))
+            i32 = dict(dtype=INDEX_DTYPE, device=self.device)
+            buf = self._eager = _Buffers(max_bs=rows, width=cols, page_table=torch.zeros(rows, cols, **i32),
+                                         kv_indptr=torch.arange(rows + 1, **i32) * cols, kv_lens=torch.ones(rows, **i32))
         return buf
 
     def _build_metadata(self, forward_batch) -> Optional[DecodeForwardMetadata]:
@@ -521,12 +527,14 @@ class TileLangMLABackend(AttentionBackend):
             md = sglang_decode_metadata(
                 self.req_to_token, req_pool_indices, seq_lens, self.page_size, num_draft_tokens=n_draft,
                 page_table=g.page_table, kv_indptr=g.kv_indptr, kv_lens=g.kv_lens,
-                qo_indptr=self._graph_qo_indptr(q_len), fill=self._fill)
+                qo_indptr=self._qo_indptr(g, q_len), fill=self._fill)
         else:
             width = self._eager_width(forward_batch, bs, n_draft)
+            e = self._eager_buffers(bs, width)
             md = sglang_decode_metadata(
                 self.req_to_token, req_pool_indices, seq_lens, self.page_size, num_draft_tokens=n_draft,
-                width=width, page_table=self._eager_table(bs, width), fill=self._fill)
+                width=width, page_table=e.page_table, kv_indptr=e.kv_indptr, kv_lens=e.kv_lens,
+                qo_indptr=self._qo_indptr(e, q_len), fill=self._fill)
         md.plan = self._planner(q_len, bs).plan(md.kv_lens)
         return DecodeForwardMetadata(md, q_len, bs, _indptr_of(md), md.qo_indptr)
 
