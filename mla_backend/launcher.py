@@ -242,9 +242,9 @@ class MLADecodeLauncher:
 
     A call ``launch(q_nope, q_pe, kv_cache, metadata, out=None, return_lse=False)`` takes q_nope
     ``[T, num_heads, 512]`` and q_pe ``[T, num_heads, 64]`` (views are fine: rows must be 16-byte aligned or they are
-    copied), kv_cache ``[num_pages, page_size, 576]``, an :class:`~mla_backend.MLADecodeMetadata` whose ``plan`` was made
-    by a :class:`~mla_backend.SplitPlanner` for ``num_heads`` and its ``q_len``, and returns ``out`` (a new tensor
-    when None), or ``(out, lse)``. Nothing is checked: run ``mla_decode`` (or ``metadata.check``) where the inputs
+    copied), kv_cache ``[num_pages, page_size, 576]``, an :class:`~mla_backend.MLADecodeMetadata` whose ``plan``
+    was made by a :class:`~mla_backend.SplitPlanner` for ``num_heads`` and its ``q_len``, and returns ``out`` (a new
+    tensor when None), or ``(out, lse)``. Nothing is checked: run ``mla_decode`` (or ``metadata.check``) where the inputs
     are not known good. The kernels' own host code still checks each tensor's dtype, rank, shape and device.
 
     The LSE: with ``return_lse`` a new ``[T, num_heads]`` fp32 tensor the caller may keep (vLLM's DCP merges it after

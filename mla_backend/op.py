@@ -9,7 +9,9 @@ from .launcher import Scales, capturing as _capturing, checked_k_scale, kernel_s
 from .metadata import MLADecodeMetadata
 from .planner import SplitPlan, plan_split_kv
 from .validation import MLAInputError, check_inputs, normalize_kv_cache, split_query
-from .verify import VERIFY, verification_report, verifying  # noqa: F401 (the op's public names since 0.1)
+from .verify import VERIFY, verification_report, verifying
+
+__all__ = ["VERIFY", "mla_decode", "verification_report", "verifying"]
 
 
 def mla_decode(

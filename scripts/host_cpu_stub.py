@@ -7,9 +7,9 @@ compiled-kernel cache is seeded with stand-ins for the split and combine kernels
   PrimFuncs' parameters) in front of a no-op tvm-ffi function, i.e. everything but the tvm-ffi call itself;
 * ``noop``: plain no-op callables (only the package's own Python work).
 
-It times, per shape, p50 / p90 of: ``mla_decode`` as of a git revision (``--against``, default HEAD: the op before
-the working tree's changes, loaded from git), ``mla_decode`` of the working tree, and ``MLADecodeLauncher`` (with
-``out`` given, the LSE not returned). The calls alternate in rounds so that a busy machine slows all of them alike.
+It times, per shape, p50 / p90 of: ``mla_decode`` as of a git revision (``--against``, default ea9c5e2^: the op
+before the launcher, loaded from git), ``mla_decode`` of the working tree, and ``MLADecodeLauncher`` (with ``out``
+given, the LSE not returned). The calls alternate in rounds so that a busy machine slows all of them alike.
     PYTHONPATH=$PWD python3 scripts/host_cpu_stub.py [--against REV] [--calls 20000] [--stub tilelang|noop]
 """
 
@@ -105,7 +105,7 @@ def problem(batch: int, heads: int):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--against", default="HEAD", help="git revision of the mla_decode to compare with")
+    parser.add_argument("--against", default="ea9c5e2^", help="git revision of the mla_decode to compare with")
     parser.add_argument("--calls", type=int, default=20000, help="timed calls per path and shape")
     parser.add_argument("--stub", choices=("tilelang", "noop"), default="tilelang")
     args = parser.parse_args()

@@ -503,7 +503,8 @@ class TileLangMLABackend(AttentionBackend):
             cols = max(width, min(_pow2(max(width, 0 if buf is None else buf.width)), self.width_static))
             i32 = dict(dtype=INDEX_DTYPE, device=self.device)
             buf = self._eager = _Buffers(max_bs=rows, width=cols, page_table=torch.zeros(rows, cols, **i32),
-                                         kv_indptr=torch.arange(rows + 1, **i32) * cols, kv_lens=torch.ones(rows, **i32))
+                                         kv_indptr=torch.arange(rows + 1, **i32) * cols,
+                                         kv_lens=torch.ones(rows, **i32))
         return buf
 
     def _build_metadata(self, forward_batch) -> Optional[DecodeForwardMetadata]:
