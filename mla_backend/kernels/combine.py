@@ -4,6 +4,8 @@ Three variants of one contract: one program per (request, row); the wide one per
 batches with many parts per request; the tiled one per (request, 16 rows) for large batches (sm90).
 """
 
+from typing import Any, NamedTuple
+
 import tilelang.language as T
 
 from ..constants import KV_LORA_RANK, MAX_PARTS
@@ -61,6 +63,57 @@ def use_tiled_combine(batch: int, rows: int) -> bool:
     return batch * rows >= COMBINE_TILED_MIN_PROGRAMS
 
 
+class CombineDims(NamedTuple):
+    """A combine kernel's symbolic sizes (runtime values, as the split kernel's)."""
+
+    num_tokens: Any  # query tokens of the batch
+    batch: Any  # requests (one program column each)
+    num_slots: Any  # the split kernel's partial slots
+
+
+def combine_dims() -> CombineDims:
+    """Fresh symbolic sizes for one combine kernel, each named as its field."""
+    return CombineDims(*(T.dynamic(name) for name in CombineDims._fields))
+
+
+def combine_prim_func(name: str, num_heads: int, q_len: int, dtype: str, dims: CombineDims, program):
+    """The prim_func ``name`` of a combine variant, whose body is the macro ``program`` called with every argument (in
+    this order), so the variants are interchangeable after the split kernel.
+
+    Arguments (all device tensors; ``H`` = ``num_heads``, the other sizes ``dims``'): qo_indptr, cu_blocks int32
+    ``[batch + 1]``, blocks_per_part int32 ``[1]`` (the split kernel's plan); out_partial fp32
+    ``[num_slots, H * q_len, 512]``, lse_partial fp32 ``[num_slots, H * q_len]`` (log2) (its partials); out
+    ``[num_tokens, H, 512]`` (``dtype``), lse fp32 ``[num_tokens, H]`` (natural log).
+    """
+    num_tokens, batch, num_slots = dims
+    rows = num_heads * q_len
+    accum = "float32"
+
+    def combine(
+        qo_indptr: T.Tensor([batch + 1], "int32"),
+        cu_blocks: T.Tensor([batch + 1], "int32"),
+        blocks_per_part: T.Tensor([1], "int32"),
+        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
+        lse_partial: T.Tensor([num_slots, rows], accum),
+        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        lse: T.Tensor([num_tokens, num_heads], accum),
+    ):
+        program(qo_indptr, cu_blocks, blocks_per_part, out_partial, lse_partial, out, lse)
+
+    combine.__name__ = name  # the kernel's symbol
+    return T.prim_func(combine)
+
+
+@T.macro
+def count_request_parts(req_lo, req_hi, width, first: T.Ref, n_read: T.Ref):
+    """The parts of a request covering flat blocks ``[req_lo, req_hi)`` under ``width``-block parts: the first into
+    ``first`` (its partial slots are ``first + i + req``), how many into ``n_read`` (at most ``MAX_PARTS``, the most
+    the planner makes and the combine's shared memory holds)."""
+    first_part, parts = request_parts(req_lo, req_hi, width)
+    first = first_part
+    n_read = T.min(parts, MAX_PARTS)
+
+
 def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: int = 0, chunks: int = 1,
                                pdl: bool = False):
     """The combine of :func:`build_combine_kernel` (same arguments and results) with one program per (request,
@@ -75,20 +128,11 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
     threads = tile_rows * lanes
     cols = KV_LORA_RANK // chunks
 
-    num_tokens = T.dynamic("num_tokens")
-    batch = T.dynamic("batch")
-    num_slots = T.dynamic("num_slots")
+    dims = combine_dims()
+    batch = dims.batch
 
-    @T.prim_func
-    def mla_decode_combine_tiled(
-        qo_indptr: T.Tensor([batch + 1], "int32"),
-        cu_blocks: T.Tensor([batch + 1], "int32"),
-        blocks_per_part: T.Tensor([1], "int32"),
-        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
-        lse_partial: T.Tensor([num_slots, rows], accum),
-        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
-        lse: T.Tensor([num_tokens, num_heads], accum),
-    ):
+    @T.macro
+    def tiled_program(qo_indptr, cu_blocks, blocks_per_part, out_partial, lse_partial, out, lse):
         with T.Kernel(batch, T.ceildiv(rows, tile_rows), chunks, threads=threads) as (req, tile, chunk):
             weight_s = T.alloc_shared([tile_rows, MAX_PARTS], accum)  # per row, its parts' merge weights
             acc = T.alloc_fragment([tile_rows, cols], accum)
@@ -107,9 +151,7 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
             width = blocks_per_part[0]
             req_lo = cu_blocks[req]
             req_hi = cu_blocks[req + 1]
-            first_part, parts = request_parts(req_lo, req_hi, width)
-            first = first_part
-            n_read = T.min(parts, MAX_PARTS)
+            count_request_parts(req_lo, req_hi, width, first, n_read)
             if req_hi == req_lo:
                 for i, d in T.Parallel(tile_rows, cols):
                     if row0 + i < rows:
@@ -158,7 +200,7 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
                         out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, chunk * cols + d] = T.cast(
                             acc[i, d], dtype)
 
-    return mla_decode_combine_tiled
+    return combine_prim_func("mla_decode_combine_tiled", num_heads, q_len, dtype, dims, tiled_program)
 
 
 def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False, merged: int = 0,
@@ -180,20 +222,11 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
     n_chunks = KV_LORA_RANK // COMBINE_WIDE_DIMS if wide else 1
     lanes = threads // COMBINE_WIDE_GROUPS  # wide: a warp covers the chunk's 128 dims, 4 per lane
 
-    num_tokens = T.dynamic("num_tokens")
-    batch = T.dynamic("batch")
-    num_slots = T.dynamic("num_slots")
+    dims = combine_dims()
+    batch = dims.batch
 
-    @T.prim_func
-    def mla_decode_combine(
-        qo_indptr: T.Tensor([batch + 1], "int32"),
-        cu_blocks: T.Tensor([batch + 1], "int32"),
-        blocks_per_part: T.Tensor([1], "int32"),
-        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
-        lse_partial: T.Tensor([num_slots, rows], accum),
-        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
-        lse: T.Tensor([num_tokens, num_heads], accum),
-    ):
+    @T.macro
+    def row_program(qo_indptr, cu_blocks, blocks_per_part, out_partial, lse_partial, out, lse):
         with T.Kernel(batch, rows, n_chunks, threads=threads) as (req, row, chunk):
             lse_f = T.alloc_fragment([MAX_PARTS], accum)  # partial LSEs, then their exp2 weights
             weight_s = T.alloc_shared([MAX_PARTS], accum)
@@ -214,9 +247,7 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
             width = blocks_per_part[0]
             req_lo = cu_blocks[req]
             req_hi = cu_blocks[req + 1]
-            first_part, parts = request_parts(req_lo, req_hi, width)
-            first = first_part
-            n_read = T.min(parts, MAX_PARTS)
+            count_request_parts(req_lo, req_hi, width, first, n_read)
             tok = qo_indptr[req] + row // num_heads
             head = row % num_heads
             d0 = chunk * COMBINE_WIDE_DIMS if wide else 0
@@ -308,4 +339,4 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
                     lse[tok, head] = T.if_then_else(lse_sum[0] > 0, (T.log2(lse_sum[0]) + lse_max[0]) * LN2,
                                                     -T.infinity(accum))
 
-    return mla_decode_combine
+    return combine_prim_func("mla_decode_combine", num_heads, q_len, dtype, dims, row_program)

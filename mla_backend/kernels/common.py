@@ -1,9 +1,12 @@
-"""Helpers shared by the TileLang decode kernels: tile counts, the segment epilogue, the plan's request walk."""
+"""Helpers shared by the TileLang decode kernels: the split kernel's signature, tile counts, the segment epilogue,
+the plan's request walk."""
 
 import inspect
 from typing import Any, NamedTuple
 
 import tilelang.language as T
+
+from ..constants import HEAD_DIM, KV_LORA_RANK, ROPE_DIM
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -21,6 +24,75 @@ PIPELINE_KWARGS = ({"annotations": {"pragma_unroll_explicit": 1}}
 def pipelined(extent, num_stages: int):
     """``T.Pipelined(extent, num_stages)`` whose epilogue is unrolled explicitly on every TileLang."""
     return T.Pipelined(extent, num_stages=num_stages, **PIPELINE_KWARGS)
+
+
+class SplitDims(NamedTuple):
+    """The split kernel's symbolic sizes (runtime values: one compile per variant serves every batch)."""
+
+    num_tokens: Any  # query tokens of the batch
+    batch: Any  # requests
+    num_pages: Any  # pages of the KV cache
+    num_entries: Any  # page-table entries
+    num_parts: Any  # the plan's parts (one program column each)
+    num_slots: Any  # partial slots
+    num_counts: Any  # merge counters
+
+
+def split_dims() -> SplitDims:
+    """Fresh symbolic sizes for one split kernel, each named as its field."""
+    return SplitDims(*(T.dynamic(name) for name in SplitDims._fields))
+
+
+def split_prim_func(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str, dims: SplitDims,
+                    program):
+    """The split kernel's prim_func ``mla_decode_split``, whose body is the macro ``program`` called with every
+    argument (in this order), so every architecture's kernel has the same name and arguments.
+
+    Arguments (all device tensors; ``H`` = ``num_heads``, the other sizes ``dims``'):
+        q_nope ``[num_tokens, H, 512]``, q_pe ``[num_tokens, H, 64]`` (``dtype``, runtime token and head strides);
+        kv_cache ``[num_pages, page_size, 576]`` (``kv_dtype``); k_scale fp32 ``[1]``;
+        page_table int32 ``[num_entries]``; page_table_start, kv_lens int32 ``[batch]``;
+        qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]`` (the planner's blocks);
+        part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``; sm_scale fp32 ``[1]``;
+        out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
+        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2);
+        merge_count int32 ``[num_counts]`` (the kernels that merge splits themselves count parts there).
+    """
+    num_tokens, batch, num_pages, num_entries, num_parts, num_slots, num_counts = dims
+    rows = num_heads * q_len
+    accum = "float32"
+    # q halves are read in place from whatever views the engine hands over (vLLM's q_nope is a transposed bmm
+    # output, a 576-wide q gives two strided slices): strides are runtime values (the op guarantees 16-byte aligned
+    # rows, for sm90's cp.async).
+    q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
+    q_pe_stride = (T.dynamic("q_pe_stride_t"), T.dynamic("q_pe_stride_h"), 1)
+
+    @T.prim_func
+    def mla_decode_split(
+        q_nope: T.StridedTensor([num_tokens, num_heads, KV_LORA_RANK], q_nope_stride, dtype),
+        q_pe: T.StridedTensor([num_tokens, num_heads, ROPE_DIM], q_pe_stride, dtype),
+        kv_cache: T.Tensor([num_pages, page_size, HEAD_DIM], kv_dtype),
+        k_scale: T.Tensor([1], accum),
+        page_table: T.Tensor([num_entries], "int32"),
+        page_table_start: T.Tensor([batch], "int32"),
+        kv_lens: T.Tensor([batch], "int32"),
+        qo_indptr: T.Tensor([batch + 1], "int32"),
+        cu_blocks: T.Tensor([batch + 1], "int32"),
+        part_begin_req: T.Tensor([num_parts], "int32"),
+        part_end_req: T.Tensor([num_parts], "int32"),
+        blocks_per_part: T.Tensor([1], "int32"),
+        sm_scale: T.Tensor([1], accum),
+        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
+        lse: T.Tensor([num_tokens, num_heads], accum),
+        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
+        lse_partial: T.Tensor([num_slots, rows], accum),
+        merge_count: T.Tensor([num_counts], "int32"),
+    ):
+        program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
+                part_begin_req, part_end_req, blocks_per_part, sm_scale, out, lse, out_partial, lse_partial,
+                merge_count)
+
+    return mla_decode_split
 
 
 def num_row_blocks(num_heads: int, q_len: int, block_rows: int) -> int:
@@ -102,6 +174,16 @@ def wait_for_inputs(pdl: bool):
 def partial_lse(l_sum, m_cur):
     """A part's log2-domain LSE of a row (its partial slot's): -inf where the row saw nothing."""
     return T.if_then_else(l_sum > 0, T.log2(l_sum) + m_cur, -T.infinity("float32"))
+
+
+@T.macro
+def request_inputs(kv_lens, qo_indptr, page_table_start, req):
+    """What a loader of Q and KV needs of request ``req``: its KV length, its first query token and its first
+    page-table entry, as let-bound values."""
+    kv_len = kv_lens[req]
+    tok0 = qo_indptr[req]
+    pt0 = page_table_start[req]
+    return kv_len, tok0, pt0
 
 
 @T.macro

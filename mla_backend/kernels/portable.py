@@ -15,43 +15,23 @@ compile per (dtype, num_heads, q_len, page_size, arch, config) serves every batc
 
 import tilelang.language as T
 
-from ..constants import HEAD_DIM, KV_LORA_RANK, ROPE_DIM
-from .common import (LN2, LOG2E, make_store_rows, num_row_blocks, partial_lse, pipelined, request_parts,
-                     segment_span, wait_for_inputs)
+from ..constants import KV_LORA_RANK, ROPE_DIM
+from .common import (LOG2E, make_store_rows, num_row_blocks, pipelined, request_inputs, segment_span, split_dims,
+                     split_prim_func, wait_for_inputs)
 from .configs import KernelConfig
 
 
 def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
                         cfg: KernelConfig):
-    """Returns the split-KV prim_func.
-
-    Arguments of the returned function (all device tensors):
-        q_nope ``[num_tokens, H, 512]``, q_pe ``[num_tokens, H, 64]`` (``dtype``);
-        kv_cache ``[num_pages, page_size, 576]`` (``kv_dtype``); k_scale fp32 ``[1]``;
-        page_table int32 ``[num_entries]``; page_table_start, kv_lens int32 ``[batch]``;
-        qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]``;
-        part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``;
-        out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
-        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2);
-        merge_count int32 ``[num_counts]`` (the kernels that merge splits themselves count parts there; not read here).
-    """
+    """Returns the split-KV prim_func (``common.split_prim_func``: its name and arguments)."""
     block_rows, block_n = cfg.block_rows, cfg.block_n
     rows = num_heads * q_len
     n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
     accum = "float32"
     is_fp8 = kv_dtype != dtype
 
-    num_tokens = T.dynamic("num_tokens")
-    batch = T.dynamic("batch")
-    num_pages = T.dynamic("num_pages")
-    num_entries = T.dynamic("num_entries")
-    num_parts = T.dynamic("num_parts")
-    num_slots = T.dynamic("num_slots")
-    num_counts = T.dynamic("num_counts")
-    # q halves are read in place from whatever views the engine hands over (vLLM's q_nope is a
-    # transposed bmm output, a 576-wide q gives two strided slices): strides are runtime values.
-    q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
-    q_pe_stride = (T.dynamic("q_pe_stride_t"), T.dynamic("q_pe_stride_h"), 1)
+    dims = split_dims()
+    batch, num_parts = dims.batch, dims.num_parts
     store_rows = make_store_rows(num_heads, q_len, block_rows, KV_LORA_RANK).store
 
     @T.macro
@@ -101,27 +81,11 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             acc_o[i, d] *= alpha[i]
         T.gemm(p_shared, kv_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
 
-    @T.prim_func
-    def mla_decode_split(
-        q_nope: T.StridedTensor([num_tokens, num_heads, KV_LORA_RANK], q_nope_stride, dtype),
-        q_pe: T.StridedTensor([num_tokens, num_heads, ROPE_DIM], q_pe_stride, dtype),
-        kv_cache: T.Tensor([num_pages, page_size, HEAD_DIM], kv_dtype),
-        k_scale: T.Tensor([1], accum),
-        page_table: T.Tensor([num_entries], "int32"),
-        page_table_start: T.Tensor([batch], "int32"),
-        kv_lens: T.Tensor([batch], "int32"),
-        qo_indptr: T.Tensor([batch + 1], "int32"),
-        cu_blocks: T.Tensor([batch + 1], "int32"),
-        part_begin_req: T.Tensor([num_parts], "int32"),
-        part_end_req: T.Tensor([num_parts], "int32"),
-        blocks_per_part: T.Tensor([1], "int32"),
-        sm_scale: T.Tensor([1], accum),
-        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
-        lse: T.Tensor([num_tokens, num_heads], accum),
-        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
-        lse_partial: T.Tensor([num_slots, rows], accum),
-        merge_count: T.Tensor([num_counts], "int32"),
-    ):
+    @T.macro
+    def split_program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
+                      part_begin_req, part_end_req, blocks_per_part, sm_scale, out, lse, out_partial, lse_partial,
+                      merge_count):
+        """The grid (part, row block); merge_count is not read here (the combine merges every split request)."""
         with T.Kernel(num_parts, n_row_blocks, threads=cfg.threads) as (part, row_block):
             q_shared = T.alloc_shared([block_rows, KV_LORA_RANK], dtype)
             q_pe_shared = T.alloc_shared([block_rows, ROPE_DIM], dtype)
@@ -154,9 +118,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
                 req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
                 if blk_hi > blk_lo:
-                    kv_len = kv_lens[req]
-                    tok0 = qo_indptr[req]
-                    pt0 = page_table_start[req]
+                    kv_len, tok0, pt0 = request_inputs(kv_lens, qo_indptr, page_table_start, req)
                     # positions visible to row r: < kv_len - q_len + r // H + 1
                     vis0 = kv_len - q_len + 1
                     for i, d in T.Parallel(block_rows, KV_LORA_RANK):
@@ -183,4 +145,4 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                     store_rows(acc_o, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width, part + req,
                                tok0, row0, out, lse, out_partial, lse_partial)
 
-    return mla_decode_split
+    return split_prim_func(num_heads, q_len, page_size, dtype, kv_dtype, dims, split_program)

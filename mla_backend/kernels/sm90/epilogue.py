@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from ..common import LN2, SegmentStore, partial_lse
-from .protocol import HALF, MERGE_DONE_SHIFT, TWS_COLS, TWS_TILE
+from ..common import LN2, SegmentStore, partial_lse, request_parts
+from .protocol import HALF, MERGE_DONE_SHIFT, TWS_COLS, TWS_TILE, seg_free_parity, seg_ready_parity
 
 
 def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_lse: bool = True) -> SegmentStore:
@@ -131,4 +131,44 @@ def epilogue_macros(k):
     wg0_store_segment = make_store_segment(store_left_t if transposed else store_left, 0, HALF // TWS_TILE)
     wg1_store_segment = make_store_segment(store_right, HALF)
 
-    return SimpleNamespace(merge_begin=merge_begin, merge_end=merge_end, merge_weights=merge_weights, merge_add=merge_add, merge_other=merge_other, store_direct=store_direct, make_store_segment=make_store_segment, wg0_store_segment=wg0_store_segment, wg1_store_segment=wg1_store_segment)
+    @T.macro
+    def send_l(l_sum, m_cur, l_shared, l_free, l_ready, seg: T.Ref):
+        """WG0, segment ``seg``'s end: its row sums ``l_sum [q_rows]`` (with in_merge also its row max ``m_cur``,
+        after them) into ``l_shared`` for WG1, once WG1 has read the previous segment's."""
+        T.barrier_wait(l_free[0], seg_free_parity(seg))
+        for i in T.Parallel(q_rows):
+            l_shared[i] = l_sum[i]
+        if in_merge:
+            for i in T.Parallel(q_rows):
+                l_shared[q_rows + i] = m_cur[i]
+        T.barrier_arrive(l_ready[0])
+
+    @T.macro
+    def receive_l(l_r, m_r, l_shared, l_ready, l_free, seg: T.Ref):
+        """WG1, segment ``seg``'s end: WG0's row sums (with in_merge its row max) from ``l_shared`` into ``l_r``
+        (``m_r``) ``[q_rows]``, then ``l_shared`` handed back."""
+        T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+        for i in T.Parallel(q_rows):
+            l_r[i] = l_shared[i]
+        if in_merge:
+            for i in T.Parallel(q_rows):
+                m_r[i] = l_shared[q_rows + i]
+        T.barrier_arrive(l_free[0])
+
+    @T.macro
+    def wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg: T.Ref, kv_scale, req_lo,
+                        req_hi, width, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
+                        lse, out_partial, lse_partial):
+        """WG0, the end of request ``req``'s segment (flat blocks ``[req_lo, req_hi)`` of the request): l and m to
+        WG1, then O[:, :256] and the LSE normalised, merged if this program finishes a two-part request second, and
+        written (``alpha`` and ``m_prev`` are free by now: the scratch and the merge weights)."""
+        send_l(l_sum, m_cur, l_shared, l_free, l_ready, seg)
+        first, n_parts = request_parts(req_lo, req_hi, width)
+        wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts, part, req, row_block,
+                          row0, tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial, lse_partial)
+
+    return SimpleNamespace(merge_begin=merge_begin, merge_end=merge_end, merge_weights=merge_weights,
+                           merge_add=merge_add, merge_other=merge_other, store_direct=store_direct,
+                           make_store_segment=make_store_segment, wg0_store_segment=wg0_store_segment,
+                           wg1_store_segment=wg1_store_segment, send_l=send_l, receive_l=receive_l,
+                           wg0_end_segment=wg0_end_segment)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from ...constants import HEAD_DIM, KV_LORA_RANK, ROPE_DIM
-from ..common import LOG2E, make_store_rows, num_row_blocks, request_parts, wait_for_inputs
+from ...constants import ROPE_DIM
+from ..common import LOG2E, make_store_rows, num_row_blocks, split_dims, split_prim_func, wait_for_inputs
 from ..configs import SM90, KernelConfig, merged_parts
 from .consumers import consumer_macros
 from .epilogue import epilogue_macros, make_store_cols
@@ -21,6 +21,14 @@ from .protocol import (HALF, N_PARTS, PART_L, PART_R, PART_T, PRELUDE, Q_F16_SHI
                        WG0_NAMED_BARRIER, alpha_slot, grows, kernel_threads, kv_buffer, kv_ready_parity, p_free_parity,
                        p_ready_parity, part_barrier, register_budget, seg_free_parity, seg_ready_parity,
                        segment_first_block, trace_prelude)
+
+
+def alloc_row_tiles(n_rows: int, dtype: str):
+    """Shared tiles ``(left [n_rows, 256], right [n_rows, 256], rope [n_rows, 64])`` of ``n_rows`` 576-dim rows (Q, or
+    one KV buffer), the layout of both operands of S: WG0 and WG1 each multiply P by their own 256-dim half of V, and a
+    KV buffer is filled (and with tile_ready waited for) tile by tile."""
+    return (T.alloc_shared([n_rows, HALF], dtype), T.alloc_shared([n_rows, HALF], dtype),
+            T.alloc_shared([n_rows, ROPE_DIM], dtype))
 
 
 def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str, cfg: KernelConfig = SM90):
@@ -111,23 +119,13 @@ def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtyp
 
 def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
                         cfg: KernelConfig = SM90):
-    """Returns the split-KV prim_func of the Hopper decode (sm_90a).
-
-    Arguments of the returned function: exactly those of ``build_decode_kernel`` (same order):
-        q_nope ``[num_tokens, H, 512]``, q_pe ``[num_tokens, H, 64]`` (``dtype``);
-        kv_cache ``[num_pages, page_size, 576]`` (``kv_dtype``); k_scale fp32 ``[1]``;
-        page_table int32 ``[num_entries]``; page_table_start, kv_lens int32 ``[batch]``;
-        qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]`` (64-token blocks);
-        part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``;
-        sm_scale fp32 ``[1]``;
-        out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
-        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2).
-    """
+    """Returns the split-KV prim_func of the Hopper decode (sm_90a): ``common.split_prim_func``'s name and arguments,
+    as the portable kernel's."""
     k = variant_spec(num_heads, q_len, page_size, dtype, kv_dtype, cfg)
     accum, block_n, block_rows, cdtype = k.accum, k.block_n, k.block_rows, k.cdtype
     cfg, cluster, fp8_rows, in_merge = k.cfg, k.cluster, k.fp8_rows, k.in_merge
     is_fp8, kv_dtype, n_producers, n_row_blocks = k.is_fp8, k.kv_dtype, k.n_producers, k.n_row_blocks
-    q_rows, q_to_f16, regs_producer, rows = k.q_rows, k.q_to_f16, k.regs_producer, k.rows
+    q_rows, q_to_f16, regs_producer = k.q_rows, k.q_to_f16, k.regs_producer
     rs_pv, threads, tile_ready, tracing = k.rs_pv, k.threads, k.tile_ready, k.tracing
     transposed = k.transposed
     p, c, e = producer_macros(k), consumer_macros(k), epilogue_macros(k)
@@ -140,51 +138,20 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
      wg1_store_segment) = (e.merge_add, e.merge_begin, e.merge_end, e.merge_other, e.merge_weights, e.store_direct,
                            e.wg0_store_segment, e.wg1_store_segment)
 
-    num_tokens = T.dynamic("num_tokens")
-    batch = T.dynamic("batch")
-    num_pages = T.dynamic("num_pages")
-    num_entries = T.dynamic("num_entries")
-    num_parts = T.dynamic("num_parts")
-    num_slots = T.dynamic("num_slots")
-    num_counts = T.dynamic("num_counts")
-    # q is read through runtime (token, head) strides, as in portable.py (the op guarantees 16-byte
-    # aligned rows for cp.async).
-    q_nope_stride = (T.dynamic("q_nope_stride_t"), T.dynamic("q_nope_stride_h"), 1)
-    q_pe_stride = (T.dynamic("q_pe_stride_t"), T.dynamic("q_pe_stride_h"), 1)
+    dims = split_dims()
+    batch, num_parts, num_slots = dims.batch, dims.num_parts, dims.num_slots
 
-    @T.prim_func
-    def mla_decode_split(
-        q_nope: T.StridedTensor([num_tokens, num_heads, KV_LORA_RANK], q_nope_stride, dtype),
-        q_pe: T.StridedTensor([num_tokens, num_heads, ROPE_DIM], q_pe_stride, dtype),
-        kv_cache: T.Tensor([num_pages, page_size, HEAD_DIM], kv_dtype),
-        k_scale: T.Tensor([1], accum),
-        page_table: T.Tensor([num_entries], "int32"),
-        page_table_start: T.Tensor([batch], "int32"),
-        kv_lens: T.Tensor([batch], "int32"),
-        qo_indptr: T.Tensor([batch + 1], "int32"),
-        cu_blocks: T.Tensor([batch + 1], "int32"),
-        part_begin_req: T.Tensor([num_parts], "int32"),
-        part_end_req: T.Tensor([num_parts], "int32"),
-        blocks_per_part: T.Tensor([1], "int32"),
-        sm_scale: T.Tensor([1], accum),
-        out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
-        lse: T.Tensor([num_tokens, num_heads], accum),
-        out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
-        lse_partial: T.Tensor([num_slots, rows], accum),
-        merge_count: T.Tensor([num_counts], "int32"),
-    ):
+    @T.macro
+    def split_program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
+                      part_begin_req, part_end_req, blocks_per_part, sm_scale, out, lse, out_partial, lse_partial,
+                      merge_count):
+        """The grid (part, row block; a cluster of two row blocks with cluster_kv), one role per warpgroup."""
         prelude = PRELUDE + (trace_prelude(cfg.trace_part) if tracing else "")
         with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=prelude,
                       cluster_dims=(1, 2, 1) if cluster else None) as (part, row_block):
-            q_l = T.alloc_shared([q_rows, HALF], cdtype)
-            q_r = T.alloc_shared([q_rows, HALF], cdtype)
-            q_t = T.alloc_shared([q_rows, ROPE_DIM], cdtype)
-            kv0_l = T.alloc_shared([block_n, HALF], cdtype)
-            kv0_r = T.alloc_shared([block_n, HALF], cdtype)
-            k0_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
-            kv1_l = T.alloc_shared([block_n, HALF], cdtype)
-            kv1_r = T.alloc_shared([block_n, HALF], cdtype)
-            k1_t = T.alloc_shared([block_n, ROPE_DIM], cdtype)
+            q_l, q_r, q_t = alloc_row_tiles(q_rows, cdtype)
+            kv0_l, kv0_r, k0_t = alloc_row_tiles(block_n, cdtype)  # the two KV buffers
+            kv1_l, kv1_r, k1_t = alloc_row_tiles(block_n, cdtype)
             p_shared = T.alloc_shared([q_rows, block_n], cdtype)
             colmax_s = T.alloc_shared([128], accum)  # tws WG0: the column-max exchange, 2 x 64
             alpha_shared = T.alloc_shared([q_rows], accum)
@@ -290,4 +257,4 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             if cluster:  # no CTA exits while its pair may still copy into it or arrive on its k_free
                 T.cluster_sync()
 
-    return mla_decode_split
+    return split_prim_func(num_heads, q_len, page_size, dtype, kv_dtype, dims, split_program)

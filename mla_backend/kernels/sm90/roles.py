@@ -8,21 +8,20 @@ consumers keep the same protocol (protocol.py); kernel.py allocates the buffers 
 import tilelang.language as T
 
 from ...constants import HEAD_DIM, KV_LORA_RANK
-from ..common import request_parts, segment_span
+from ..common import request_inputs, request_parts, segment_span
 from .protocol import (HALF, PART_R, REGS_WG0, TWS_TILE, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer, kv_ready_parity,
-                       p_free_parity, p_ready_parity, part_barrier, seg_free_parity, seg_ready_parity,
-                       segment_first_block)
+                       p_free_parity, p_ready_parity, part_barrier, seg_ready_parity, segment_first_block)
 
 
 def wg0_roles(k, c, e, p):
     """WG0 of variant ``k`` (c, e, p: the consumer, epilogue and producer macros): (tws, ws)."""
     accum, block_n, block_rows = k.accum, k.block_n, k.block_rows
-    in_merge, pad_rows, q_len = k.in_merge, k.pad_rows, k.q_len
+    pad_rows, q_len = k.pad_rows, k.q_len
     q_rows, q_to_f16, regs_wg0 = k.q_rows, k.q_to_f16, k.regs_wg0
     threads, trace, trace_end = k.threads, k.trace, k.trace_end
     mask_scale, mask_scale_t, pv_block = c.mask_scale, c.mask_scale_t, c.pv_block
     q_bf16_to_f16, score_block, zero_pad_rows = c.q_bf16_to_f16, c.score_block, c.zero_pad_rows
-    release_kv, wg0_store_segment = p.release_kv, e.wg0_store_segment
+    release_kv, wg0_end_segment = p.release_kv, e.wg0_end_segment
 
     @T.macro
     def segment_start(acc_o, l_part, m_cur, q_ready, seg: T.Ref, q_l, q_r, q_t, tx):
@@ -87,17 +86,9 @@ def wg0_roles(k, c, e, p):
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
                 T.reduce_sum(l_acc, l_sum, dim=0)
-                T.barrier_wait(l_free[0], seg_free_parity(seg))
-                for i in T.Parallel(q_rows):
-                    l_shared[i] = l_sum[i]
-                if in_merge:
-                    for i in T.Parallel(q_rows):
-                        l_shared[q_rows + i] = m_cur[i]
-                T.barrier_arrive(l_ready[0])
-                first, n_parts = request_parts(req_lo, req_hi, width)
-                wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
-                                  part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
-                                  out, lse, out_partial, lse_partial)
+                wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg, kv_scale, req_lo,
+                                req_hi, width, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
+                                out, lse, out_partial, lse_partial)
                 seg = seg + 1
 
     @T.macro
@@ -179,18 +170,9 @@ def wg0_roles(k, c, e, p):
 
                 # each thread held its share of the row sums
                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
-                # epilogue: hand l (and m) to WG1, merge the request's parts if this program is the last
-                # of a few, write O[:, :256] and the LSE
-                T.barrier_wait(l_free[0], seg_free_parity(seg))
-                for i in T.Parallel(block_rows):
-                    l_shared[i] = l_sum[i]
-                for i in T.Parallel(block_rows):
-                    l_shared[block_rows + i] = m_cur[i]
-                T.barrier_arrive(l_ready[0])
-                first, n_parts = request_parts(req_lo, req_hi, width)
-                wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, m_prev, kv_scale, first, n_parts,
-                                  part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
-                                  out, lse, out_partial, lse_partial)
+                wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg, kv_scale, req_lo,
+                                req_hi, width, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
+                                out, lse, out_partial, lse_partial)
                 seg = seg + 1
         trace_end(0)
 
@@ -205,7 +187,7 @@ def wg1_roles(k, c, e, p):
     trace_end = k.trace_end
     merge_add, merge_begin, merge_end = e.merge_add, e.merge_begin, e.merge_end
     merge_other, merge_weights, store_direct = e.merge_other, e.merge_weights, e.store_direct
-    wg1_store_segment = e.wg1_store_segment
+    receive_l, wg1_store_segment = e.receive_l, e.wg1_store_segment
     pv_block, pv_quarters, rescale_rows = c.pv_block, c.pv_quarters, c.rescale_rows
     release_kv = p.release_kv
     block_n, cluster_rope, is_fp8 = k.block_n, k.cluster_rope, k.is_fp8
@@ -248,13 +230,7 @@ def wg1_roles(k, c, e, p):
                     T.barrier_arrive(p_free[0])
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
-                T.barrier_wait(l_ready[0], seg_ready_parity(seg))
-                for i in T.Parallel(q_rows):
-                    l_r[i] = l_shared[i]
-                if in_merge:
-                    for i in T.Parallel(q_rows):
-                        m_r[i] = l_shared[q_rows + i]
-                T.barrier_arrive(l_free[0])
+                receive_l(l_r, m_r, l_shared, l_ready, l_free, seg)
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 store_right_t[0].normalize(acc_o_r0, l_r, kv_scale, alpha_r)
                 store_right_t[1].normalize(acc_o_r1, l_r, kv_scale, alpha_r)
@@ -317,13 +293,7 @@ def wg1_roles(k, c, e, p):
                     T.barrier_arrive(p_free[0])
                     release_kv(k_free, g, tx)
 
-                T.barrier_wait(l_ready[0], seg_ready_parity(seg))
-                for i in T.Parallel(block_rows):
-                    l_r[i] = l_shared[i]
-                if in_merge:
-                    for i in T.Parallel(block_rows):
-                        m_r[i] = l_shared[block_rows + i]
-                T.barrier_arrive(l_free[0])
+                receive_l(l_r, m_r, l_shared, l_ready, l_free, seg)
                 first, n_parts = request_parts(req_lo, req_hi, width)
                 wg1_store_segment(acc_o_r, l_r, m_r, alpha_r, w_r, alpha_r, kv_scale, first, n_parts, part,
                                   req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
@@ -344,9 +314,7 @@ def wg1_roles(k, c, e, p):
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
             req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
             if blk_hi > blk_lo:
-                kv_len = kv_lens[req]
-                tok0 = qo_indptr[req]
-                pt0 = page_table_start[req]
+                kv_len, tok0, pt0 = request_inputs(kv_lens, qo_indptr, page_table_start, req)
                 g0 = segment_first_block(part_lo, req_lo, blk_lo)
                 produce_segment(q_nope, q_pe, kv_cache, page_table, pt0, kv_len, tok0, row0, blk_lo, blk_hi,
                                 g0, seg, pw, pages, raw, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t,
