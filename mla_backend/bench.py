@@ -2,6 +2,7 @@
 
 ``mla-backend bench [--quick | --grid G] [--filter b=128,h=16] [--impls ours,flashmla,fa3,triton]
 [--fp8] [--graphs] [--check] [--out-dir DIR] [--dry-run]``; also ``python -m mla_backend.bench``.
+``mla-backend bench --host``: the host time of one call instead (``bench_host.py``).
 
 Timing: median over many runs, with a 256 MB buffer zeroed (L2 flush) before every run and CUDA events
 around the call only. A spin kernel after the flush keeps the host launch cost out of the window
@@ -619,6 +620,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flush-mb", type=int, default=256, help="size of the L2 flush buffer")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dry-run", action="store_true", help="list the configs with bytes and FLOP; run nothing")
+    p.add_argument("--host", action="store_true",
+                   help="time the host side of one call instead (mla_backend/bench_host.py; --host --help: its options)")
     return p
 
 
@@ -628,6 +631,10 @@ NOTHING_RAN = 2  # exit status when nothing was timed (no GPU, no matching confi
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0 when at least one implementation was timed (or --dry-run), 2 when nothing ran."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--host" in argv:
+        from . import bench_host
+
+        return bench_host.main([a for a in argv if a != "--host"])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

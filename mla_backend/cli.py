@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description="MLA paged decode backend: self-check, benchmark, ahead-of-time compile")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("selfcheck", help="versions, device, dispatch choice and a correctness check (default)")
-    sub.add_parser("bench", help="the decode benchmark: every later argument goes to mla_backend.bench.main")
+    sub.add_parser("bench", help="the decode benchmark (--host: host time per call): every later argument goes to "
+                                 "mla_backend.bench.main")
     comp = sub.add_parser("compile", help="compile Hopper kernel variants ahead of time (into TileLang's cache)")
     join = ",".join
     comp.add_argument("--heads", default=join(map(str, prebuilt.ENGINE_HEADS)), help="query heads per GPU, comma list")
