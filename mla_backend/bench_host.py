@@ -203,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env.get('gpu')}: torch {env['torch']}, vllm {env['vllm']}, tilelang {env['tilelang']}; host timing of "
           f"{args.impls}, {args.calls} calls each")
     results = run(args)
+    # tvm-ffi converts torch tensors through torch's C DLPack exchange API where torch has it (natively, or from
+    # torch-c-dlpack-ext / its JIT build); otherwise through Python DLPack calls, several µs per tensor argument
+    env["tvm_ffi_torch_c_exchange"] = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    env["tvm_ffi"] = getattr(sys.modules.get("tvm_ffi"), "__version__", None)
+    print(f"tvm-ffi {env['tvm_ffi']}: torch tensors converted through the C exchange API: "
+          f"{env['tvm_ffi_torch_c_exchange']}")
     impls = [n for n in IMPLS if n in args.impls.split(",")]
     lines = table(results, impls)
     print("\n".join(lines))
