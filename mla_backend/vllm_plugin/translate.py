@@ -38,8 +38,9 @@ def uniform_query_len(query_start_loc_cpu: torch.Tensor, num_decode_tokens: int)
     num_rows = query_start_loc_cpu.shape[0] - 1
     if num_rows <= 0:
         raise ValueError("empty decode batch")
-    # numpy on the host tensor's memory: three small array ops instead of six torch CPU ops (~6x the host time).
-    # Every length is 0 or the longest, q_len, iff the non-zero ones sum to q_len times their count (none exceeds it).
+    # numpy on the host tensor's memory: three small array ops (torch ops on CPU tensors cost several times the host
+    # time). Every length is 0 or the longest, q_len, iff the non-zero ones sum to q_len times their count (none
+    # exceeds it).
     starts = query_start_loc_cpu.numpy()
     lens = starts[1:] - starts[:-1]
     q_len = int(lens.max())
