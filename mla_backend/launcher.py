@@ -82,7 +82,7 @@ def kernel_scales(softmax_scale: float, k_scale, device: torch.device) -> Scales
     """:class:`Scales` with the kernels' tensors: a tensor ``k_scale`` is read in place when it is fp32 (its value at
     each launch), else converted once here."""
     if isinstance(k_scale, torch.Tensor):
-        k_scale_t = k_scale.reshape(1).float()
+        k_scale_t = k_scale.detach().reshape(1).float()  # a view of the same storage (an engine's Parameter too)
     else:
         k_scale_t = device_scalar(1.0 if k_scale is None else k_scale, device)
     return Scales(softmax_scale, k_scale, device_scalar(softmax_scale, device), k_scale_t)
