@@ -293,18 +293,44 @@ def test_clusters_only_for_an_even_number_of_row_blocks():
         assert ('"MLA_TMA_MC"' in sm90.build_decode_kernel(*variant, cfg=cfg).script()) == paired, variant
 
 
+# A shared-memory address in TileLang's CUDA: ``(&(((bfloat16_t*)BASE)[INDEX]))``, BASE the dynamic shared memory
+# itself (``buf_dyn_shmem``, up to 0.1.11) or a named buffer declared at an offset into it (from 0.1.12:
+# ``void* p_shared = ((void*)((char*)buf_dyn_shmem + 212992));``).
+SMEM_ADDRESS = r"\(&\(\(\((\w+)\*\)(\w+)\)\[(\d+)\]\)\)"
+_ELEMENT_BYTES = {"bfloat16_t": 2, "half_t": 2, "float": 4, "int": 4, "uchar": 1, "fp8_e4_t": 1}
+
+
+def smem_byte_offset(src: str, element: str, base: str, index: str) -> int:
+    """The byte offset into the dynamic shared memory of an address ``SMEM_ADDRESS`` matched in ``src``."""
+    start = 0
+    if base != "buf_dyn_shmem":
+        decl = re.search(rf"\b{base} = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src)
+        assert decl, f"{base}: not a buffer in the dynamic shared memory"
+        start = int(decl.group(1))
+    return start + int(index) * _ELEMENT_BYTES[element]
+
+
+def test_smem_byte_offset_reads_both_forms():
+    src = "  void* p_shared = ((void*)((char*)buf_dyn_shmem + 212992));\n"
+    for text, offset in [("(&(((bfloat16_t*)buf_dyn_shmem)[106496]))", 212992),
+                         ("(&(((bfloat16_t*)p_shared)[0]))", 212992), ("(&(((float*)p_shared)[8]))", 213024)]:
+        assert smem_byte_offset(src, *re.fullmatch(SMEM_ADDRESS, text).groups()) == offset, text
+
+
 def test_wg0_multiplies_p_from_registers(lowered):
     """rs_pv (default): WG0's P V is an RS WGMMA; P goes to shared memory by mla_store_p64, which writes the
     128-byte-swizzled K-major tile that WG1's descriptor for that address names (layout type 1), and WG0's block
     loop has no named barrier (only the segment's start and epilogue do)."""
     variant = (128, 1, 64, "bfloat16", "bfloat16")
-    sections = _role_sections(lowered[variant][0], variant)
+    src = lowered[variant][0]
+    sections = _role_sections(src, variant)
     wg0, wg1 = sections["wg0"], sections["wg1"]
     assert "tl::wgmma_rs<" in wg0 and "tl::wgmma_rs<" not in wg1
-    stores = set(re.findall(r"mla_store_p64\(\(&\(\(\(\w+\*\)buf_dyn_shmem\)\[(\d+)\]\)\), p_frag\)", wg0))
+    stores = {smem_byte_offset(src, *m) for m in re.findall(rf"mla_store_p64\({SMEM_ADDRESS}, p_frag\)", wg0)}
     assert len(stores) == 1, stores
-    assert re.search(rf"initialize_wgmma_descriptor<1, 1, 64>\(desc_\w+, \(&\(\(\(\w+\*\)buf_dyn_shmem\)"
-                     rf"\[{stores.pop()}\]\)\)\)", wg1), "WG1 does not read P as the 128-byte-swizzled tile"
+    swizzled = {smem_byte_offset(src, *m)
+                for m in re.findall(rf"initialize_wgmma_descriptor<1, 1, 64>\(desc_\w+, {SMEM_ADDRESS}\)", wg1)}
+    assert stores <= swizzled, f"WG1 does not read P (byte {stores}) as the 128-byte-swizzled tile: {swizzled}"
     assert "mla_store_rows64(" in wg0
     # none in the block loop: the segment's start, the l hand-off and the merge ticket (merge_pairs) have one each
     assert len(list(named_barriers(wg0))) == 3

@@ -11,7 +11,8 @@ install only.
 Variants (the default sm90 config, so the kernel the op builds for each shape):
 
 * 128 heads, q_len 1, page 64, bf16: 2 row blocks, clusters of two sharing each KV block by TMA multicast (the
-  construct TileLang 0.1.15's thread-sync pass rejected); also nvcc-compiled.
+  construct TileLang 0.1.15's thread-sync pass rejected; a cluster launch is ``T.ClusterKernel`` under 0.1.12,
+  ``configs.kernel_launch``); also nvcc-compiled.
 * 16 heads, q_len 2, page 64, bf16: 32 rows, one row block, whole KV blocks by TMA per CTA (TileLang >= 0.1.13
   issues a tile's four boxes in a ``#pragma unroll`` loop, 0.1.9 as four statements: same nine boxes per buffer).
 * 128 heads, q_len 2, page 1, bf16: 4 row blocks, cp.async gather through the page table.

@@ -67,6 +67,26 @@ def compat_pass_configs() -> dict:
     return {} if key is None else {key.value if hasattr(key, "value") else key: False}
 
 
+def kernel_launch(*blocks, threads: int, prelude: str | None = None, cluster_dims: tuple | None = None):
+    """``T.Kernel(*blocks, threads=, prelude=, cluster_dims=)`` under every TileLang the package admits, for use as
+    ``with kernel_launch(...) as (bx, by):`` inside a prim_func.
+
+    TileLang 0.1.9, 0.1.11 and >= 0.1.13 take ``cluster_dims`` in ``T.Kernel`` (this calls it as written, so their
+    kernels are unchanged); 0.1.12's ``T.Kernel`` has no such argument and launches a thread-block cluster through
+    ``T.ClusterKernel(*blocks, cluster_dims=..., ...)`` instead (the same ``cluster_dims`` launch attribute). Without
+    ``cluster_dims`` it is a plain ``T.Kernel`` everywhere.
+    """
+    import inspect
+
+    import tilelang.language as T
+
+    if cluster_dims is None:
+        return T.Kernel(*blocks, threads=threads, prelude=prelude)
+    if "cluster_dims" in inspect.signature(T.Kernel).parameters:
+        return T.Kernel(*blocks, threads=threads, prelude=prelude, cluster_dims=cluster_dims)
+    return T.ClusterKernel(*blocks, cluster_dims=cluster_dims, threads=threads, prelude=prelude)
+
+
 def target_for_arch(arch: str) -> dict:
     """TVM target in dict form: TileLang >= 0.1.11 (SGLang's pin) rejects the "cuda -arch=..." string form."""
     return {"sm90": {"kind": "cuda", "arch": "sm_90a"}, "gfx942": {"kind": "hip", "mcpu": "gfx942"}}[arch]

@@ -12,7 +12,7 @@ import tilelang.language as T
 
 from ...constants import ROPE_DIM
 from ..common import LOG2E, make_store_rows, num_row_blocks, split_dims, split_prim_func, wait_for_inputs
-from ..configs import SM90, KernelConfig, merged_parts
+from ..configs import SM90, KernelConfig, kernel_launch, merged_parts
 from .consumers import consumer_macros
 from .epilogue import epilogue_macros, make_store_cols
 from .producer import producer_macros
@@ -147,8 +147,8 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                       merge_count):
         """The grid (part, row block; a cluster of two row blocks with cluster_kv), one role per warpgroup."""
         prelude = PRELUDE + (trace_prelude(cfg.trace_part) if tracing else "")
-        with T.Kernel(num_parts, n_row_blocks, threads=threads, prelude=prelude,
-                      cluster_dims=(1, 2, 1) if cluster else None) as (part, row_block):
+        with kernel_launch(num_parts, n_row_blocks, threads=threads, prelude=prelude,
+                           cluster_dims=(1, 2, 1) if cluster else None) as (part, row_block):
             q_l, q_r, q_t = alloc_row_tiles(q_rows, cdtype)
             kv0_l, kv0_r, k0_t = alloc_row_tiles(block_n, cdtype)  # the two KV buffers
             kv1_l, kv1_r, k1_t = alloc_row_tiles(block_n, cdtype)
