@@ -1,4 +1,5 @@
-"""gfx942 (MI300X): HIP C++ from TileLang, then gfx942 code objects (HSACO) and their resources (CPU only).
+"""gfx942 (MI300X): HIP C++ from TileLang, then gfx942 code objects (HSACO) and their resources (CPU only), for
+16-bit and float8_e4m3fnuz caches.
 
 TileLang 0.1.9 (vLLM's pin, the main install) has no HIP codegen in its PyPI wheel; 0.1.11 (SGLang's pin)
 does. ``.ci/install_hip_toolchain.sh`` puts 0.1.11 in ``.ci/tilelang-hip`` (or point
@@ -29,12 +30,17 @@ ROCM_ROOT = Path(os.environ.get("MLA_BACKEND_ROCM_ROOT", ROOT / ".ci" / "rocm-ro
 # Lowering one split kernel takes ~20-40 s of CPU: the variants are shared among this many worker processes.
 JOBS = max(1, int(os.environ.get("MLA_BACKEND_HIP_JOBS", "2")))
 DTYPES = ("bfloat16", "float16")
-# (num_heads, q_len, page_size): TP8 (16 heads) and TP1 (128), decode and one MTP token, SGLang's page 1, 16, 64
-SPLITS = [(d, h, q, p) for d in DTYPES for h in (16, 128) for q in (1, 2) for p in (1, 16, 64)]
+FP8 = "float8_e4m3fnuz"  # the fp8 cache the gfx942 kernel takes (MI300X's e4m3; dispatch.FP8_KV_DTYPES)
+# (q dtype, cache dtype, num_heads, q_len, page_size): TP8 (16 heads) and TP1 (128), decode and one MTP token,
+# SGLang's page 1, 16, 64; 16-bit caches in both dtypes, the fp8 cache with bf16 q (DeepSeek's) and, at two corners,
+# fp16 q (the same kernel but for the 16-bit type the cache is converted to)
+SHAPES = [(h, q, p) for h in (16, 128) for q in (1, 2) for p in (1, 16, 64)]
+SPLITS = ([(d, d, *shape) for d in DTYPES for shape in SHAPES] + [("bfloat16", FP8, *shape) for shape in SHAPES]
+          + [("float16", FP8, 16, 1, 64), ("float16", FP8, 128, 2, 1)])
 COMBINES = [(d, h, q, wide) for d in DTYPES for h in (16, 128) for q in (1, 2) for wide in (False, True)]
-# MLA_BACKEND_HIP_VARIANTS=quick: two splits and four combines (the corners) for a quick local check; CI runs all.
+# MLA_BACKEND_HIP_VARIANTS=quick: three splits and four combines (the corners) for a quick local check; CI runs all.
 if os.environ.get("MLA_BACKEND_HIP_VARIANTS", "all") == "quick":
-    SPLITS = [("bfloat16", 16, 1, 64), ("float16", 128, 2, 1)]
+    SPLITS = [("bfloat16", "bfloat16", 16, 1, 64), ("float16", "float16", 128, 2, 1), ("bfloat16", FP8, 128, 2, 1)]
     COMBINES = [("bfloat16", 16, 1, False), ("bfloat16", 16, 1, True), ("float16", 128, 2, False),
                 ("float16", 128, 2, True)]
 GFX942_LDS_LIMIT = 64 * 1024  # bytes of LDS per workgroup (and per CU) on MI300X
@@ -44,8 +50,8 @@ GFX942_LDS_LIMIT = 64 * 1024  # bytes of LDS per workgroup (and per CU) on MI300
 ROCWMMA_SHIM = "#pragma once\n#include <hip/hip_bfloat16.h>\n#include <hip/hip_fp16.h>\n#include <hip/hip_vector_types.h>\n"
 
 
-def split_name(d, h, q, p):
-    return f"split-{d}-h{h}-q{q}-p{p}"
+def split_name(d, kv, h, q, p):
+    return f"split-{d}{'' if kv == d else '-fp8'}-h{h}-q{q}-p{p}"
 
 
 def combine_name(d, h, q, wide):
@@ -69,8 +75,8 @@ report = {"tilelang": tilelang.__version__, "kernels": {}}
 for name, kind, args in jobs:
     t0 = time.time()
     if kind == "split":
-        d, h, q, p = args
-        func = build_decode_kernel(h, q, p, d, d, configs.GFX942)
+        d, kv, h, q, p = args
+        func = build_decode_kernel(h, q, p, d, kv, configs.GFX942)
     else:
         d, h, q, wide = args
         func = build_combine_kernel(h, q, d, wide=wide)
@@ -157,6 +163,9 @@ def test_hip_source_uses_mfma(hip_build):
         entry = report["kernels"][split_name(*v)]
         assert entry["mfma"] > 0, f"split kernel {v}: no MFMA builtin in the HIP source"
         assert 0 < entry["dyn_lds"] <= GFX942_LDS_LIMIT, f"split kernel {v}: {entry['dyn_lds']} B of LDS"
+        same_16bit = report["kernels"].get(split_name(v[0], v[0], *v[2:]))
+        if v[1] == FP8 and same_16bit is not None:  # converted into the 16-bit tiles, no fp8 staging tile
+            assert entry["dyn_lds"] == same_16bit["dyn_lds"], v
     for v in COMBINES:
         assert report["kernels"][combine_name(*v)]["bytes"] > 0
 
@@ -211,8 +220,28 @@ def test_gfx942_code_objects(hip_build):
         # workgroups per CU: 4 SIMDs x waves / (waves per workgroup), and the CU's 64 KB of LDS
         wg_waves = r["max_flat_workgroup_size"] // 64
         wgs = min(4 * waves // wg_waves, GFX942_LDS_LIMIT // lds if lds else 32)
-        rows.append(f"{name:<34}{r['vgpr_count']:>6}{r.get('agpr_count', '-'):>6}{r['sgpr_count']:>6}"
+        rows.append(f"{name:<38}{r['vgpr_count']:>6}{r.get('agpr_count', '-'):>6}{r['sgpr_count']:>6}"
                     f"{r['sgpr_spill_count']:>7}{lds:>8}{r['private_segment_fixed_size']:>8}{waves:>7}{wgs:>6}"
                     f"{entry['lower_s']:>8}{entry['compile_s']:>8}")
-    print(f"\n{'kernel':<34}{'VGPR':>6}{'AGPR':>6}{'SGPR':>6}{'sspill':>7}{'LDS':>8}{'scratch':>8}"
+    print(f"\n{'kernel':<38}{'VGPR':>6}{'AGPR':>6}{'SGPR':>6}{'sspill':>7}{'LDS':>8}{'scratch':>8}"
           f"{'w/SIMD':>7}{'WG/CU':>6}{'lower s':>8}{'cc s':>8}\n" + "\n".join(rows))
+
+
+def test_gfx942_fp8_conversion(hip_build):
+    """The fp8 split kernels convert the cache with gfx942's own instruction, v_cvt_f32_fp8, whose fp8 is MI300X's
+    e4m3fnuz (the format dispatch takes there); the 16-bit kernels convert nothing."""
+    out, report, compile_cmd, why_not = hip_build
+    if compile_cmd is None:
+        pytest.skip(why_not)
+    objdump = _llvm_tool("llvm-objdump")
+    if objdump is None:
+        pytest.skip("no llvm-objdump-19 (llvm-19) to disassemble the code objects")
+    for v in SPLITS:
+        name = split_name(*v)
+        asm = subprocess.run([objdump, "-d", str(out / f"{name}.hsaco")], capture_output=True, text=True,
+                             check=True).stdout
+        converts = len(re.findall(r"\bv_cvt_f32_fp8", asm))
+        if v[1] == FP8:
+            assert converts > 0, f"{name}: the fp8 cache is not converted with v_cvt_f32_fp8"
+        else:
+            assert converts == 0, f"{name}: {converts} fp8 conversions in a 16-bit kernel"

@@ -200,9 +200,12 @@ def _hip_codegen_available() -> bool:
     return tvm.ffi.get_global_func("target.build.tilelang_hip_without_compile", allow_missing=True) is not None
 
 
-@pytest.mark.parametrize("heads,q_len,page_size", [(16, 1, 64), (128, 2, 1), (32, 1, 16)])
-def test_split_kernel_lowers_to_mfma_on_gfx942(heads, q_len, page_size):
-    func = build_decode_kernel(heads, q_len, page_size, "bfloat16", "bfloat16", configs.GFX942)
+@pytest.mark.parametrize("heads,q_len,page_size,kv_dtype", [
+    (16, 1, 64, "bfloat16"), (128, 2, 1, "bfloat16"), (32, 1, 16, "bfloat16"),
+    (16, 1, 64, "float8_e4m3fnuz"), (128, 2, 1, "float8_e4m3fnuz"),  # converted into the 16-bit tiles: same LDS
+])
+def test_split_kernel_lowers_to_mfma_on_gfx942(heads, q_len, page_size, kv_dtype):
+    func = build_decode_kernel(heads, q_len, page_size, "bfloat16", kv_dtype, configs.GFX942)
     mod = _lower_hip_to_device_ir(func)
     script = mod.script()
     assert "mfma" in script, "the split kernel's GEMMs did not lower to MFMA"

@@ -35,7 +35,9 @@ class KernelConfig:
 # the two CTAs of a cluster where the row blocks pair up; a request cut into two parts is merged in the split kernel.
 SM90 = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", pdl=True)
 # MI300X (kernels/portable.py): 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum);
-# 128 threads keep the 512-wide fp32 accumulator in registers. 58368 B of LDS for fp16/bf16 caches.
+# 128 threads keep the 512-wide fp32 accumulator in registers. 58368 B of LDS (TileLang 0.1.9's count; 57344 B in
+# 0.1.11's code objects) for fp16/bf16 and float8_e4m3fnuz caches alike: an fp8 cache is converted into the 16-bit
+# KV tiles as it is loaded, with no fp8 staging tile.
 GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1, kernel="pipelined")
 
 CONFIGS = {"sm90": SM90, "gfx942": GFX942}

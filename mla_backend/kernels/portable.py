@@ -11,6 +11,9 @@ Rows of a tile are ``(query i, head h)`` pairs, ``row = i * num_heads + h`` — 
 
 Every shape that changes per step (tokens, batch, pages, page-table entries, parts) is symbolic: one
 compile per (dtype, num_heads, q_len, page_size, arch, config) serves every batch.
+
+An fp8 cache (``kv_dtype`` float8_e4m3fnuz on gfx942) is converted to ``dtype`` as its rows are gathered into
+the 16-bit KV tiles, so it takes no more shared memory than a 16-bit cache; ``k_scale`` is applied to S and O.
 """
 
 import tilelang.language as T
@@ -19,6 +22,8 @@ from ..constants import KV_LORA_RANK, ROPE_DIM
 from .common import (LOG2E, make_store_rows, num_row_blocks, pipelined, request_inputs, segment_span, split_dims,
                      split_prim_func, wait_for_inputs)
 from .configs import KernelConfig
+
+FP8_LOAD_WIDTH = 4  # fp8 elements a thread loads and converts per step (load_block_fp8)
 
 
 def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
@@ -49,12 +54,20 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                                     T.min(pos0 + j, kv_len - 1) % page_size, KV_LORA_RANK + d]
 
     @T.macro
-    def dequant(kv_src, pe_src, kv_dst, pe_dst):
-        """e4m3 -> fp16/bf16 is exact; the per-tensor scale is applied to S and O instead (also exact)."""
-        for j, d in T.Parallel(block_n, KV_LORA_RANK):
-            kv_dst[j, d] = T.cast(kv_src[j, d], dtype)
-        for j, d in T.Parallel(block_n, ROPE_DIM):
-            pe_dst[j, d] = T.cast(pe_src[j, d], dtype)
+    def load_block_fp8(kv_cache, page_table, pt0, pos0, kv_len, kv_dst, pe_dst):
+        """load_block for an fp8 cache: each element is converted to ``dtype`` on its way to shared memory (e4m3 ->
+        fp16/bf16 is exact; the per-tensor scale is applied to S and O instead, also exact).
+
+        Four elements per thread and step: TileLang's HIP codegen converts a 4-wide fp8 vector element by element
+        (``fp8_e4_4_t``'s fields) but has no element access for the 8-wide one the 16-bit tiles would otherwise
+        get (``PrintVecElemLoad``: ``Check failed: (!type_name.empty())``).
+        """
+        for j, d in T.Parallel(block_n, KV_LORA_RANK, coalesced_width=T.int32(FP8_LOAD_WIDTH)):
+            kv_dst[j, d] = T.cast(kv_cache[page_table[pt0 + T.min(pos0 + j, kv_len - 1) // page_size],
+                                           T.min(pos0 + j, kv_len - 1) % page_size, d], dtype)
+        for j, d in T.Parallel(block_n, ROPE_DIM, coalesced_width=T.int32(FP8_LOAD_WIDTH)):
+            pe_dst[j, d] = T.cast(kv_cache[page_table[pt0 + T.min(pos0 + j, kv_len - 1) // page_size],
+                                           T.min(pos0 + j, kv_len - 1) % page_size, KV_LORA_RANK + d], dtype)
 
     @T.macro
     def attend_block(q_shared, q_pe_shared, kv_shared, k_pe_shared, p_shared, acc_s, acc_o, m_prev, m_cur, alpha,
@@ -99,11 +112,8 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             alpha = T.alloc_fragment([block_rows], accum)
             row_sum = T.alloc_fragment([block_rows], accum)
             l_sum = T.alloc_fragment([block_rows], accum)
-            if is_fp8:  # fp8 tiles land here, then are dequantised into kv_shared / k_pe_shared
-                kv_stage = T.alloc_shared([block_n, KV_LORA_RANK], kv_dtype)
-                pe_stage = T.alloc_shared([block_n, ROPE_DIM], kv_dtype)
-            else:
-                kv_stage, pe_stage = kv_shared, k_pe_shared
+            # the tiles a KV block is loaded into (an fp8 cache converted on the way)
+            kv_stage, pe_stage = kv_shared, k_pe_shared
 
             wait_for_inputs(cfg.pdl)
             # S = q . (k_scale * k8) = k_scale * (q . k8) and O = k_scale * (P @ v8): fold the fp8 scale
@@ -135,9 +145,10 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
 
                     for blk in pipelined(blk_hi - blk_lo, 1 if is_fp8 else cfg.num_stages):
                         pos0 = (blk_lo + blk) * block_n
-                        load_block(kv_cache, page_table, pt0, pos0, kv_len, kv_stage, pe_stage)
                         if is_fp8:
-                            dequant(kv_stage, pe_stage, kv_shared, k_pe_shared)
+                            load_block_fp8(kv_cache, page_table, pt0, pos0, kv_len, kv_stage, pe_stage)
+                        else:
+                            load_block(kv_cache, page_table, pt0, pos0, kv_len, kv_stage, pe_stage)
                         attend_block(q_shared, q_pe_shared, kv_shared, k_pe_shared, p_shared, acc_s, acc_o, m_prev, m_cur,
                                      alpha, row_sum, l_sum, pos0, vis0, row0, scale_log2)
 

@@ -22,7 +22,8 @@ from .configs import KernelConfig, compat_pass_configs, config_for, merged_parts
 
 logger = logging.getLogger("mla_backend")
 
-_TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8_e4m3"}
+_TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8_e4m3",
+                torch.float8_e4m3fnuz: "float8_e4m3fnuz"}
 
 
 @dataclass
