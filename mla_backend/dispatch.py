@@ -20,6 +20,11 @@ TILELANG_SM90 = "tilelang-sm90"
 TILELANG_GFX942 = "tilelang-gfx942"
 IMPLS = ("auto", REFERENCE, TILELANG_SM90, TILELANG_GFX942)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# The fp8 cache each architecture's kernel reads: its hardware's e4m3. Hopper's is OCP e4m3fn (what CUDA engines
+# store); MI300X's is e4m3fnuz (exponent bias 8, 0x80 the only NaN), which gfx942 converts natively
+# (v_cvt_f32_fp8) and which vLLM and SGLang store on gfx942. A byte read as e4m3fnuz is half its e4m3fn value, so
+# neither kernel takes the other's format.
+FP8_KV_DTYPES = {"sm90": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz}
 
 
 # What the engine plugins ask the op for (both engines read it at startup).
@@ -67,8 +72,9 @@ def kernel_unsupported(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int
     """Why the kernels cannot run this problem, or None when they can."""
     if dtype not in KERNEL_DTYPES:
         return f"q dtype {dtype} (kernels take float16/bfloat16)"
-    if kv_dtype != dtype and kv_dtype != torch.float8_e4m3fn:
-        return f"kv_cache dtype {kv_dtype} with q {dtype} (kernels take the q dtype or float8_e4m3fn)"
+    if kv_dtype != dtype and kv_dtype not in FP8_KV_DTYPES.values():
+        return (f"kv_cache dtype {kv_dtype} with q {dtype} (kernels take the q dtype, float8_e4m3fn on sm90 or "
+                "float8_e4m3fnuz on gfx942)")
     if not 1 <= num_heads <= MAX_HEADS:
         return f"num_heads={num_heads} (kernels take 1..{MAX_HEADS})"
     if q_len is None or not 1 <= q_len <= MAX_Q_LEN:
@@ -76,6 +82,17 @@ def kernel_unsupported(dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int
     if page_size not in SUPPORTED_PAGE_SIZES:
         return f"page_size={page_size} (kernels take {', '.join(map(str, SUPPORTED_PAGE_SIZES))})"
     return None
+
+
+def fp8_kv_unsupported(arch: str, kv_dtype: torch.dtype) -> str:
+    """Why the ``arch`` kernel refuses an fp8 cache of another e4m3 flavour than its own (``FP8_KV_DTYPES``)."""
+    want = str(FP8_KV_DTYPES[arch]).removeprefix("torch.")
+    if arch == "gfx942":
+        return (f"kv_cache.dtype={kv_dtype} on gfx942: the gfx942 kernel takes a float8_e4m3fnuz cache (MI300X's "
+                "fp8, as vLLM and SGLang store it there) or the q dtype; an e4m3fn (OCP) cache would be read as "
+                "e4m3fnuz (values halved, -0 as NaN): convert it, or use the reference (impl='reference')")
+    return (f"kv_cache.dtype={kv_dtype} on {arch}: the {arch} kernel takes a {want} cache or the q dtype; convert it, "
+            "or use the reference (impl='reference')")
 
 
 def select_impl(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int,
@@ -89,9 +106,8 @@ def select_impl(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
     problem = kernel_unsupported(dtype, kv_dtype, num_heads, q_len, page_size)
     if arch is not None and not tilelang_available():
         arch, why = None, "tilelang is not installed"
-    if problem is None and arch == "gfx942" and kv_dtype == torch.float8_e4m3fn:
-        # The fp8 staging tile takes the gfx942 config to 76800 B of LDS; MI300X has 64 KB per workgroup.
-        problem = "kv_cache: a float8_e4m3fn cache is not supported by the gfx942 kernel (LDS), use bf16/fp16"
+    if problem is None and arch is not None and kv_dtype != dtype and kv_dtype != FP8_KV_DTYPES[arch]:
+        problem = fp8_kv_unsupported(arch, kv_dtype)
     if arch is None or problem is not None:
         reason = why if arch is None else f"unsupported {problem}"
         if requested != "auto":

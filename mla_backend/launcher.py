@@ -229,7 +229,7 @@ class MLADecodeLauncher:
         page_size: tokens per page (``kv_cache.shape[1]``).
         dtype: q's and the output's dtype (float16 / bfloat16 for the kernels; float32 runs the reference).
         softmax_scale: the model's scale, finite and positive.
-        kv_dtype: the cache's dtype: ``dtype`` (default) or float8_e4m3fn.
+        kv_dtype: the cache's dtype: ``dtype`` (default), float8_e4m3fn (sm90) or float8_e4m3fnuz (gfx942).
         k_scale: dequantisation scale of an fp8 cache (required; 1.0 for a plain cast): a float, or a 1-element
             floating tensor on ``device``. An fp32 tensor is read at each launch (an engine's persistent
             ``layer._k_scale`` keeps working when it is refilled in place); another dtype is converted here, once.
@@ -272,7 +272,8 @@ class MLADecodeLauncher:
             fail("dtype", dtype, "torch.float16 or torch.bfloat16 (torch.float32: reference only)", _CALLER)
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         if kv_dtype not in KV_DTYPES or (kv_dtype not in FP8_DTYPES and kv_dtype != dtype):
-            fail("kv_dtype", kv_dtype, f"the query dtype ({dtype}) or torch.float8_e4m3fn", _CALLER)
+            fail("kv_dtype", kv_dtype, f"the query dtype ({dtype}), torch.float8_e4m3fn (sm90) or "
+                 "torch.float8_e4m3fnuz (gfx942)", _CALLER)
         k_scale = checked_k_scale(softmax_scale, k_scale, kv_dtype, device, _CALLER)
         num_heads = int(num_heads)
         self.device, self.num_heads, self.page_size, self.dtype, self.kv_dtype = device, num_heads, page_size, dtype, \

@@ -32,7 +32,8 @@ def mla_decode(
         q: ``[num_tokens, num_heads, 576]``, or the pair ``(q_nope [.., 512], q_pe [.., 64])`` that
             engines hand over (read as two tensors, never concatenated).
         kv_cache: ``[num_pages, page_size, 576]``: latent c_kv in ``[..., :512]`` (also V), k_pe in
-            ``[..., 512:]``. fp16/bf16 like q, or float8_e4m3fn dequantised with ``k_scale``.
+            ``[..., 512:]``. fp16/bf16 like q, or fp8 dequantised with ``k_scale``: float8_e4m3fn (sm90) or
+            float8_e4m3fnuz (gfx942; MI300X's fp8); the reference reads either.
         metadata: :class:`MLADecodeMetadata` (``q_len`` queries per request; causal when > 1).
         softmax_scale: the model's scale, finite and positive (DeepSeek: ``192 ** -0.5`` times yarn mscale², not
             ``576 ** -0.5``).

@@ -12,6 +12,7 @@ from .metadata import INDEX_DTYPE, MLADecodeMetadata, MLAInputError, check_page_
 __all__ = ["FP8_DTYPES", "HEAD_DIM", "KV_DTYPES", "KV_LORA_RANK", "MLAInputError", "Q_DTYPES", "ROPE_DIM",
            "check_inputs", "check_metadata_values", "check_scales", "fail", "normalize_kv_cache", "split_query"]
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# fp8 caches the op takes (the reference reads both; the kernels each take their GPU's: dispatch.FP8_KV_DTYPES)
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
 KV_DTYPES = Q_DTYPES + FP8_DTYPES
 
@@ -80,7 +81,8 @@ def check_inputs(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tenso
     if q_nope.dtype not in Q_DTYPES:
         fail("q.dtype", q_nope.dtype, "float16, bfloat16 or float32")
     if kv_cache.dtype not in KV_DTYPES:
-        fail("kv_cache.dtype", kv_cache.dtype, "float16, bfloat16, float32 or float8_e4m3fn")
+        fail("kv_cache.dtype", kv_cache.dtype, "float16, bfloat16, float32, float8_e4m3fn (sm90) or float8_e4m3fnuz "
+             "(gfx942)")
     if kv_cache.dtype not in FP8_DTYPES and kv_cache.dtype != q_nope.dtype:
         fail("kv_cache.dtype", kv_cache.dtype, f"the query dtype ({q_nope.dtype}) or an fp8 cache")
     if check_indices:  # host values a caller may have overwritten after construction (cheap, but not on the hot path)

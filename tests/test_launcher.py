@@ -112,7 +112,8 @@ def test_changing_batch_sizes():
     (dict(q_lens=2), r"q_lens=2 is not supported; expected a non-empty sequence"),
     (dict(dtype=torch.int8), r"MLADecodeLauncher: dtype=torch\.int8 is not supported; expected torch\.float16"),
     (dict(kv_dtype=torch.float16), r"kv_dtype=torch\.float16 is not supported; expected the query dtype "
-                                   r"\(torch\.bfloat16\) or torch\.float8_e4m3fn"),
+                                   r"\(torch\.bfloat16\), torch\.float8_e4m3fn \(sm90\) or torch\.float8_e4m3fnuz "
+                                   r"\(gfx942\)"),
     (dict(softmax_scale=-1.0), r"MLADecodeLauncher: softmax_scale=-1\.0 is not supported; expected a finite positive"),
     (dict(softmax_scale=float("nan")), r"softmax_scale=nan is not supported"),
     (dict(k_scale=0.5), r"MLADecodeLauncher: k_scale=0\.5 is only meaningful for an fp8 kv_cache, got torch\.bfloat16"),

@@ -115,6 +115,58 @@ def test_fp8_cache_with_scale():
     assert_matches(out, lse, *naive_attention(p, k_scale=0.5), torch.bfloat16)
 
 
+def _e4m3_value(byte: int, bias: int) -> float:
+    """An e4m3 byte by the format's definition: sign, 4 exponent bits (bias ``bias``), 3 mantissa bits; exponent 0
+    holds the subnormals."""
+    sign = -1.0 if byte & 0x80 else 1.0
+    e, m = (byte >> 3) & 0xF, byte & 7
+    return sign * (2.0 ** (1 - bias) * m / 8 if e == 0 else 2.0 ** (e - bias) * (1 + m / 8))
+
+
+def test_fp8_e4m3fnuz_format():
+    """The gfx942 kernel's fp8 cache, float8_e4m3fnuz (MI300X's fp8): exponent bias 8, 0x80 the only NaN, no -0 and
+    no inf, largest 240. torch (the reference) reads every byte as the definition says; every value converts exactly
+    to bf16 and fp16 (the kernel converts the cache to q's dtype before its GEMMs); the same byte read as
+    float8_e4m3fn (bias 7, Hopper's) is twice the value, which is why the gfx942 kernel takes no e4m3fn cache."""
+    raw = torch.arange(256, dtype=torch.uint8)
+    fnuz, fn = raw.view(torch.float8_e4m3fnuz), raw.view(torch.float8_e4m3fn)
+    for b, (x, y) in enumerate(zip(fnuz.double().tolist(), fn.double().tolist())):
+        if b == 0x80:
+            assert math.isnan(x) and y == 0.0
+        else:
+            assert x == _e4m3_value(b, 8), hex(b)
+            assert math.isnan(y) if b & 0x7F == 0x7F else y == _e4m3_value(b, 7) == 2 * x, hex(b)
+    finite = fnuz.double().isfinite()
+    assert finite.sum() == 255 and fnuz.double()[finite].abs().max() == 240
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(fnuz[finite].to(dtype).double(), fnuz[finite].double())
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_fp8_e4m3fnuz_cache_with_scale(q_len):
+    """An e4m3fnuz cache (gfx942) is dequantised with k_scale: the reference against the fp64 oracle, and against the
+    order the gfx942 kernel computes in (cache -> bf16, exact; S = (q . k) * softmax_scale * k_scale; O = (P @ v) *
+    k_scale / l), which keeps k_scale out of the GEMMs."""
+    k_scale = 0.375
+    p = make_problem([0, 1, 33, 70], 16, q_len, 16, kv_dtype=torch.float8_e4m3fnuz, seed=12)
+    out, lse = mla_decode(p.q, p.kv_cache, p.metadata(), SCALE, k_scale=k_scale, return_lse=True)
+    assert_matches(out, lse, *naive_attention(p, k_scale=k_scale), torch.bfloat16)
+
+    flat = p.kv_cache.reshape(-1, 576)
+    tok = 0
+    for r, kv_len in enumerate(p.lens):
+        rows = [p.pages[r][t // p.page_size] * p.page_size + t % p.page_size for t in range(kv_len)]
+        kv16 = flat[rows].to(torch.bfloat16).float()  # the kernel's shared-memory tiles
+        for i in range(q_len):
+            seen = min(kv_len - q_len + i + 1, kv_len)
+            if seen > 0:
+                s = (p.q[tok + i].float() @ kv16[:seen].T) * (SCALE * k_scale)
+                probs = torch.exp(s - s.max(dim=-1, keepdim=True).values)
+                o = (probs @ kv16[:seen, :512]) * k_scale / probs.sum(dim=-1, keepdim=True)
+                torch.testing.assert_close(out[tok + i].float(), o, rtol=1e-2, atol=1e-3)
+        tok += q_len
+
+
 def test_flashmla_4d_cache_layout():
     p = make_problem([5, 20], 16, 1, 16, seed=7)
     md = p.metadata()

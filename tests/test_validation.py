@@ -79,8 +79,11 @@ def test_kv_dtype_mismatch(prob):
 
 def test_kv_dtype_unsupported(prob):
     p, md = prob
-    with pytest.raises(MLAInputError, match=r"kv_cache\.dtype=torch\.int8"):
+    with pytest.raises(MLAInputError, match=r"kv_cache\.dtype=torch\.int8 is not supported; expected float16, "
+                                            r"bfloat16, float32, float8_e4m3fn \(sm90\) or float8_e4m3fnuz \(gfx942\)"):
         mla_decode(p.q, p.kv_cache.to(torch.int8), md, SCALE)
+    with pytest.raises(MLAInputError, match=r"kv_cache\.dtype=torch\.float8_e5m2 is not supported"):
+        mla_decode(p.q, p.kv_cache.to(torch.float8_e5m2), md, SCALE, k_scale=1.0)
 
 
 def test_k_scale_without_fp8(prob):
@@ -415,6 +418,10 @@ def test_fp8_cache_needs_k_scale(prob):
                                             r"the torch\.float8_e4m3fn kv_cache"):
         mla_decode(p.q, p.kv_cache.to(torch.float8_e4m3fn), md, SCALE)
     mla_decode(p.q, p.kv_cache.to(torch.float8_e4m3fn), md, SCALE, k_scale=1.0)  # a plain cast says so
+    with pytest.raises(MLAInputError, match=r"k_scale=None is not supported; expected the dequantisation scale of "
+                                            r"the torch\.float8_e4m3fnuz kv_cache"):
+        mla_decode(p.q, p.kv_cache.to(torch.float8_e4m3fnuz), md, SCALE)
+    mla_decode(p.q, p.kv_cache.to(torch.float8_e4m3fnuz), md, SCALE, k_scale=1.0)
 
 
 def test_k_scale_tensor_must_be_one_float(prob):
