@@ -3,31 +3,31 @@
 # of this project can resolve to, by tests/test_tilelang_versions.py:
 #   0.1.9   the main install (.ci/constraints.txt; vLLM 0.26's pin)          required
 #   0.1.11  SGLang 0.5.17's pin                                              required
-#   0.1.12  vLLM 0.27 .. 0.33's pin                                          pending: reported, does not fail CI
-#   0.1.15  the newest release                                              required
-# pyproject admits 0.1.9 and 0.1.11 (>=0.1.9,!=0.1.10,<0.1.12): 0.1.15 lowers and compiles here, but the GPU tests and
-# the full lowering matrix have not run under it yet. 0.1.12 needs a kernel change (T.ClusterKernel for the cluster
-# launch); once it passes, move them to MLA_BACKEND_TILELANG_MATRIX's default and widen pyproject's range.
-# Each side version goes into .ci/tilelang-<version> with the apache-tvm-ffi its METADATA admits (the one verified
-# here), put first on PYTHONPATH for one pytest run. --no-deps: torch, numpy, ... come from the main install;
-# z3-solver and torch-c-dlpack-ext go into the side directory too, as in install_hip_toolchain.sh (0.1.11 looks for
-# libz3 beside itself).
+#   0.1.12  vLLM 0.27 .. 0.33's and SGLang 0.5.23's pin                      required
+#   0.1.15  the newest release, what a fresh install resolves               required
+# pyproject admits exactly these (>=0.1.9,!=0.1.10,!=0.1.13,!=0.1.14,<0.1.16): a release joins the range once it passes
+# here and tests/test_lowering_ws.py under it, and joins MLA_BACKEND_TILELANG_MATRIX's default. A version named in
+# MLA_BACKEND_TILELANG_PENDING is run and reported but does not fail CI.
+# Each side version goes into .ci/tilelang-<version> with the apache-tvm-ffi a fresh install of this project resolves
+# beside it (pyproject: apache-tvm-ffi>=0.1.10,<0.1.12, so 0.1.11 for all three), put first on PYTHONPATH for one
+# pytest run. --no-deps: torch, numpy, ... come from the main install; z3-solver and torch-c-dlpack-ext go into the
+# side directory too, as in install_hip_toolchain.sh (0.1.11 looks for libz3 beside itself).
 #   bash .ci/tilelang_matrix.sh install   # side directories only (~30-60 s and ~300 MB each)
 #   bash .ci/tilelang_matrix.sh test      # one pytest run per version, then a table; exit 1 if a required one failed
 #   bash .ci/tilelang_matrix.sh           # both
-# MLA_BACKEND_TILELANG_MATRIX (required side versions, default "0.1.11 0.1.15"), MLA_BACKEND_TILELANG_PENDING (default
-# "0.1.12"), MLA_BACKEND_TILELANG_MAIN=0 (skip the main install's run, e.g. when the README command just ran
+# MLA_BACKEND_TILELANG_MATRIX (required side versions, default "0.1.11 0.1.12 0.1.15"), MLA_BACKEND_TILELANG_PENDING
+# (default none), MLA_BACKEND_TILELANG_MAIN=0 (skip the main install's run, e.g. when the README command just ran
 # the file under it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 what="${1:-all}"
 
-# version -> apache-tvm-ffi: tilelang 0.1.11 (>=0.1.10,~=0.1.0) and 0.1.12 (>=0.1.10,<=0.1.11) with 0.1.11, as
-# install_hip_toolchain.sh; 0.1.15 (>=0.1.11,<0.1.13) with 0.1.12.
-declare -A TVM_FFI=([0.1.11]=0.1.11 [0.1.12]=0.1.11 [0.1.15]=0.1.12)
-SIDE_VERSIONS="${MLA_BACKEND_TILELANG_MATRIX-0.1.11 0.1.15}"
-PENDING_VERSIONS="${MLA_BACKEND_TILELANG_PENDING-0.1.12}"
+# version -> apache-tvm-ffi: what pip resolves for tilelang 0.1.11 (asks >=0.1.10,~=0.1.0), 0.1.12 (>=0.1.10,<=0.1.11)
+# and 0.1.15 (>=0.1.11,<0.1.13) under pyproject's apache-tvm-ffi<0.1.12. 0.1.11 aborts at import with 0.1.12 and newer.
+declare -A TVM_FFI=([0.1.11]=0.1.11 [0.1.12]=0.1.11 [0.1.15]=0.1.11)
+SIDE_VERSIONS="${MLA_BACKEND_TILELANG_MATRIX-0.1.11 0.1.12 0.1.15}"
+PENDING_VERSIONS="${MLA_BACKEND_TILELANG_PENDING-}"
 
 install_side() {  # install_side VERSION: .ci/tilelang-VERSION, unless it already holds that version
   local v=$1 dir=".ci/tilelang-$1"

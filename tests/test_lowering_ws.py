@@ -294,7 +294,7 @@ def test_clusters_only_for_an_even_number_of_row_blocks():
 
 
 # A shared-memory address in TileLang's CUDA: ``(&(((bfloat16_t*)BASE)[INDEX]))``, BASE the dynamic shared memory
-# itself (``buf_dyn_shmem``, up to 0.1.11) or a named buffer declared at an offset into it (from 0.1.12:
+# itself (``buf_dyn_shmem``, 0.1.9) or a named buffer declared at an offset into it (0.1.11 and newer:
 # ``void* p_shared = ((void*)((char*)buf_dyn_shmem + 212992));``).
 SMEM_ADDRESS = r"\(&\(\(\((\w+)\*\)(\w+)\)\[(\d+)\]\)\)"
 _ELEMENT_BYTES = {"bfloat16_t": 2, "half_t": 2, "float": 4, "int": 4, "uchar": 1, "fp8_e4_t": 1}
