@@ -186,6 +186,9 @@ def engine_table(data: dict) -> list[str]:
     for backend, result in data["backends"].items():
         info = result.get("engine_info") or {}
         notes = [result.get("reason") or ""]
+        ran = str(info.get("attention_backend") or "")
+        if ran and not ran.lower().endswith(backend.lower()):  # an engine may swap a backend it cannot run
+            notes.append(f"the engine reports attention backend {ran}")
         skipped = [f"{w['workload']}: {w.get('reason') or w.get('error')}" for w in result.get("workloads", [])
                    if w.get("status") in ("skipped", "error")]
         notes += skipped
