@@ -23,8 +23,8 @@ import time
 from .measure import TokenTracker
 from .profile_trace import newest_trace
 from .random_weights import patch_sglang_dummy_weights
-from .runner_common import (EngineSession, EngineSpec, check_deadline, decode_record, measurement, mixed_repeat,
-                            read_profile, run_engine_process)
+from .runner_common import (EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
+                            mixed_repeat, read_profile, run_engine_process)
 from .workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, decode_max_tokens,
                         mixed_decoder_max_tokens, prompt_seed, token_prompts)
 
@@ -39,7 +39,7 @@ INIT_ENV = "MLA_SERVE_BENCH_INIT"  # read by the scheduler processes
 STREAMED_REQUESTS = 8
 POLL_S = 0.001
 PROFILE_POLL_S = 0.05
-PROFILE_WAIT_S = 60.0
+PROFILE_WAIT_S = 30.0  # for the trace file after the profiled steps
 ABORT_WAIT_S = 60.0
 WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 4, 512, 8
 
@@ -219,7 +219,12 @@ class SglangSession(EngineSession):
             await self._wait_progress(tracker, base, plan.warmup_steps + plan.repeats * plan.window_steps,
                                       "the timed windows", tasks)
             if plan.profile_steps:
-                profile = await self._profile(plan, f"decode-b{cell.batch}-c{cell.context}", tasks)
+                try:
+                    profile = await self._profile(plan, f"decode-b{cell.batch}-c{cell.context}", tasks)
+                except OutOfTime:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the timed windows stand without it
+                    profile = {"error": f"{type(e).__name__}: {e}"}
         finally:
             await self._abort(tasks)
         return decode_record(cell, plan, tracker.subset(keys), base, profile, prefill_s)
