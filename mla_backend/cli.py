@@ -1,4 +1,4 @@
-"""``mla-backend`` command line: ``selfcheck`` (the default), ``bench`` and ``compile``.
+"""``mla-backend`` command line: ``selfcheck`` (the default), ``bench``, ``serve-bench`` and ``compile``.
 
 ``selfcheck`` prints the versions, the device and the implementation the dispatcher picks for a
 DeepSeek-V3 shape, then runs ``mla_decode`` on fresh random data and checks it; exit status 1 on failure.
@@ -146,6 +146,13 @@ def bench(argv: list[str]) -> int:
     return int(bench_module.main(argv) or 0)
 
 
+def serve_bench(argv: list[str]) -> int:
+    """The served-speed benchmark (``mla_backend/serve_bench``): every later argument goes to its driver."""
+    from .serve_bench import driver
+
+    return int(driver.main(argv) or 0)
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
@@ -191,11 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     from .kernels import prebuilt
 
     parser = argparse.ArgumentParser(prog="mla-backend",
-                                     description="MLA paged decode backend: self-check, benchmark, ahead-of-time compile")
+                                     description="MLA paged decode backend: self-check, benchmarks, ahead-of-time compile")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("selfcheck", help="versions, device, dispatch choice and a correctness check (default)")
     sub.add_parser("bench", help="the decode benchmark (--host: host time per call): every later argument goes to "
                                  "mla_backend.bench.main")
+    sub.add_parser("serve-bench", help="served speed of our attention backend and the engine's built-in ones in vLLM or "
+                                       "SGLang (one engine per backend): every later argument goes to "
+                                       "mla_backend.serve_bench.driver.main")
     comp = sub.add_parser("compile", help="compile Hopper kernel variants ahead of time (into TileLang's cache)")
     join = ",".join
     comp.add_argument("--heads", default=join(map(str, prebuilt.ENGINE_HEADS)), help="query heads per GPU, comma list")
@@ -212,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # forwarded untouched: argparse would try to parse the benchmark's own options
         return bench(argv[1:])
+    if argv[:1] == ["serve-bench"]:
+        return serve_bench(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "compile":
         return compile_kernels(args)

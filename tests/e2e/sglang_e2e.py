@@ -95,30 +95,6 @@ def compare_outputs(a, b, first_k=8):
 # ----------------------------------------------------------------------------- engine subprocess side
 
 
-def _patch_dummy_weights(std: float) -> None:
-    """Replace SGLang's +-1e-3 dummy init with N(0, std), deterministic per parameter name."""
-    import zlib
-
-    import torch
-    from sglang.srt.model_loader import loader
-
-    def initialize_dummy_weights(model, low=-1e-3, high=1e-3, seed=1234):  # noqa: ARG001 - SGLang's signature
-        for name, param in model.state_dict().items():
-            if not torch.is_floating_point(param) or "cos_sin_cache" in name or "inv_freq" in name:
-                continue
-            if name.endswith("norm.weight"):
-                param.data.fill_(1.0)
-            elif "e_score_correction_bias" in name or name.endswith(".bias"):
-                param.data.zero_()
-            else:
-                gen = torch.Generator(device=param.device)
-                gen.manual_seed((zlib.crc32(name.encode()) ^ seed) & 0x7FFFFFFF)
-                tmp = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(0.0, std, generator=gen)
-                param.data.copy_(tmp.to(param.dtype))
-
-    loader.initialize_dummy_weights = initialize_dummy_weights
-
-
 _STACK_FILE = None
 
 
@@ -143,7 +119,9 @@ def _process_setup() -> None:
         register()
     std = os.environ.get("E2E_WEIGHT_STD")
     if std:
-        _patch_dummy_weights(float(std))
+        from mla_backend.serve_bench.random_weights import patch_sglang_dummy_weights
+
+        patch_sglang_dummy_weights(float(std))
 
 
 def _scheduler_entry(*args, **kwargs):

@@ -150,34 +150,11 @@ def engine_label(spec: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- engine child
-def scaled_random_init(model) -> None:
-    """Deterministic (per parameter name) random weights with a sane scale: matrices ~ N(0, 1/fan_in),
-    norm weights 1, biases 0. Identical for every attention backend."""
-    import zlib
-
-    import torch
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not torch.is_floating_point(p):
-                continue
-            if p.dim() <= 1:
-                p.fill_(1.0 if "norm" in name and not name.endswith("bias") else 0.0)
-                continue
-            gen = torch.Generator(device=p.device).manual_seed(zlib.crc32(name.encode()))
-            w = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
-            p.copy_(w * p.shape[-1] ** -0.5)
-
-
 def register_scaled_loader() -> None:
-    from vllm.model_executor.model_loader import register_model_loader
-    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+    """The scaled random init (``mla_backend.serve_bench.random_weights``) as this script's load format."""
+    from mla_backend.serve_bench.random_weights import register_vllm_scaled_loader
 
-    class ScaledDummyModelLoader(DummyModelLoader):
-        def load_weights(self, model, model_config) -> None:
-            scaled_random_init(model)
-
-    register_model_loader(SCALED_LOAD_FORMAT)(ScaledDummyModelLoader)
+    register_vllm_scaled_loader(SCALED_LOAD_FORMAT)
 
 
 def force_tokens_processor():

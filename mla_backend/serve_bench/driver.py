@@ -1,0 +1,333 @@
+"""``mla-backend serve-bench``: served speed of every attention backend of one engine, one engine start each.
+
+    mla-backend serve-bench --engine vllm|sglang [--backends ...] [--workloads decode,throughput,mixed]
+        [--heads 16] [--layers 8] [--repeats 3] [--kv-cache-dtype auto|fp8] [--out-dir DIR] [--budget SECONDS]
+
+The driver writes a DeepSeek-V3-shaped model config into a temporary directory (model_config.py), then starts one
+engine process per backend (vllm_runner.py / sglang_runner.py: a fresh process, so a fresh CUDA context, for each),
+ours first. Each process runs every workload (workloads.py) and leaves its results in a JSON file; the driver collects
+them into serve_bench.json, serve_bench.md and serve_bench.png (report.py). A backend the engine refuses is reported
+with the engine's reason. Backends that would not fit in ``--budget`` are skipped and listed, with the command that
+runs them on their own; workloads that would not fit in the engine's KV cache are skipped and listed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import sglang_runner, vllm_runner
+from .model_config import HEAD_CHOICES_DOC, deepseek_v3_config, kv_bytes_per_token, parameter_counts, write_model_dir
+from .runner_common import EngineSpec, log_tail
+from .workloads import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, WORKLOAD_KINDS, MeasurePlan, build_workloads, context_label,
+                        kv_tokens_needed, longest_request, most_requests, workload_to_dict)
+
+NOTHING_RAN = 2  # exit status when nothing was measured (no GPU, engine not installed, every backend failed)
+KILL_GRACE_S = 60.0  # an engine process past the budget gets this long to write its results before it is killed
+GPU_RELEASE_S = 3.0  # pause between engines, so that the previous one's GPU memory is back
+DEFAULT_BUDGET_S = 3600
+DEFAULT_ENGINE_TIMEOUT_S = 1800  # a hung engine must not take the whole budget
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """What the driver needs to know about an engine (its runner module holds the rest)."""
+
+    name: str
+    runner: str  # module run as the engine process
+    backends: tuple[str, ...]  # ours first
+    ours: str
+    kv_cache_dtypes: dict[str, str]
+    page_size: int
+    first_engine_estimate_s: float  # an engine's start plus the default workloads, before one has run
+
+
+ENGINES = {
+    "vllm": EngineChoice("vllm", "mla_backend.serve_bench.vllm_runner", vllm_runner.BACKENDS, vllm_runner.OURS,
+                         vllm_runner.KV_CACHE_DTYPES, vllm_runner.BLOCK_SIZE, 420.0),
+    "sglang": EngineChoice("sglang", "mla_backend.serve_bench.sglang_runner", sglang_runner.BACKENDS,
+                           sglang_runner.OURS, sglang_runner.KV_CACHE_DTYPES, sglang_runner.PAGE_SIZE, 420.0),
+}
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """``"1,16,64"`` or ``"1k,8k,32k"`` (k = 1024)."""
+    values = []
+    for item in filter(None, (t.strip().lower() for t in text.split(","))):
+        values.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
+    return tuple(values)
+
+
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mla-backend serve-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--engine", required=True, choices=sorted(ENGINES))
+    p.add_argument("--backends", help="comma list, ours first by default; vLLM: " + ",".join(vllm_runner.BACKENDS)
+                   + "; SGLang: " + ",".join(sglang_runner.BACKENDS))
+    p.add_argument("--workloads", default=",".join(WORKLOAD_KINDS), help="comma list of " + ",".join(WORKLOAD_KINDS))
+    p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="decode batch sizes")
+    p.add_argument("--contexts", default=",".join(context_label(c) for c in DEFAULT_CONTEXTS),
+                   help="decode context lengths (k = 1024 tokens)")
+    p.add_argument("--heads", type=int, default=16, help=f"query heads: {HEAD_CHOICES_DOC}")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per workload (median and min-max reported)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--init", choices=("dummy", "scaled"), default="dummy",
+                   help="weights: the engine's dummy init, or N(0, 1/fan_in) so that attention moves the logits and "
+                        "MoE routing spreads (vLLM then runs its engine core in the benchmark's process)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.85,
+                   help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
+    p.add_argument("--window-steps", type=int, default=MeasurePlan.window_steps, help="decode steps per timed window")
+    p.add_argument("--profile-steps", type=int, default=MeasurePlan.profile_steps,
+                   help="decode steps profiled per decode cell for the attention share (0: none)")
+    p.add_argument("--out-dir", default="serve_bench_results", help="serve_bench.{json,md,png}, logs and traces")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                   help="seconds for the whole run: backends that would not fit are skipped and listed")
+    p.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S,
+                   help="seconds one backend's engine process may take (start and every workload)")
+    p.add_argument("--dry-run", action="store_true", help="print the model, workloads and engine settings; run nothing")
+    return p
+
+
+@dataclass
+class RunSetup:
+    """Everything resolved from the command line."""
+
+    engine: EngineChoice
+    backends: tuple[str, ...]
+    workloads: list
+    plan: MeasurePlan
+    model_config: dict
+    kv_cache_dtype: str  # the engine's spelling
+    args: argparse.Namespace
+
+    @property
+    def max_model_len(self) -> int:
+        longest = max(longest_request(w, self.plan) for w in self.workloads)
+        return min(-(-longest // 1024) * 1024, self.model_config["max_position_embeddings"])
+
+    @property
+    def max_num_seqs(self) -> int:
+        return max(most_requests(w) for w in self.workloads)
+
+
+def resolve(args: argparse.Namespace) -> RunSetup:
+    """Checks the command line and builds the run; ValueError says what is wrong."""
+    engine = ENGINES[args.engine]
+    backends = _str_list(args.backends) if args.backends else engine.backends
+    backends = tuple(b.upper() if engine.name == "vllm" else b.lower() for b in backends)
+    if not backends:
+        raise ValueError("--backends is empty")
+    if args.repeats < 1 or args.window_steps < 2 or args.profile_steps < 0:
+        raise ValueError("--repeats must be >= 1, --window-steps >= 2, --profile-steps >= 0")
+    if args.budget <= 0 or args.engine_timeout <= 0:
+        raise ValueError("--budget and --engine-timeout must be positive")
+    workloads = build_workloads(_str_list(args.workloads), _int_list(args.batches), _int_list(args.contexts))
+    if not workloads:
+        raise ValueError("no workload selected")
+    plan = MeasurePlan(repeats=args.repeats, window_steps=args.window_steps, profile_steps=args.profile_steps)
+    model_config = deepseek_v3_config(args.heads, args.layers)
+    return RunSetup(engine, backends, workloads, plan, model_config, engine.kv_cache_dtypes[args.kv_cache_dtype], args)
+
+
+def describe_run(run: RunSetup) -> list[str]:
+    """The dry-run listing: model, engine settings and every workload with the KV cache it needs."""
+    config, counts = run.model_config, parameter_counts(run.model_config)
+    per_token = kv_bytes_per_token(config, run.kv_cache_dtype)
+    lines = [f"engine {run.engine.name}; backends {', '.join(run.backends)}; page size {run.engine.page_size}; "
+             f"KV cache {run.kv_cache_dtype}; weights {run.args.init}",
+             f"model: DeepSeek-V3 attention with {config['num_attention_heads']} heads, {config['num_hidden_layers']} "
+             f"layers, MoE {config['n_routed_experts']} x {config['moe_intermediate_size']} top-"
+             f"{config['num_experts_per_tok']}; {sum(counts.values()) / 1e9:.2f} B parameters "
+             f"({', '.join(f'{k} {v / 1e9:.2f} B' for k, v in counts.items())}); KV {per_token} bytes per token",
+             f"max_model_len {run.max_model_len}, max_num_seqs {run.max_num_seqs}; {run.plan.repeats} repeats, "
+             f"{run.plan.window_steps} decode steps per window, {run.plan.profile_steps} profiled steps",
+             f"{'workload':<32}{'KV tokens':>12}{'KV GiB':>9}"]
+    for w in run.workloads:
+        tokens = kv_tokens_needed(w, run.plan)
+        lines.append(f"{w.name:<32}{tokens:>12}{tokens * per_token / 2**30:>9.1f}")
+    return lines
+
+
+# ----------------------------------------------------------------------------- engine processes
+def package_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+def child_env() -> dict:
+    """The engine process's environment: this package importable (a source checkout has no entry point)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """Ends the engine process and everything it started (engine core, scheduler, workers): the group it leads."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+
+
+def run_engine(spec: EngineSpec, runner: str, spec_path: Path, timeout_s: float) -> dict:
+    """One engine process; returns its result file, or why there is none."""
+    spec.save(spec_path)
+    t0 = time.perf_counter()
+    timed_out = False
+    with open(spec.log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", runner, str(spec_path)], stdout=log, stderr=subprocess.STDOUT,
+                                env=child_env(), start_new_session=True)
+        try:
+            proc.wait(timeout=max(timeout_s, 1.0))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            stop_process_group(proc)
+            time.sleep(GPU_RELEASE_S)
+    try:
+        result = json.loads(Path(spec.result_path).read_text())
+    except (OSError, ValueError):
+        result = {"engine": spec.engine, "backend": spec.backend, "status": "starting", "workloads": []}
+    if result.get("status") in ("starting", "running"):  # the process ended before it could say how it went
+        how = "was killed at the time budget" if timed_out else f"exited with status {proc.returncode}"
+        result.update(status="failed", reason=f"the engine process {how} before it finished")
+    if result["status"] == "failed":
+        result["log_tail"] = log_tail(spec.log_path, 4000)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["exit_code"] = proc.returncode
+    return result
+
+
+def engine_spec(run: RunSetup, backend: str, model_dir: Path, work: Path, out_dir: Path, in_process: bool,
+                hard_deadline: float) -> EngineSpec:
+    safe = backend.replace("/", "_")
+    profile_dir = out_dir / f"{run.engine.name}-traces" / safe
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    return EngineSpec(engine=run.engine.name, backend=backend, model_dir=str(model_dir),
+                      vocab_size=run.model_config["vocab_size"], result_path=str(work / f"{safe}.result.json"),
+                      log_path=str(out_dir / f"{run.engine.name}-logs" / f"{safe}.log"), profile_dir=str(profile_dir),
+                      workloads=[workload_to_dict(w) for w in run.workloads], plan=dataclasses.asdict(run.plan),
+                      kv_cache_dtype=run.kv_cache_dtype, page_size=run.engine.page_size, init=run.args.init,
+                      gpu_memory_fraction=run.args.gpu_memory_fraction, max_model_len=run.max_model_len,
+                      max_num_seqs=run.max_num_seqs, in_process=in_process, deadline=hard_deadline,
+                      hard_deadline=hard_deadline)
+
+
+def alone_command(argv: list[str], backend: str) -> str:
+    """The command that runs one skipped backend on its own."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg == "--backends":
+            skip = True
+            continue
+        if not arg.startswith("--backends="):
+            kept.append(arg)
+    return "mla-backend serve-bench " + " ".join(kept + ["--backends", backend])
+
+
+def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv: list[str]) -> dict[str, dict]:
+    """Every backend in its own engine process, in order, within the budget."""
+    (out_dir / f"{run.engine.name}-logs").mkdir(parents=True, exist_ok=True)
+    in_process = run.engine.name == "vllm" and vllm_runner.needs_in_process(run.args.init)
+    start = time.time()
+    hard_deadline = start + run.args.budget
+    results: dict[str, dict] = {}
+    for backend in run.backends:
+        elapsed = time.time() - start
+        walls = [r["wall_s"] for r in results.values() if "wall_s" in r]
+        estimate = max(walls) if walls else run.engine.first_engine_estimate_s
+        if results and elapsed + estimate > run.args.budget:
+            results[backend] = {"backend": backend, "status": "skipped", "workloads": [],
+                                "reason": f"time budget: {elapsed:.0f} of {run.args.budget:.0f} s used and an engine "
+                                          f"takes about {estimate:.0f} s; run it alone: "
+                                          f"{alone_command(argv, backend)}"}
+            print(f"[serve-bench] {backend}: skipped ({results[backend]['reason']})", flush=True)
+            continue
+        engine_deadline = min(hard_deadline, time.time() + run.args.engine_timeout)
+        spec = engine_spec(run, backend, model_dir, work, out_dir, in_process, engine_deadline)
+        print(f"[serve-bench] {backend}: engine starting (log: {spec.log_path})", flush=True)
+        result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
+                            engine_deadline + KILL_GRACE_S - time.time())
+        results[backend] = result
+        done = sum(1 for w in result.get("workloads", []) if w.get("status") == "ok")
+        print(f"[serve-bench] {backend}: {result['status']} in {result['wall_s']:.0f} s, {done} workload(s) measured"
+              + (f"; {result['reason']}" if result.get("reason") else ""), flush=True)
+    return results
+
+
+def engine_problem(engine: str) -> str | None:
+    """Why the engine cannot run here, or None."""
+    if importlib.util.find_spec(engine) is None:
+        extra = "vllm" if engine == "vllm" else "sglang"
+        return f"{engine} is not installed (pip install -e \".[{extra}]\")"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 when at least one workload was measured (or --dry-run), 2 when nothing was."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        run = resolve(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.dry_run:
+        print("\n".join(describe_run(run)))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"mla-backend serve-bench: no CUDA GPU visible to torch {torch.__version__}; nothing to measure "
+              "(--dry-run lists the model and the workloads).", file=sys.stderr)
+        return NOTHING_RAN
+    problem = engine_problem(args.engine)
+    if problem:
+        print(f"mla-backend serve-bench: {problem}; nothing to measure.", file=sys.stderr)
+        return NOTHING_RAN
+    from . import report
+
+    out_dir = Path(args.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = report.environment(argv, args.engine)
+    print(f"[serve-bench] {env.get('gpu')}: {args.engine} {env.get(args.engine)}, backends {', '.join(run.backends)}; "
+          f"{len(run.workloads)} workloads; budget {args.budget:.0f} s", flush=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
+        model_dir = write_model_dir(Path(tmp) / "model", args.heads, args.layers)
+        results = run_backends(run, model_dir, Path(tmp), out_dir, argv)
+    data = report.assemble(env, run, results, time.perf_counter() - t0)
+    files = report.write_outputs(out_dir, data)
+    print("\n" + report.markdown(data))
+    print(f"[serve-bench] wrote {', '.join(files)}")
+    if not report.anything_measured(data):
+        print("mla-backend serve-bench: no workload was measured on any backend (see the reasons above).",
+              file=sys.stderr)
+        return NOTHING_RAN
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""serve-bench's outputs: one JSON with every raw repeat, a markdown report and a plot.
+
+The markdown has one table per metric with a row per workload and a column per backend (median [min-max] of the
+repeats), plus the speedup of ours over the best built-in backend, the attention share of a decode step per cell,
+and every backend that did not run, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from .model_config import parameter_counts
+from .workloads import DECODE
+
+BASENAME = "serve_bench"
+VERSIONED_PACKAGES = ("torch", "vllm", "sglang", "sgl-kernel", "tilelang", "flashinfer-python", "triton",
+                      "transformers", "mla-backend")
+# (key in a workload record, table title, digits, True where a smaller value is better)
+METRICS = (
+    ("tpot_ms", "TPOT, ms per output token", 2, True),
+    ("output_tok_per_s", "Output tokens per second", 0, False),
+    ("ttft_ms", "TTFT, ms (throughput: all prompts; mixed: the long prompts)", 0, True),
+)
+
+
+# ----------------------------------------------------------------------------- environment
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _first_line_of(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - not every machine has nvidia-smi or git
+        return None
+    return out.splitlines()[0].strip() if out else None
+
+
+def gpu_description() -> dict:
+    """GPU name, memory and driver from nvidia-smi, which (unlike torch) creates no CUDA context in this process: the
+    engines started after it get the whole GPU."""
+    line = _first_line_of(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+    if line and line.count(",") >= 2:
+        name, memory, driver = (part.strip() for part in line.split(",")[:3])
+        return {"gpu": name, "gpu_memory": memory, "driver": driver}
+    return {"driver": None}
+
+
+def environment(argv: list[str], engine: str) -> dict:
+    """Date, the exact command, versions, GPU and driver."""
+    env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "command": "mla-backend serve-bench " + " ".join(argv), "engine": engine,
+           "python": platform.python_version(), "host": platform.node()}
+    for dist in VERSIONED_PACKAGES:
+        env[dist] = _version(dist)
+    try:
+        import torch
+
+        env["cuda_runtime"] = torch.version.cuda
+    except ImportError:
+        pass
+    env.update(gpu_description())
+    env["git"] = _first_line_of(["git", "-C", os.path.dirname(__file__), "describe", "--always", "--dirty"])
+    return env
+
+
+def assemble(env: dict, run, results: dict[str, dict], wall_s: float) -> dict:
+    """The whole report as one JSON-able dict (every raw repeat is inside ``backends``)."""
+    for result in results.values():  # engines report their versions; fill what the metadata did not have
+        for key in ("vllm", "sglang"):
+            version = (result.get("engine_info") or {}).get(key)
+            if version and not env.get(key):
+                env[key] = version
+    args = run.args
+    settings = {"engine": run.engine.name, "backends": list(run.backends), "ours": run.engine.ours,
+                "heads": args.heads, "layers": args.layers, "kv_cache_dtype": run.kv_cache_dtype,
+                "page_size": run.engine.page_size, "init": args.init, "prefix_caching": False,
+                "gpu_memory_fraction": args.gpu_memory_fraction, "max_model_len": run.max_model_len,
+                "max_num_seqs": run.max_num_seqs, "plan": dataclasses.asdict(run.plan), "budget_s": args.budget,
+                "workloads": [w.name for w in run.workloads],
+                "workload_kinds": {w.name: w.kind for w in run.workloads}, "wall_s": round(wall_s, 1)}
+    return {"env": env, "settings": settings,
+            "model": {"config": run.model_config, "parameters": parameter_counts(run.model_config)},
+            "backends": results}
+
+
+def anything_measured(data: dict) -> bool:
+    return any(w.get("status") == "ok" for r in data["backends"].values() for w in r.get("workloads", []))
+
+
+# ----------------------------------------------------------------------------- tables
+def format_summary(summary: dict | None, digits: int) -> str:
+    """``median [min-max]``, or a dash."""
+    if not summary:
+        return "–"
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(summary['median'])} [{f.format(summary['min'])}-{f.format(summary['max'])}]"
+
+
+def workload_names(data: dict) -> list[str]:
+    """Workloads in run order (as the settings list them)."""
+    return list(data["settings"]["workloads"])
+
+
+def records_by_workload(result: dict) -> dict[str, dict]:
+    return {w["workload"]: w for w in result.get("workloads", [])}
+
+
+def cell(record: dict | None, key: str, digits: int) -> str:
+    if record is None:
+        return "–"
+    if record.get("status") == "skipped":
+        return "skipped"
+    if record.get("status") == "error":
+        return "error"
+    return format_summary(record.get(key), digits)
+
+
+def speedup_of_ours(data: dict, workload: str, key: str, smaller_is_better: bool) -> str:
+    """Ours over the best built-in backend on the medians (above 1: ours is faster), and which one that is."""
+    ours = data["settings"]["ours"]
+    medians = {}
+    for backend, result in data["backends"].items():
+        record = records_by_workload(result).get(workload)
+        if record and record.get("status") == "ok" and record.get(key):
+            medians[backend] = record[key]["median"]
+    if ours not in medians or len(medians) < 2:
+        return "–"
+    others = {b: v for b, v in medians.items() if b != ours}
+    best = (min if smaller_is_better else max)(others, key=others.get)
+    ratio = others[best] / medians[ours] if smaller_is_better else medians[ours] / others[best]
+    return f"{ratio:.2f} ({best})"
+
+
+def metric_table(data: dict, key: str, title: str, digits: int, smaller_is_better: bool) -> list[str]:
+    backends = list(data["backends"])
+    rows = []
+    for workload in workload_names(data):
+        cells = [cell(records_by_workload(data["backends"][b]).get(workload), key, digits) for b in backends]
+        if all(c in ("–", "skipped", "error") for c in cells):
+            continue
+        speedup = speedup_of_ours(data, workload, key, smaller_is_better)
+        rows.append(f"| {workload} | " + " | ".join(cells) + f" | {speedup} |")
+    if not rows:
+        return []
+    return [f"#### {title}, median [min-max]", "",
+            "| workload | " + " | ".join(backends) + " | ours vs best built-in |",
+            "|---" * (len(backends) + 2) + "|", *rows, ""]
+
+
+def attention_share_table(data: dict) -> list[str]:
+    backends = list(data["backends"])
+    rows = []
+    for workload in workload_names(data):
+        shares = []
+        for b in backends:
+            record = records_by_workload(data["backends"][b]).get(workload) or {}
+            profile = record.get("profile") or {}
+            share = profile.get("attention_share")
+            per_step = profile.get("attention_us_per_step")
+            shares.append("–" if share is None else f"{share:.0%}" + (f" ({per_step:.0f} µs)" if per_step else ""))
+        if any(s != "–" for s in shares):
+            rows.append(f"| {workload} | " + " | ".join(shares) + " |")
+    if not rows:
+        return []
+    plan = data["settings"]["plan"]
+    return [f"#### Attention share of a decode step's GPU kernel time (torch.profiler, {plan['profile_steps']} "
+            "steps; attention kernel µs per step in brackets)", "",
+            "| workload | " + " | ".join(backends) + " |", "|---" * (len(backends) + 1) + "|", *rows, ""]
+
+
+def engine_table(data: dict) -> list[str]:
+    lines = ["#### Engines", "", "| backend | status | start s | KV-cache tokens | prefill chunk | notes |",
+             "|---|---|---|---|---|---|"]
+    for backend, result in data["backends"].items():
+        info = result.get("engine_info") or {}
+        notes = [result.get("reason") or ""]
+        ran = str(info.get("attention_backend") or "")
+        if ran and not ran.lower().endswith(backend.lower()):  # an engine may swap a backend it cannot run
+            notes.append(f"the engine reports attention backend {ran}")
+        skipped = [f"{w['workload']}: {w.get('reason') or w.get('error')}" for w in result.get("workloads", [])
+                   if w.get("status") in ("skipped", "error")]
+        notes += skipped
+        lines.append(f"| {backend} | {result.get('status')} | {info.get('start_s', '–')} | "
+                     f"{info.get('kv_capacity_tokens', '–')} | {info.get('prefill_chunk_tokens', '–')} | "
+                     + "; ".join(n for n in notes if n).replace("|", "/") + " |")
+    return lines + [""]
+
+
+def header(data: dict) -> list[str]:
+    env, s, config = data["env"], data["settings"], data["model"]["config"]
+    params = sum(data["model"]["parameters"].values())
+    engine_version = env.get(s["engine"])
+    return [f"### serve-bench: {s['engine']} {engine_version} on {env.get('gpu')} ({env['date'][:10]})", "",
+            f"Model: DeepSeek-V3 attention (hidden {config['hidden_size']}, q_lora {config['q_lora_rank']}, kv_lora "
+            f"{config['kv_lora_rank']}, rope {config['qk_rope_head_dim']}, yarn) with {s['heads']} heads, "
+            f"{s['layers']} layers, MoE {config['n_routed_experts']} experts x {config['moe_intermediate_size']} "
+            f"(top {config['num_experts_per_tok']}), {params / 1e9:.2f} B parameters, bf16, {s['init']} weights. "
+            f"KV cache {s['kv_cache_dtype']}, page {s['page_size']}, prefix caching off, {s['plan']['repeats']} "
+            f"repeats (decode: windows of {s['plan']['window_steps']} steps on one prefilled batch).", "",
+            f"torch {env.get('torch')} (CUDA {env.get('cuda_runtime')}), vLLM {env.get('vllm')}, SGLang "
+            f"{env.get('sglang')}, TileLang {env.get('tilelang')}, FlashInfer {env.get('flashinfer-python')}, "
+            f"driver {env.get('driver')}, commit {env.get('git')}. Run took {s['wall_s']:.0f} s.", "",
+            f"Command: `{env['command']}`", ""]
+
+
+def markdown(data: dict) -> str:
+    lines = header(data)
+    for key, title, digits, smaller in METRICS:
+        lines += metric_table(data, key, title, digits, smaller)
+    lines += attention_share_table(data)
+    lines += engine_table(data)
+    lines += ["Decode cells: TPOT of the whole batch, each repeat a window of decode steps after every request was "
+              "prefilled; output tokens per second = batch / TPOT. Throughput: output tokens over the wall time of "
+              "one generate call with every prompt. Mixed: decoders' TPOT while long prompts arrive and prefill in "
+              "chunks, from the first arrival to the last long prompt's first token. \"ours vs best built-in\": the "
+              "best built-in median over ours for times, ours over it for rates (above 1: ours is faster)."]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- plot
+def plot(data: dict, path: str | Path) -> str | None:
+    """TPOT per decode cell and output tokens per second of the other workloads, per backend, with min-max bars.
+    Returns None when written, else why not (matplotlib missing, nothing measured)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib); no plot"
+    backends = list(data["backends"])
+    panels = [(DECODE, "tpot_ms", "TPOT (ms), decode cells"), (None, "output_tok_per_s", "output tokens/s")]
+    series = []
+    for kind, key, label in panels:
+        names = [w for w in workload_names(data)
+                 if any((records_by_workload(data["backends"][b]).get(w) or {}).get(key) for b in backends)
+                 and ((kind == DECODE) == (data["settings"]["workload_kinds"].get(w) == DECODE))]
+        if names:
+            series.append((names, key, label))
+    if not series:
+        return "nothing was measured; no plot"
+    fig, axes = plt.subplots(len(series), 1, figsize=(max(8, 1.1 * max(len(s[0]) for s in series) + 3),
+                                                      4.2 * len(series)), squeeze=False)
+    for ax, (names, key, label) in zip(axes[:, 0], series):
+        measured = [b for b in backends
+                    if any((records_by_workload(data["backends"][b]).get(w) or {}).get(key) for w in names)]
+        width = 0.8 / len(measured)
+        for i, backend in enumerate(measured):
+            records = records_by_workload(data["backends"][backend])
+            stats = [(records.get(w) or {}).get(key) for w in names]
+            xs = [j + (i - (len(measured) - 1) / 2) * width for j in range(len(names))]
+            medians = [s["median"] if s else float("nan") for s in stats]
+            low = [s["median"] - s["min"] if s else 0 for s in stats]
+            high = [s["max"] - s["median"] if s else 0 for s in stats]
+            ax.bar(xs, medians, width, yerr=[low, high], capsize=2, label=backend)
+        values = [(records_by_workload(data["backends"][b]).get(w) or {}).get(key) for b in measured for w in names]
+        medians = [v["median"] for v in values if v]
+        if medians and min(medians) > 0 and max(medians) / min(medians) > 20:  # decode cells span decades
+            ax.set_yscale("log")
+        ax.set_xlim(-0.5, len(names) - 0.5)
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    env, s = data["env"], data["settings"]
+    axes[0, 0].set_title(f"serve-bench {s['engine']} {env.get(s['engine'])}, {env.get('gpu')}, {s['heads']} heads, "
+                         f"{s['layers']} layers, KV {s['kv_cache_dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def write_outputs(out_dir: str | Path, data: dict) -> list[str]:
+    """Writes serve_bench.json, serve_bench.md and serve_bench.png (when matplotlib is there); returns the paths."""
+    base = Path(out_dir) / BASENAME
+    files = []
+    base.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+    files.append(str(base.with_suffix(".json")))
+    base.with_suffix(".md").write_text(markdown(data))
+    files.append(str(base.with_suffix(".md")))
+    why_not = plot(data, base.with_suffix(".png"))
+    if why_not:
+        print(f"[serve-bench] {why_not}", file=sys.stderr)
+    else:
+        files.append(str(base.with_suffix(".png")))
+    return files

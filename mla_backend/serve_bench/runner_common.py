@@ -1,0 +1,278 @@
+"""What both engine processes share: the spec they are started with, the loop over workloads, and the result file.
+
+An engine process (``python -m mla_backend.serve_bench.vllm_runner SPEC`` or ``...sglang_runner SPEC``) starts one
+engine with one attention backend, runs every workload on it and rewrites its result file after each one, so that a
+run cut short by the time budget still leaves what it measured. An engine that does not start is reported as
+refused, with the reason taken from the exception or, where the engine only says "see above", from its log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
+from .profile_trace import kernel_breakdown, load_trace_events, newest_trace
+from .workloads import (MIN_PREFILL_CHUNK, DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, Workload,
+                        kv_tokens_needed, workload_from_dict, workload_to_dict)
+
+# A workload does not start with less than this left before the deadline (a decode cell takes 5-60 s).
+MIN_WORKLOAD_S = 30.0
+TRACE_READ_ATTEMPTS = 10
+
+
+@dataclass
+class EngineSpec:
+    """One engine process: the engine, the attention backend and everything it is started with."""
+
+    engine: str  # "vllm" or "sglang"
+    backend: str  # the engine's name for the attention backend
+    model_dir: str
+    vocab_size: int
+    result_path: str
+    log_path: str
+    profile_dir: str
+    workloads: list[dict] = field(default_factory=list)
+    plan: dict = field(default_factory=dict)
+    kv_cache_dtype: str = "auto"  # the engine's spelling
+    page_size: int = 64
+    init: str = "dummy"  # "dummy" (the engine's own) or "scaled" (random_weights.py)
+    gpu_memory_fraction: float = 0.85
+    max_model_len: int = 34816
+    max_num_seqs: int = 256
+    in_process: bool = False  # vLLM: engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    deadline: float = float("inf")  # epoch seconds: no workload starts within MIN_WORKLOAD_S of it
+    hard_deadline: float = float("inf")  # epoch seconds: a running workload stops here
+
+    @property
+    def measure_plan(self) -> MeasurePlan:
+        return MeasurePlan(**self.plan)
+
+    def workload_list(self) -> list[Workload]:
+        return [workload_from_dict(w) for w in self.workloads]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> EngineSpec:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+class OutOfTime(RuntimeError):
+    """The hard deadline passed inside a workload."""
+
+
+def check_deadline(spec: EngineSpec) -> None:
+    if time.time() > spec.hard_deadline:
+        raise OutOfTime("the time budget ran out inside this workload")
+
+
+def write_result(path: str | Path, result: dict) -> None:
+    """Atomically replaces the result file (the driver may read it at any time after a kill)."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- why an engine did not start
+_GENERIC_FAILURES = ("initialization failed", "see root cause above", "see stack trace above", "scheduler is dead",
+                     "child process unexpectedly", "process died", "exited unexpectedly")
+_ERROR_LINE = re.compile(r"^(?:.*?\s)?([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.+)$")
+_SELECTION_REASON = re.compile(r"(Selected backend \S+ is not valid for this configuration\.? Reason: .*)$")
+
+
+def refusal_reason(error: BaseException | str, log_text: str = "") -> str:
+    """The most specific one-line reason an engine gave for not starting.
+
+    vLLM's backend selection names its reasons ("Selected backend X is not valid for this configuration. Reason:
+    [...]"); where the exception raised here is only the engine's generic "initialization failed, see above", the last
+    ``SomethingError: message`` line of the log (the engine core's or scheduler's own traceback) is the reason."""
+    message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    for text in (message, log_text):
+        for line in reversed(text.splitlines()):
+            found = _SELECTION_REASON.search(line)
+            if found:
+                return found.group(1).strip()
+    if any(marker in message.lower() for marker in _GENERIC_FAILURES) or not message.strip():
+        for line in reversed(log_text.splitlines()):
+            found = _ERROR_LINE.match(line.strip())
+            if found and not any(m in found.group(2).lower() for m in _GENERIC_FAILURES):
+                return f"{found.group(1)}: {found.group(2)}".strip()
+    return message.strip().splitlines()[0] if message.strip() else "unknown"
+
+
+def log_tail(path: str | Path, chars: int = 20000) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[-chars:]
+
+
+# ----------------------------------------------------------------------------- results
+def measurement(workload: Workload, repeats: list[dict], **extra) -> dict:
+    """A workload's record: its raw repeats and, for every number they carry, the median and the min-max spread."""
+    keys = sorted({k for r in repeats for k, v in r.items() if isinstance(v, (int, float))})
+    record = {"workload": workload.name, "kind": workload.kind, "params": workload_to_dict(workload),
+              "status": "ok" if repeats else "no data", "repeats": repeats}
+    record.update({key: summarize(r.get(key) for r in repeats) for key in keys})
+    record.update(extra)
+    return record
+
+
+def skipped(workload: Workload, reason: str) -> dict:
+    return {"workload": workload.name, "kind": workload.kind, "params": workload_to_dict(workload),
+            "status": "skipped", "reason": reason}
+
+
+def kv_capacity_problem(workload: Workload, plan: MeasurePlan, capacity_tokens: int | None,
+                        chunk_tokens: int) -> str | None:
+    """Why the workload cannot run in the engine's KV cache, or None when it fits (with 10% to spare)."""
+    if not capacity_tokens:
+        return None
+    needed = kv_tokens_needed(workload, plan, chunk_tokens)
+    if needed > 0.9 * capacity_tokens:
+        return (f"needs {needed} KV-cache tokens, the engine holds {capacity_tokens} (more GPU memory, fp8 KV or "
+                f"fewer layers would fit it)")
+    return None
+
+
+def read_profile(directory: str | Path, since: float, steps: int, pattern: str = "*.json*") -> dict:
+    """The kernel-time breakdown of the newest trace written in ``directory`` since ``since``."""
+    for attempt in range(TRACE_READ_ATTEMPTS):
+        path = newest_trace(directory, since, pattern)
+        if path is None:
+            return {"error": f"no profiler trace was written in {directory}"}
+        try:
+            breakdown = kernel_breakdown(load_trace_events(path), steps)
+        except (OSError, ValueError, EOFError):  # still being written
+            time.sleep(0.5 * (attempt + 1))
+            continue
+        breakdown["trace"] = path.name
+        return breakdown
+    return {"error": f"could not read the profiler trace {path}"}
+
+
+def new_result(spec: EngineSpec) -> dict:
+    return {"engine": spec.engine, "backend": spec.backend, "status": "starting", "page_size": spec.page_size,
+            "kv_cache_dtype": spec.kv_cache_dtype, "init": spec.init, "workloads": []}
+
+
+def run_workloads(spec: EngineSpec, session, result: dict) -> None:
+    """Runs every workload of ``spec`` on the started ``session``; each result is written as soon as it exists."""
+    plan = spec.measure_plan
+    for workload in spec.workload_list():
+        if time.time() > spec.deadline - MIN_WORKLOAD_S:
+            result["workloads"].append(skipped(workload, "time budget"))
+            continue
+        problem = kv_capacity_problem(workload, plan, session.kv_capacity_tokens, session.prefill_chunk_tokens)
+        if problem:
+            result["workloads"].append(skipped(workload, problem))
+            write_result(spec.result_path, result)
+            continue
+        print(f"[serve-bench] {spec.backend}: {workload.name}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            record = session.run(workload, plan)
+        except Exception as e:  # noqa: BLE001 - one failed workload must not lose the others
+            record = {"workload": workload.name, "kind": workload.kind, "params": workload_to_dict(workload),
+                      "status": "error", "error": f"{type(e).__name__}: {e}",
+                      "traceback": traceback.format_exc()[-3000:]}
+        record["wall_s"] = round(time.perf_counter() - t0, 1)
+        result["workloads"].append(record)
+        write_result(spec.result_path, result)
+
+
+def run_engine_process(spec: EngineSpec, session) -> dict:
+    """Starts the engine, runs the workloads, shuts the engine down; returns (and writes) the result."""
+    result = new_result(spec)
+    write_result(spec.result_path, result)
+    t0 = time.perf_counter()
+    try:
+        result["engine_info"] = session.start()
+    except Exception as e:  # noqa: BLE001 - a refusal is a result
+        result.update(status="refused", reason=refusal_reason(e, log_tail(spec.log_path)),
+                      error=f"{type(e).__name__}: {e}"[:2000], start_s=round(time.perf_counter() - t0, 1))
+        write_result(spec.result_path, result)
+        return result
+    result.update(status="running", start_s=round(time.perf_counter() - t0, 1))
+    write_result(spec.result_path, result)
+    try:
+        session.warmup()
+        run_workloads(spec, session, result)
+        result["status"] = "done"
+    except Exception as e:  # noqa: BLE001
+        result.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
+    finally:
+        try:
+            session.shutdown()
+        except Exception as e:  # noqa: BLE001 - the results are in already
+            result["shutdown_error"] = f"{type(e).__name__}: {e}"
+    write_result(spec.result_path, result)
+    return result
+
+
+# ----------------------------------------------------------------------------- records both engines build
+def decode_record(cell: DecodeCell, plan: MeasurePlan, series: dict[str, RequestSeries], base: dict[str, int],
+                  profile: dict | None, prefill_s: float) -> dict:
+    """A decode cell's record: one repeat per timed window (TPOT of the full batch and the batch's output rate)."""
+    tpots = decode_window_tpots(series, base, plan.warmup_steps, plan.window_steps, plan.repeats)
+    repeats = [{"tpot_ms": t * 1e3, "output_tok_per_s": cell.batch / t} for t in tpots if t > 0]
+    return measurement(cell, repeats, profile=profile, prefill_s=round(prefill_s, 2),
+                       steps_per_repeat=plan.window_steps)
+
+
+def mixed_repeat(tracker: TokenTracker, decoders: list[str], long_prompts: list[str], window_start: float,
+                 decoder_count: int | None = None) -> dict:
+    """One run of the mixed load, from the first long prompt's arrival to the last one's first token: the decoders'
+    median TPOT, the long prompts' median TTFT, and every output token in the window per second. ``decoders`` may be
+    a sample of the ``decoder_count`` decoders (they all decode in the same steps); their tokens are scaled up."""
+    longs = tracker.subset(long_prompts)
+    window_end = max(s.first_time for s in longs.values())
+    tpot, sampled_tokens = tpot_between(tracker.subset(decoders), window_start, window_end)
+    decoder_tokens = sampled_tokens * (decoder_count or len(decoders)) / max(len(decoders), 1)
+    long_tokens = sum(s.tokens_at(window_end) for s in longs.values())
+    seconds = window_end - window_start
+    ttft = median_or_none(s.ttft() for s in longs.values())
+    return {"tpot_ms": tpot * 1e3 if tpot else None, "ttft_ms": ttft * 1e3 if ttft is not None else None,
+            "output_tok_per_s": (decoder_tokens + long_tokens) / seconds if seconds > 0 else None,
+            "window_s": seconds}
+
+
+class EngineSession:
+    """The interface :func:`run_engine_process` drives; each engine runner subclasses it."""
+
+    kv_capacity_tokens: int | None = None
+    prefill_chunk_tokens: int = MIN_PREFILL_CHUNK
+
+    def start(self) -> dict:
+        raise NotImplementedError
+
+    def warmup(self) -> None:
+        """Runs a few short requests so that lazily compiled kernels are built before anything is timed."""
+
+    def run(self, workload: Workload, plan: MeasurePlan) -> dict:
+        if isinstance(workload, DecodeCell):
+            return self.decode_cell(workload, plan)
+        if isinstance(workload, ThroughputLoad):
+            return self.throughput(workload, plan)
+        return self.mixed(workload, plan)
+
+    def decode_cell(self, cell: DecodeCell, plan: MeasurePlan) -> dict:
+        raise NotImplementedError
+
+    def throughput(self, load: ThroughputLoad, plan: MeasurePlan) -> dict:
+        raise NotImplementedError
+
+    def mixed(self, load: MixedLoad, plan: MeasurePlan) -> dict:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass

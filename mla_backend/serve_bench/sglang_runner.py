@@ -1,0 +1,296 @@
+"""serve-bench's SGLang engine process: one ``sglang.Engine`` with one attention backend, every workload on it.
+
+``python -m mla_backend.serve_bench.sglang_runner SPEC_JSON`` (started by the driver, one process per backend).
+SGLang spawns its scheduler, so this module is import-safe (nothing runs outside ``__main__``) and the scheduler's
+entry point :func:`scheduler_process` is a module-level function: it registers ``tilelang_mla`` (needed where this
+package's entry point is not installed) and, for ``--init scaled``, the scaled dummy weights, then runs SGLang's
+scheduler.
+
+Requests go through ``Engine.async_generate``. For the decode cells and the mixed load a few requests are streamed
+(the first and the last submitted and some between, stamped on arrival) and the rest run unstreamed: SGLang
+prefills every waiting request before it decodes again, so once the last-submitted request has its first token the
+whole batch decodes, and the streamed ones time its steps without this process handling every request's every
+token. The throughput load is one ``Engine.generate`` call, as SGLang's ``bench_offline_throughput`` times it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+from .measure import TokenTracker
+from .profile_trace import newest_trace
+from .random_weights import patch_sglang_dummy_weights
+from .runner_common import (EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
+                            mixed_repeat, read_profile, run_engine_process)
+from .workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, decode_max_tokens,
+                        mixed_decoder_max_tokens, prompt_seed, token_prompts)
+
+ENGINE = "sglang"
+OURS = "tilelang_mla"
+BACKENDS = (OURS, "flashmla", "fa3", "triton", "flashinfer")
+#: SGLang's spelling of the CLI's --kv-cache-dtype values.
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3"}
+#: Every backend gets page 64 (FlashMLA's only size; SGLang does not pick one for an out-of-tree backend).
+PAGE_SIZE = 64
+INIT_ENV = "MLA_SERVE_BENCH_INIT"  # read by the scheduler processes
+STREAMED_REQUESTS = 8
+POLL_S = 0.001
+PROFILE_POLL_S = 0.05
+PROFILE_WAIT_S = 30.0  # for the trace file after the profiled steps
+ABORT_WAIT_S = 60.0
+WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 4, 512, 8
+
+
+def server_kwargs(spec: EngineSpec) -> dict:
+    """The ``sglang.Engine`` / ``ServerArgs`` arguments: dummy weights, token-id prompts, radix (prefix) cache off,
+    fixed seed, the backend under test, CUDA graphs up to the largest batch."""
+    return dict(model_path=spec.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                attention_backend=spec.backend, page_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
+                disable_radix_cache=True, random_seed=spec.measure_plan.seed,
+                mem_fraction_static=spec.gpu_memory_fraction, context_length=spec.max_model_len,
+                max_running_requests=spec.max_num_seqs, cuda_graph_max_bs_decode=spec.max_num_seqs,
+                disable_shared_experts_fusion=True, log_level="warning")
+
+
+def prepare_process() -> None:
+    """In every SGLang process of the run: our backend registered, and the scaled weights where asked for."""
+    from mla_backend.sglang_plugin import register
+
+    register()
+    if os.environ.get(INIT_ENV) == "scaled":
+        patch_sglang_dummy_weights(None)
+
+
+def scheduler_process(*args, **kwargs):
+    """The scheduler subprocess's target (spawned: module level, so it pickles by reference)."""
+    prepare_process()
+    from sglang.srt.managers.scheduler import run_scheduler_process
+
+    return run_scheduler_process(*args, **kwargs)
+
+
+def bench_engine_class():
+    """``sglang.Engine`` whose scheduler processes run :func:`scheduler_process`."""
+    from sglang.srt.entrypoints.engine import Engine
+
+    class BenchEngine(Engine):
+        run_scheduler_process_func = staticmethod(scheduler_process)
+
+    return BenchEngine
+
+
+def streamed_indices(count: int, streamed: int = STREAMED_REQUESTS) -> list[int]:
+    """Which of ``count`` requests are streamed: evenly spread, always the first and the last."""
+    if count <= streamed:
+        return list(range(count))
+    return sorted({round(i * (count - 1) / (streamed - 1)) for i in range(streamed)})
+
+
+class SglangSession(EngineSession):
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+        self.engine = None
+
+    # ------------------------------------------------------------------------- start
+    def start(self) -> dict:
+        os.environ[INIT_ENV] = self.spec.init
+        prepare_process()
+        import sglang
+
+        t0 = time.perf_counter()
+        self.engine = bench_engine_class()(**server_kwargs(self.spec))
+        info = {"sglang": sglang.__version__, "start_s": round(time.perf_counter() - t0, 1)}
+        info.update(self._introspect())
+        self.kv_capacity_tokens = info.get("kv_capacity_tokens")
+        self.prefill_chunk_tokens = info.get("prefill_chunk_tokens") or self.prefill_chunk_tokens
+        return info
+
+    def _introspect(self) -> dict:
+        info = {}
+        try:
+            server = self.engine.get_server_info()
+            info["kv_capacity_tokens"] = server.get("max_total_num_tokens")
+            chunk = server.get("chunked_prefill_size")
+            info["prefill_chunk_tokens"] = chunk if chunk and chunk > 0 else None
+            for key in ("attention_backend", "page_size", "kv_cache_dtype", "cuda_graph_max_bs_decode",
+                        "cuda_graph_max_bs", "max_running_requests", "context_length", "mem_fraction_static",
+                        "disable_cuda_graph", "disable_overlap_schedule"):
+                if key in server:
+                    info[key] = server[key]
+        except Exception as e:  # noqa: BLE001 - introspection only
+            info["introspection_error"] = f"{type(e).__name__}: {e}"
+        return info
+
+    def warmup(self) -> None:
+        prompts = token_prompts(WARMUP_PROMPTS, WARMUP_LEN, self.spec.vocab_size, seed=12345)
+        self.engine.generate(input_ids=prompts, sampling_params=_sampling(WARMUP_TOKENS))
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    # ------------------------------------------------------------------------- requests
+    def _run(self, coroutine):
+        return self.engine.loop.run_until_complete(coroutine)
+
+    async def _streamed(self, tracker: TokenTracker, key: str, prompt, max_new_tokens: int) -> None:
+        tracker.submit(key, time.monotonic())
+        chunks = await self.engine.async_generate(input_ids=prompt, sampling_params=_sampling(max_new_tokens),
+                                                  stream=True)
+        async for chunk in chunks:
+            meta = chunk.get("meta_info") or {}
+            tracker.record(key, time.monotonic(), int(meta.get("completion_tokens") or 0),
+                           finished=meta.get("finish_reason") is not None)
+
+    async def _unstreamed(self, prompt, max_new_tokens: int) -> None:
+        await self.engine.async_generate(input_ids=prompt, sampling_params=_sampling(max_new_tokens))
+
+    def _launch(self, tracker: TokenTracker, prompts, max_new_tokens: int, tag: str,
+                stream_all: bool = False) -> tuple[list[str], list[asyncio.Task]]:
+        """Submits the prompts in order; returns the streamed requests' keys and every request's task."""
+        streamed = set(range(len(prompts))) if stream_all else set(streamed_indices(len(prompts)))
+        keys, tasks = [], []
+        for i, prompt in enumerate(prompts):
+            if i in streamed:
+                keys.append(f"{tag}-{i}")
+                tasks.append(asyncio.ensure_future(self._streamed(tracker, keys[-1], prompt, max_new_tokens)))
+            else:
+                tasks.append(asyncio.ensure_future(self._unstreamed(prompt, max_new_tokens)))
+        return keys, tasks
+
+    async def _wait_for(self, condition, what: str, tasks, poll_s: float = POLL_S) -> None:
+        while not condition():
+            check_deadline(self.spec)
+            if all(t.done() for t in tasks):
+                errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+                raise RuntimeError(f"every request ended before {what}" + (f": {errors[0]!r}" if errors else ""))
+            await asyncio.sleep(poll_s)
+
+    async def _wait_progress(self, tracker: TokenTracker, base: dict[str, int], tokens: int, what: str,
+                             tasks) -> None:
+        await self._wait_for(lambda: tracker.min_progress(base) >= tokens, what, tasks)
+
+    async def _abort(self, tasks) -> None:
+        """Aborts every running request and waits for the request tasks to end."""
+        self.engine.tokenizer_manager.abort_request(abort_all=True)
+        pending = [t for t in tasks if not t.done()]
+        if pending:
+            _, still = await asyncio.wait(pending, timeout=ABORT_WAIT_S)
+            for t in still:
+                t.cancel()
+        for t in tasks:  # retrieve aborted requests' exceptions, so that asyncio does not report them
+            if t.done() and not t.cancelled():
+                t.exception()
+
+    async def _profile(self, plan: MeasurePlan, label: str, tasks) -> dict:
+        """Profiles the next ``profile_steps`` forward steps (SGLang's profiler stops itself) and reads the trace."""
+        from sglang.srt.managers.io_struct import ProfileReq
+
+        since = time.time()
+        directory = self.spec.profile_dir
+        pattern = f"{label}*.trace.json*"
+        await self.engine.tokenizer_manager.start_profile(ProfileReq(
+            output_dir=os.path.abspath(directory), num_steps=plan.profile_steps, activities=["GPU"],
+            with_stack=False, record_shapes=False, profile_id=label))
+        deadline = time.monotonic() + PROFILE_WAIT_S
+        await self._wait_for(lambda: newest_trace(directory, since, pattern) is not None
+                             or time.monotonic() > deadline, "the profiler trace was written", tasks, PROFILE_POLL_S)
+        return read_profile(directory, since, plan.profile_steps, pattern)
+
+    # ------------------------------------------------------------------------- workloads
+    def decode_cell(self, cell: DecodeCell, plan: MeasurePlan) -> dict:
+        prompts = token_prompts(cell.batch, cell.context, self.spec.vocab_size, prompt_seed(cell, plan))
+        max_new = min(decode_max_tokens(cell, plan, self.prefill_chunk_tokens), self.spec.max_model_len - cell.context)
+        return self._run(self._decode_cell(cell, plan, prompts, max_new))
+
+    async def _decode_cell(self, cell: DecodeCell, plan: MeasurePlan, prompts, max_new: int) -> dict:
+        tracker = TokenTracker()
+        submitted = time.monotonic()
+        keys, tasks = self._launch(tracker, prompts, max_new, f"b{cell.batch}c{cell.context}")
+        profile = None
+        try:
+            await self._wait_for(lambda: tracker.all_started(keys), "the batch was prefilled", tasks)
+            prefill_s = time.monotonic() - submitted
+            base = tracker.counts(keys)
+            await self._wait_progress(tracker, base, plan.warmup_steps + plan.repeats * plan.window_steps,
+                                      "the timed windows", tasks)
+            if plan.profile_steps:
+                try:
+                    profile = await self._profile(plan, f"decode-b{cell.batch}-c{cell.context}", tasks)
+                except OutOfTime:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the timed windows stand without it
+                    profile = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            await self._abort(tasks)
+        return decode_record(cell, plan, tracker.subset(keys), base, profile, prefill_s)
+
+    def throughput(self, load: ThroughputLoad, plan: MeasurePlan) -> dict:
+        prompts = token_prompts(load.prompts, load.input_len, self.spec.vocab_size, prompt_seed(load, plan))
+        sampling = _sampling(load.output_len)
+        self.engine.generate(input_ids=prompts[:WARMUP_PROMPTS], sampling_params=sampling)  # same shapes, untimed
+        repeats = []
+        for _ in range(plan.repeats):
+            check_deadline(self.spec)
+            t0 = time.perf_counter()
+            outputs = self.engine.generate(input_ids=prompts, sampling_params=sampling)
+            seconds = time.perf_counter() - t0
+            output_tokens = sum(int(o["meta_info"]["completion_tokens"]) for o in outputs)
+            repeats.append({"output_tok_per_s": output_tokens / seconds,
+                            "total_tok_per_s": (output_tokens + load.prompts * load.input_len) / seconds,
+                            "wall_s": seconds})
+        return measurement(load, repeats)
+
+    def mixed(self, load: MixedLoad, plan: MeasurePlan) -> dict:
+        decoder_prompts = token_prompts(load.decoders, load.decoder_context, self.spec.vocab_size,
+                                        prompt_seed(load, plan, 0))
+        long_prompts = token_prompts(load.long_prompts, load.long_context, self.spec.vocab_size,
+                                     prompt_seed(load, plan, 1))
+        decoder_tokens = min(mixed_decoder_max_tokens(load, plan, self.prefill_chunk_tokens),
+                             self.spec.max_model_len - load.decoder_context)
+        repeats = [self._run(self._mixed(load, plan, r, decoder_prompts, long_prompts, decoder_tokens))
+                   for r in range(plan.repeats)]
+        return measurement(load, repeats)
+
+    async def _mixed(self, load: MixedLoad, plan: MeasurePlan, repeat: int, decoder_prompts, long_prompts,
+                     decoder_tokens: int) -> dict:
+        tracker = TokenTracker()
+        decoders, tasks = self._launch(tracker, decoder_prompts, decoder_tokens, f"mixed{repeat}-decode")
+        longs: list[str] = []
+        try:
+            await self._wait_for(lambda: tracker.all_started(decoders), "the decoders were prefilled", tasks)
+            base = tracker.counts(decoders)
+            await self._wait_progress(tracker, base, plan.warmup_steps, "the warm-up", tasks)
+            window_start = time.monotonic()
+            for k, prompt in enumerate(long_prompts):
+                await self._wait_progress(tracker, base, plan.warmup_steps + k * load.arrival_gap_steps,
+                                          "the next arrival", tasks)
+                keys, new = self._launch(tracker, [prompt], plan.long_prompt_tokens, f"mixed{repeat}-long{k}",
+                                         stream_all=True)
+                longs += keys
+                tasks += new
+            await self._wait_for(lambda: tracker.all_started(longs), "the long prompts' first tokens", tasks)
+        finally:
+            await self._abort(tasks)
+        return mixed_repeat(tracker, decoders, longs, window_start, decoder_count=load.decoders)
+
+
+def _sampling(max_new_tokens: int) -> dict:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    spec = EngineSpec.load(args[0])
+    result = run_engine_process(spec, SglangSession(spec))
+    return 0 if result["status"] in ("done", "refused") else 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # leftover SGLang threads must not keep the process (and the GPU) alive

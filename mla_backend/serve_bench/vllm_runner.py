@@ -1,0 +1,295 @@
+"""serve-bench's vLLM engine process: one ``vllm.LLM`` with one attention backend, every workload on it.
+
+``python -m mla_backend.serve_bench.vllm_runner SPEC_JSON`` (started by the driver, one process per backend, so each
+engine gets a fresh CUDA context). Requests go through the engine's own offline path: ``LLMEngine.add_request`` and
+``LLMEngine.step`` (what ``LLM.generate`` runs) for the decode cells and the mixed load, where outputs must be seen
+step by step, and ``LLM.generate`` itself for the throughput load. Step times are the engine core's own timestamps
+(``RequestOutput.metrics``, kept with ``disable_log_stats=False``), so the time this process spends reading outputs
+does not enter them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .measure import TokenTracker, median_or_none, request_tpots
+from .profile_trace import newest_trace
+from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
+from .runner_common import (EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
+                            mixed_repeat, read_profile, run_engine_process)
+from .workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, decode_max_tokens,
+                        mixed_decoder_max_tokens, prompt_seed, token_prompts)
+
+ENGINE = "vllm"
+OURS = "CUSTOM"
+#: Ours first, then the built-in MLA backends (FLASH_ATTN_MLA is vLLM 0.26's default on Hopper).
+BACKENDS = (OURS, "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA", "FLASHINFER_MLA")
+#: vLLM's spelling of the CLI's --kv-cache-dtype values.
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8"}
+#: The page size every backend gets: FlashMLA's only one, the one ours is fastest with.
+BLOCK_SIZE = 64
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT = "mla_backend.vllm_plugin:register"
+WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 4, 512, 8
+TRACE_PATTERN = "*.pt.trace.json*"
+PROFILE_WAIT_S = 30.0  # for the trace file after the profiled steps
+
+
+def entry_point_installed() -> bool:
+    """Whether vLLM's plugin loader will find this package's plugin in the engine's own processes."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value == ENTRY_POINT for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
+def needs_in_process(init: str) -> bool:
+    """The engine core must run in the benchmark's process when the scaled weights' load format is registered here,
+    or when no entry point registers the plugin in a separate engine-core process. One mode for every backend of a
+    run, so that they are compared alike."""
+    return init == "scaled" or not entry_point_installed()
+
+
+def profiler_config(spec: EngineSpec):
+    """torch.profiler in the worker, GPU kernels only, stopping itself after ``profile_steps`` engine steps."""
+    from vllm.config import ProfilerConfig
+
+    return ProfilerConfig(profiler="torch", torch_profiler_dir=os.path.abspath(spec.profile_dir),
+                          torch_profiler_with_stack=False, torch_profiler_dump_cuda_time_total=False,
+                          torch_profiler_record_shapes=False, max_iterations=spec.measure_plan.profile_steps)
+
+
+def engine_kwargs(spec: EngineSpec) -> dict:
+    """The ``vllm.LLM`` / ``EngineArgs`` arguments: dummy weights, token-id prompts, prefix caching off, fixed seed,
+    the backend under test, stats kept (the per-request step timestamps come from them)."""
+    kwargs = dict(model=spec.model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=spec.measure_plan.seed,
+                  load_format=SCALED_LOAD_FORMAT if spec.init == "scaled" else "dummy",
+                  attention_backend=spec.backend, block_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
+                  enable_prefix_caching=False, gpu_memory_utilization=spec.gpu_memory_fraction,
+                  max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs, disable_log_stats=False)
+    if spec.measure_plan.profile_steps:
+        kwargs["profiler_config"] = profiler_config(spec)
+    return kwargs
+
+
+class VllmSession(EngineSession):
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+        self.llm = None
+        self.engine = None
+
+    # ------------------------------------------------------------------------- start
+    def start(self) -> dict:
+        if self.spec.in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
+        from vllm import LLM
+
+        if self.spec.in_process:
+            from mla_backend.vllm_plugin import register
+
+            register()  # without the entry point nothing else would (one process: this registration is seen)
+        if self.spec.init == "scaled":
+            register_vllm_scaled_loader()
+        t0 = time.perf_counter()
+        self.llm = LLM(**engine_kwargs(self.spec))
+        self.engine = self.llm.llm_engine
+        info = {"vllm": vllm.__version__, "start_s": round(time.perf_counter() - t0, 1),
+                "engine_process": "in-process" if self.spec.in_process else "multiprocess"}
+        info.update(self._introspect())
+        self.kv_capacity_tokens = info.get("kv_capacity_tokens")
+        self.prefill_chunk_tokens = info.get("prefill_chunk_tokens") or self.prefill_chunk_tokens
+        return info
+
+    def _introspect(self) -> dict:
+        """The settings the engine resolved (introspection only: a missing attribute is not an error)."""
+        info = {}
+        try:
+            cfg = self.engine.vllm_config
+            info["block_size"] = cfg.cache_config.block_size
+            info["kv_capacity_tokens"] = cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
+            info["kv_cache_dtype"] = str(cfg.cache_config.cache_dtype)
+            info["prefill_chunk_tokens"] = cfg.scheduler_config.max_num_batched_tokens
+            info["max_num_seqs"] = cfg.scheduler_config.max_num_seqs
+            info["max_model_len"] = cfg.model_config.max_model_len
+            info["cudagraph_mode"] = str(cfg.compilation_config.cudagraph_mode)
+            info["attention_backend"] = str(cfg.attention_config.backend)
+            info["async_scheduling"] = getattr(cfg.scheduler_config, "async_scheduling", None)
+        except Exception as e:  # noqa: BLE001
+            info["introspection_error"] = f"{type(e).__name__}: {e}"
+        return info
+
+    def warmup(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = token_prompts(WARMUP_PROMPTS, WARMUP_LEN, self.spec.vocab_size, seed=12345)
+        self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                          SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True, detokenize=False),
+                          use_tqdm=False)
+
+    def shutdown(self) -> None:
+        self.engine = self.llm = None
+
+    # ------------------------------------------------------------------------- step loop
+    def _submit(self, tracker: TokenTracker, prompts, max_tokens: int, tag: str) -> list[str]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        keys = []
+        for i, prompt in enumerate(prompts):
+            key = f"{tag}-{i}"
+            tracker.submit(key, time.monotonic())
+            self.engine.add_request(key, TokensPrompt(prompt_token_ids=prompt), params)
+            keys.append(key)
+        return keys
+
+    def _step(self, tracker: TokenTracker) -> None:
+        """One ``LLMEngine.step``: each request's new tokens, stamped with the engine core's time of that step."""
+        check_deadline(self.spec)
+        outputs = self.engine.step()
+        if outputs:
+            tracker.steps += 1
+        for out in outputs:
+            series = tracker.requests.get(out.request_id)
+            tokens = (series.count if series else 0) + sum(len(c.token_ids) for c in out.outputs)  # DELTA outputs
+            stats = out.metrics
+            stamp = getattr(stats, "last_token_ts", 0.0) or time.monotonic()
+            ttft = getattr(stats, "first_token_latency", 0.0) or None
+            tracker.record(out.request_id, stamp, tokens, finished=out.finished, engine_ttft=ttft)
+
+    def _step_until(self, tracker: TokenTracker, condition, what: str) -> None:
+        while not condition():
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"every request finished before {what}")
+            self._step(tracker)
+
+    def _step_until_progress(self, tracker: TokenTracker, base: dict[str, int], tokens: int, what: str) -> None:
+        """Steps until every request in ``base`` has ``tokens`` more tokens than its count there."""
+        self._step_until(tracker, lambda: tracker.min_progress(base) >= tokens, what)
+
+    def _finish(self, keys) -> None:
+        """Aborts the requests still running and steps until the engine is empty."""
+        self.engine.abort_request(list(keys))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def _profile(self, tracker: TokenTracker, plan: MeasurePlan, label: str) -> dict:
+        """Profiles the next ``profile_steps`` engine steps (the profiler stops itself) and reads the trace."""
+        since = time.time()
+        self.engine.start_profile(label)
+        start_steps = tracker.steps
+        deadline = time.monotonic() + PROFILE_WAIT_S
+        directory = self.spec.profile_dir
+        while newest_trace(directory, since, TRACE_PATTERN) is None and time.monotonic() < deadline:
+            if tracker.steps - start_steps > plan.profile_steps + 8 or not self.engine.has_unfinished_requests():
+                time.sleep(0.2)  # the steps ran; the worker is writing the trace
+            else:
+                self._step(tracker)
+        self.engine.stop_profile()  # re-arms the profiler (after a self-stop it still counts as active)
+        return read_profile(directory, since, plan.profile_steps, TRACE_PATTERN)
+
+    # ------------------------------------------------------------------------- workloads
+    def decode_cell(self, cell: DecodeCell, plan: MeasurePlan) -> dict:
+        prompts = token_prompts(cell.batch, cell.context, self.spec.vocab_size, prompt_seed(cell, plan))
+        max_tokens = min(decode_max_tokens(cell, plan, self.prefill_chunk_tokens),
+                         self.spec.max_model_len - cell.context)
+        tracker = TokenTracker()
+        submitted = time.monotonic()
+        keys = self._submit(tracker, prompts, max_tokens, f"b{cell.batch}c{cell.context}")
+        profile = None
+        try:
+            self._step_until(tracker, lambda: tracker.all_started(keys), "the batch was prefilled")
+            prefill_s = time.monotonic() - submitted
+            base = tracker.counts(keys)
+            self._step_until_progress(tracker, base, plan.warmup_steps + plan.repeats * plan.window_steps,
+                                      "the timed windows")
+            if plan.profile_steps:
+                try:
+                    profile = self._profile(tracker, plan, f"decode-b{cell.batch}-c{cell.context}")
+                except OutOfTime:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the timed windows stand without it
+                    profile = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            self._finish(keys)
+        return decode_record(cell, plan, tracker.subset(keys), base, profile, prefill_s)
+
+    def throughput(self, load: ThroughputLoad, plan: MeasurePlan) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in
+                   token_prompts(load.prompts, load.input_len, self.spec.vocab_size, prompt_seed(load, plan))]
+        params = SamplingParams(temperature=0.0, max_tokens=load.output_len, ignore_eos=True, detokenize=False)
+        self.llm.generate(prompts[:WARMUP_PROMPTS], params, use_tqdm=False)  # the same shapes, untimed
+        repeats = []
+        for _ in range(plan.repeats):
+            check_deadline(self.spec)
+            t0 = time.perf_counter()
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            repeats.append(throughput_repeat(outputs, seconds, load))
+        return measurement(load, repeats)
+
+    def mixed(self, load: MixedLoad, plan: MeasurePlan) -> dict:
+        decoder_prompts = token_prompts(load.decoders, load.decoder_context, self.spec.vocab_size,
+                                        prompt_seed(load, plan, 0))
+        long_prompts = token_prompts(load.long_prompts, load.long_context, self.spec.vocab_size,
+                                     prompt_seed(load, plan, 1))
+        decoder_tokens = min(mixed_decoder_max_tokens(load, plan, self.prefill_chunk_tokens),
+                             self.spec.max_model_len - load.decoder_context)
+        repeats = []
+        for r in range(plan.repeats):
+            tracker = TokenTracker()
+            decoders = self._submit(tracker, decoder_prompts, decoder_tokens, f"mixed{r}-decode")
+            longs: list[str] = []
+            try:
+                self._step_until(tracker, lambda: tracker.all_started(decoders), "the decoders were prefilled")
+                base = tracker.counts(decoders)
+                self._step_until_progress(tracker, base, plan.warmup_steps, "the warm-up")
+                window_start = tracker.latest_time
+                for k, prompt in enumerate(long_prompts):
+                    self._step_until_progress(tracker, base, plan.warmup_steps + k * load.arrival_gap_steps,
+                                              "the next arrival")
+                    longs += self._submit(tracker, [prompt], plan.long_prompt_tokens, f"mixed{r}-long{k}")
+                self._step_until(tracker, lambda: tracker.all_started(longs), "the long prompts' first tokens")
+            finally:
+                self._finish(decoders + longs)
+            repeats.append(mixed_repeat(tracker, decoders, longs, window_start))
+        return measurement(load, repeats)
+
+
+def throughput_repeat(outputs, seconds: float, load: ThroughputLoad) -> dict:
+    """Output tokens per second of one ``LLM.generate`` call, plus median TPOT / TTFT from the request metrics."""
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    tracker = TokenTracker()
+    for o in outputs:
+        stats = o.metrics
+        if stats is not None and getattr(stats, "first_token_ts", 0.0):
+            key = o.request_id
+            tracker.record(key, stats.first_token_ts, 1, engine_ttft=getattr(stats, "first_token_latency", None))
+            tracker.record(key, stats.last_token_ts, len(o.outputs[0].token_ids))
+    tpot = median_or_none(request_tpots(tracker.requests))
+    ttft = median_or_none(s.ttft() for s in tracker.requests.values())
+    return {"output_tok_per_s": output_tokens / seconds,
+            "total_tok_per_s": (output_tokens + load.prompts * load.input_len) / seconds,
+            "tpot_ms": tpot * 1e3 if tpot else None, "ttft_ms": ttft * 1e3 if ttft else None,
+            "wall_s": seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    spec = EngineSpec.load(args[0])
+    result = run_engine_process(spec, VllmSession(spec))
+    return 0 if result["status"] in ("done", "refused") else 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # engine threads and atexit hooks must not keep the process (and the GPU) alive

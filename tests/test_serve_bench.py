@@ -1,0 +1,536 @@
+"""CPU tests of ``mla-backend serve-bench`` (mla_backend/serve_bench): everything short of running an engine.
+
+* the generated model config (DeepSeek-V3's attention fields, heads and layers, parameter counts);
+* workload construction, token prompts and the KV-cache sizing;
+* timing from token arrivals (staggered prefill, coalesced samples), the mixed-load window and the summaries;
+* the profiler-trace breakdown and the reason an engine gives for refusing a backend;
+* the report (markdown tables, JSON, plot) from a synthetic run;
+* the engine-process loop and the driver's orchestration (budget, refusals, a killed process) with stand-in engines
+  written here (no engine runs; nothing of vLLM or SGLang is replaced);
+* exit status 2 without a GPU, through ``mla-backend serve-bench``;
+* the vLLM runner's engine arguments accepted by vLLM's own ``EngineArgs`` (which also reads the generated config),
+  and the SGLang runner's by SGLang's own ``ServerArgs`` (with ``PYTHONPATH=.ci/sglang-site``; skipped without it).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_backend import cli
+from mla_backend.serve_bench import driver, report, sglang_runner, vllm_runner
+from mla_backend.serve_bench.measure import (TokenTracker, decode_window_tpots, full_batch_start, request_tpots,
+                                             summarize, tpot_between)
+from mla_backend.serve_bench.model_config import (DEEPSEEK_V3_ATTENTION, deepseek_v3_config, kv_bytes_per_token,
+                                                  parameter_counts, write_model_dir)
+from mla_backend.serve_bench.profile_trace import categorize, kernel_breakdown, load_trace_events, newest_trace
+from mla_backend.serve_bench.runner_common import (EngineSession, EngineSpec, decode_record, kv_capacity_problem,
+                                                   measurement, mixed_repeat, refusal_reason, run_engine_process)
+from mla_backend.serve_bench.workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, build_workloads,
+                                               decode_max_tokens, kv_tokens_needed, longest_request, token_prompts,
+                                               workload_from_dict, workload_to_dict)
+
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+# ----------------------------------------------------------------------------- model config
+def test_config_has_deepseek_v3_attention_with_the_heads_and_layers_asked_for(tmp_path):
+    for heads in (16, 32, 128):
+        path = write_model_dir(tmp_path / f"h{heads}", heads=heads, layers=5)
+        config = json.loads((path / "config.json").read_text())
+        assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["model_type"] == "deepseek_v3"
+        assert config["num_attention_heads"] == config["num_key_value_heads"] == heads
+        assert config["num_hidden_layers"] == 5
+        assert all(config[key] == value for key, value in DEEPSEEK_V3_ATTENTION.items())
+        assert (config["hidden_size"], config["q_lora_rank"], config["kv_lora_rank"]) == (7168, 1536, 512)
+        assert (config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]) == (128, 64, 128)
+        assert config["rope_scaling"] == {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                          "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+        assert config["max_position_embeddings"] == 163840 and config["torch_dtype"] == "bfloat16"
+        assert "quantization_config" not in config  # bf16 weights
+        # a small MoE in DeepSeek's grouped routing
+        assert config["n_routed_experts"] % config["n_group"] == 0 and config["topk_group"] <= config["n_group"]
+        assert config["num_experts_per_tok"] < config["n_routed_experts"] <= 16
+        assert config["first_k_dense_replace"] < config["num_hidden_layers"]
+
+
+def test_config_rejects_impossible_shapes_and_takes_overrides():
+    with pytest.raises(ValueError, match="heads"):
+        deepseek_v3_config(heads=256)
+    with pytest.raises(ValueError, match="layers"):
+        deepseek_v3_config(layers=0)
+    assert deepseek_v3_config(n_routed_experts=32)["n_routed_experts"] == 32
+
+
+def test_parameter_counts_reproduce_deepseek_v3_at_full_size():
+    full = deepseek_v3_config(128, 61, vocab_size=129280, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+                              topk_group=4, moe_intermediate_size=2048, intermediate_size=18432,
+                              first_k_dense_replace=3)
+    assert sum(parameter_counts(full).values()) / 1e9 == pytest.approx(671.0, abs=0.5)  # the published 671B
+    small = parameter_counts(deepseek_v3_config(16, 8))
+    assert sum(small.values()) * 2 < 8 * 2**30  # bf16 weights leave most of one GPU to the KV cache
+    assert kv_bytes_per_token(deepseek_v3_config(16, 8)) == 8 * 576 * 2
+    assert kv_bytes_per_token(deepseek_v3_config(16, 8), "fp8_e4m3") == 8 * 576
+
+
+# ----------------------------------------------------------------------------- workloads
+def test_default_workloads_cover_the_grid_in_order():
+    workloads = build_workloads()
+    cells = [w for w in workloads if isinstance(w, DecodeCell)]
+    assert [(c.batch, c.context) for c in cells] == [(b, c) for b in (1, 16, 64, 256) for c in (1024, 8192, 32768)]
+    assert isinstance(workloads[-2], ThroughputLoad) and isinstance(workloads[-1], MixedLoad)
+    assert (workloads[-2].prompts, workloads[-2].input_len, workloads[-2].output_len) == (256, 128, 512)
+    assert cells[0].name == "decode b1 1k" and len({w.name for w in workloads}) == len(workloads)
+    assert build_workloads(("mixed",)) == [MixedLoad()]
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workloads(("decode", "prefill"))
+
+
+def test_workloads_round_trip_through_json():
+    for w in build_workloads(batches=(4,), contexts=(2048,)):
+        assert workload_from_dict(json.loads(json.dumps(workload_to_dict(w)))) == w
+
+
+def test_token_prompts_are_seeded_and_in_range():
+    a = token_prompts(3, 50, 100, seed=7)
+    assert a == token_prompts(3, 50, 100, seed=7) and a != token_prompts(3, 50, 100, seed=8)
+    assert [len(p) for p in a] == [50, 50, 50] and all(2 <= t < 100 for p in a for t in p)
+
+
+def test_decode_requests_last_through_staggered_prefill_and_every_timed_step():
+    plan = MeasurePlan()
+    cell = DecodeCell(256, 8192)
+    # the first request can decode during every prefill step of the others before the batch is full
+    assert decode_max_tokens(cell, plan, 8192) >= 256 * 8192 // 8192 + plan.decode_steps()
+    assert decode_max_tokens(cell, plan, 2048) > decode_max_tokens(cell, plan, 8192)
+    assert kv_tokens_needed(cell, plan, 8192) == 256 * (8192 + decode_max_tokens(cell, plan, 8192))
+    assert longest_request(cell, plan) == 8192 + decode_max_tokens(cell, plan)
+    mixed = MixedLoad()
+    assert kv_tokens_needed(mixed, plan) > mixed.long_prompts * mixed.long_context
+
+
+def test_driver_resolves_the_command_line():
+    args = driver.build_parser().parse_args(["--engine", "sglang", "--backends", "TileLang_MLA,FA3",
+                                             "--contexts", "1k,3000", "--batches", "2", "--kv-cache-dtype", "fp8"])
+    run = driver.resolve(args)
+    assert run.backends == ("tilelang_mla", "fa3") and run.kv_cache_dtype == "fp8_e4m3"
+    assert [w.name for w in run.workloads][:2] == ["decode b2 1k", "decode b2 3000"]
+    assert run.max_model_len % 1024 == 0 and run.max_model_len >= max(longest_request(w, run.plan)
+                                                                        for w in run.workloads)
+    assert run.max_num_seqs == 256  # the throughput load's prompts
+    vllm_run = driver.resolve(driver.build_parser().parse_args(["--engine", "vllm"]))
+    assert vllm_run.backends[0] == "CUSTOM" and vllm_run.kv_cache_dtype == "auto"
+    with pytest.raises(ValueError):
+        driver.resolve(driver.build_parser().parse_args(["--engine", "vllm", "--repeats", "0"]))
+
+
+# ----------------------------------------------------------------------------- timing
+def _staggered_batch(tracker, batch=4, step_s=0.010, steps=60, coalesce_every=0):
+    """Request r gets its first token at step r (staggered prefill), then one token per step; with
+    ``coalesce_every`` k, only every k-th step is observed (several tokens arrive together)."""
+    for step in range(steps):
+        if coalesce_every and step % coalesce_every:
+            continue
+        for r in range(batch):
+            if step >= r:
+                tracker.record(f"r{r}", 1.0 + step * step_s, step - r + 1)
+
+
+@pytest.mark.parametrize("coalesce_every", [0, 3])
+def test_decode_windows_time_full_batch_steps(coalesce_every):
+    tracker = TokenTracker()
+    _staggered_batch(tracker, coalesce_every=coalesce_every)
+    keys = [f"r{r}" for r in range(4)]
+    # the batch is full from the last request's first token on (step 3)
+    last_first = full_batch_start(tracker.subset(keys))
+    assert tracker.all_started(keys) and last_first == pytest.approx(1.030)
+    base = {k: tracker.requests[k].tokens_at(last_first) for k in keys}
+    assert base == ({"r0": 4, "r1": 3, "r2": 2, "r3": 1})
+    tpots = decode_window_tpots(tracker.subset(keys), base, warmup_steps=2, window_steps=12, windows=3)
+    assert len(tpots) == 3 and tpots == pytest.approx([0.010] * 3)
+    assert decode_window_tpots(tracker.subset(keys), base, 2, 12, windows=10)  # windows past the data are left out
+    assert len(decode_window_tpots(tracker.subset(keys), base, 2, 12, windows=10)) < 10
+
+
+def test_interference_window_and_request_tpots():
+    tracker = TokenTracker()
+    _staggered_batch(tracker, batch=2, step_s=0.02, steps=21)
+    tpot, tokens = tpot_between(tracker.requests, 1.1, 1.3)
+    assert tpot == pytest.approx(0.02) and tokens == 2 * 10
+    assert request_tpots(tracker.requests) == pytest.approx([0.02, 0.02])
+    assert tracker.min_progress({"r0": 5, "r1": 5}) == min(21 - 5, 20 - 5)
+
+
+def test_mixed_repeat_measures_from_the_first_arrival_to_the_last_first_token():
+    tracker = TokenTracker()
+    for step in range(50):  # two decoders, one token per 10 ms step
+        for r in range(2):
+            tracker.record(f"d{r}", step * 0.01, step + 1)
+    tracker.submit("long0", 0.100)
+    tracker.record("long0", 0.250, 1)
+    tracker.submit("long1", 0.200)
+    tracker.record("long1", 0.400, 1, engine_ttft=0.150)  # the engine's own figure wins
+    stats = mixed_repeat(tracker, ["d0", "d1"], ["long0", "long1"], window_start=0.100)
+    assert stats["window_s"] == pytest.approx(0.300)
+    assert stats["tpot_ms"] == pytest.approx(10.0)
+    assert stats["ttft_ms"] == pytest.approx(150.0)  # median of 150 and 150
+    assert stats["output_tok_per_s"] == pytest.approx((2 * 30 + 2) / 0.300)
+    sampled = mixed_repeat(tracker, ["d0"], ["long0", "long1"], 0.100, decoder_count=2)  # a streamed sample of 2
+    assert sampled["output_tok_per_s"] == pytest.approx(stats["output_tok_per_s"])
+
+
+def test_summaries_give_median_and_spread_of_the_repeats():
+    assert summarize([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert summarize([4.0, None, 2.0]) == {"median": 3.0, "min": 2.0, "max": 4.0, "n": 2}
+    assert summarize([]) is None and summarize([None]) is None
+    record = measurement(DecodeCell(1, 1024), [{"tpot_ms": 2.0, "output_tok_per_s": 500.0},
+                                               {"tpot_ms": 4.0, "output_tok_per_s": 250.0},
+                                               {"tpot_ms": 3.0, "output_tok_per_s": 333.0}])
+    assert record["status"] == "ok" and len(record["repeats"]) == 3
+    assert record["tpot_ms"] == {"median": 3.0, "min": 2.0, "max": 4.0, "n": 3}
+    assert record["output_tok_per_s"]["median"] == 333.0
+    assert measurement(DecodeCell(1, 1024), [])["status"] == "no data"
+
+
+def test_decode_record_converts_windows_to_tpot_and_rate():
+    tracker = TokenTracker()
+    _staggered_batch(tracker, batch=4, step_s=0.005)
+    keys = [f"r{r}" for r in range(4)]
+    base = {k: tracker.requests[k].tokens_at(full_batch_start(tracker.subset(keys))) for k in keys}
+    plan = MeasurePlan(repeats=3, warmup_steps=2, window_steps=10, profile_steps=0)
+    record = decode_record(DecodeCell(4, 1024), plan, tracker.subset(keys), base, None, prefill_s=0.5)
+    assert record["tpot_ms"]["median"] == pytest.approx(5.0) and record["tpot_ms"]["n"] == 3
+    assert record["output_tok_per_s"]["median"] == pytest.approx(4 / 0.005)
+
+
+# ----------------------------------------------------------------------------- profiles and refusals
+def _trace(path: Path, kernels: dict[str, float]) -> Path:
+    events = [{"ph": "X", "cat": "kernel", "name": name, "dur": us, "ts": i}
+              for i, (name, us) in enumerate(kernels.items())]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 1e6, "ts": 0})  # not GPU time
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+def test_kernel_breakdown_gives_the_attention_share(tmp_path):
+    kernels = {"mla_decode_split_kernel": 300.0, "mla_decode_combine_kernel": 50.0, "mla_plan_kernel": 10.0,
+               "void flash::flash_fwd_splitkv_mla_kernel<...>": 0.0,
+               "concat_and_cache_mla_kernel": 20.0, "fused_moe_kernel": 200.0, "nvjet_hsh_128x256": 300.0,
+               "rms_norm_kernel": 120.0}
+    path = _trace(tmp_path / "w.pt.trace.json.gz", kernels)
+    breakdown = kernel_breakdown(load_trace_events(path), steps=4)
+    assert breakdown["total_kernel_us"] == 1000.0
+    assert breakdown["attention_share"] == pytest.approx(0.36)
+    assert breakdown["attention_us_per_step"] == 90.0 and breakdown["kernel_us_per_step"] == 250.0
+    assert breakdown["categories"]["kv_cache_write"]["us"] == 20.0
+    assert set(breakdown["categories"]) == {"attention", "kv_cache_write", "moe", "gemm", "other"}
+    assert newest_trace(tmp_path, since=0) == path and newest_trace(tmp_path, since=time.time() + 60) is None
+
+
+@pytest.mark.parametrize("name,category", [
+    ("flash_fwd_splitkv_mla_kernel", "attention"), ("flash::FlashAttnFwdSm90<...>", "attention"),
+    ("_fwd_grouped_kernel_stage1", "attention"), ("_fwd_kernel_stage2", "attention"),
+    ("BatchMLAPagedAttentionKernel", "attention"), ("create_flashmla_kv_indices_triton", "attention"),
+    ("concat_and_cache_mla_kernel", "kv_cache_write"), ("grouped_topk_kernel", "moe"),
+    ("sm90_xmma_gemm_bf16bf16", "gemm"), ("act_and_mul_kernel", "other")])
+def test_kernel_names_fall_in_their_category(name, category):
+    assert categorize(name) == category
+
+
+def test_refusal_reason_prefers_the_engine_s_own_words():
+    selection = ("ValueError: Selected backend FLASH_ATTN_MLA is not valid for this configuration. Reason: "
+                 "['kv_cache_dtype not supported']")
+    log = f"INFO starting\nTraceback (most recent call last):\n  File x\n{selection}\n"
+    generic = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+    assert refusal_reason(generic, log).startswith("Selected backend FLASH_ATTN_MLA is not valid")
+    assert "kv_cache_dtype not supported" in refusal_reason(generic, log)
+    crash = "Traceback\n  File y\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    assert refusal_reason(generic, crash) == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert refusal_reason(ValueError("tilelang_mla: 256 query heads per rank"), "") == \
+        "ValueError: tilelang_mla: 256 query heads per rank"
+
+
+def test_kv_capacity_problem_names_what_does_not_fit():
+    plan = MeasurePlan()
+    assert kv_capacity_problem(DecodeCell(256, 32768), plan, 2_000_000, 8192).startswith("needs ")
+    assert kv_capacity_problem(DecodeCell(1, 1024), plan, 2_000_000, 8192) is None
+    assert kv_capacity_problem(DecodeCell(256, 32768), plan, None, 8192) is None  # capacity unknown: try it
+
+
+# ----------------------------------------------------------------------------- report
+def _decode_record(name, tpots, share=None, kind="decode"):
+    record = measurement(DecodeCell(16, 8192), [{"tpot_ms": t, "output_tok_per_s": 16e3 / t} for t in tpots])
+    record["workload"], record["kind"] = name, kind
+    if share is not None:
+        record["profile"] = {"attention_share": share, "attention_us_per_step": 1234.0}
+    return record
+
+
+def _synthetic_report():
+    run = driver.resolve(driver.build_parser().parse_args(
+        ["--engine", "vllm", "--backends", "CUSTOM,FLASHMLA,FLASH_ATTN_MLA,TRITON_MLA", "--batches", "16",
+         "--contexts", "8k", "--workloads", "decode,throughput"]))
+    tput = measurement(ThroughputLoad(), [{"output_tok_per_s": v} for v in (9000.0, 9100.0, 8900.0)])
+    backends = {
+        "CUSTOM": {"status": "done", "engine_info": {"start_s": 80.0, "kv_capacity_tokens": 7_000_000,
+                                                    "prefill_chunk_tokens": 16384, "vllm": "0.26.0"},
+                   "workloads": [_decode_record("decode b16 8k", [4.0, 4.1, 3.9], 0.41), tput]},
+        "FLASHMLA": {"status": "done", "engine_info": {"start_s": 75.0},
+                     "workloads": [_decode_record("decode b16 8k", [5.0, 5.2, 4.9], 0.48),
+                                   measurement(ThroughputLoad(), [{"output_tok_per_s": 8000.0}] * 3)]},
+        "FLASH_ATTN_MLA": {"status": "refused", "reason": "Selected backend FLASH_ATTN_MLA is not valid",
+                           "workloads": []},
+        "TRITON_MLA": {"status": "skipped", "reason": "time budget: run it alone: mla-backend serve-bench ...",
+                       "workloads": []},
+    }
+    env = {"date": "2026-12-01T10:00:00+00:00", "command": "mla-backend serve-bench --engine vllm", "gpu": "H100",
+           "torch": "2.11.0", "vllm": "0.26.0", "tilelang": "0.1.9", "driver": "570.1", "git": "abc"}
+    return report.assemble(env, run, backends, wall_s=321.0)
+
+
+def test_markdown_tables_show_median_spread_and_the_speedup_of_ours():
+    text = report.markdown(_synthetic_report())
+    assert "### serve-bench: vllm 0.26.0 on H100 (2026-12-01)" in text
+    assert "| workload | CUSTOM | FLASHMLA | FLASH_ATTN_MLA | TRITON_MLA | ours vs best built-in |" in text
+    assert "| decode b16 8k | 4.00 [3.90-4.10] | 5.00 [4.90-5.20] | – | – | 1.25 (FLASHMLA) |" in text
+    assert "| throughput 256x128/512 | 9000 [8900-9100] | 8000 [8000-8000] | – | – | 1.12 (FLASHMLA) |" in text
+    assert "| decode b16 8k | 41% (1234 µs) | 48% (1234 µs) | – | – |" in text
+    assert "| FLASH_ATTN_MLA | refused |" in text and "Selected backend FLASH_ATTN_MLA is not valid" in text
+    assert "| TRITON_MLA | skipped |" in text and "run it alone" in text
+    assert "Command: `mla-backend serve-bench --engine vllm`" in text and "16 heads, 8 layers" in text
+
+
+def test_outputs_hold_every_raw_repeat(tmp_path, capsys):
+    data = _synthetic_report()
+    files = report.write_outputs(tmp_path, data)
+    saved = json.loads((tmp_path / "serve_bench.json").read_text())
+    repeats = saved["backends"]["CUSTOM"]["workloads"][0]["repeats"]
+    assert [r["tpot_ms"] for r in repeats] == [4.0, 4.1, 3.9]
+    assert saved["settings"]["plan"]["repeats"] == 3 and saved["model"]["config"]["num_attention_heads"] == 16
+    assert (tmp_path / "serve_bench.md").read_text() == report.markdown(data)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "serve_bench.png").stat().st_size > 0 and str(tmp_path / "serve_bench.png") in files
+    else:
+        assert "matplotlib is not installed" in capsys.readouterr().err and len(files) == 2
+    assert report.anything_measured(data)
+    assert report.format_summary(None, 1) == "–"
+
+
+# ----------------------------------------------------------------------------- the engine-process loop
+class StubSession(EngineSession):
+    """A stand-in for an engine (no engine here): decode cells give a fixed TPOT, throughput fails."""
+
+    kv_capacity_tokens = 1_000_000
+    prefill_chunk_tokens = 8192
+
+    def start(self):
+        return {"kv_capacity_tokens": self.kv_capacity_tokens}
+
+    def decode_cell(self, cell, plan):
+        return measurement(cell, [{"tpot_ms": 1.0 + cell.batch / 100, "output_tok_per_s": 1.0}] * plan.repeats)
+
+    def throughput(self, load, plan):
+        raise RuntimeError("CUDA error: out of memory")
+
+
+def _spec(tmp_path, workloads, **kw) -> EngineSpec:
+    return EngineSpec(engine="vllm", backend="STUB", model_dir=str(tmp_path), vocab_size=1000,
+                      result_path=str(tmp_path / "result.json"), log_path=str(tmp_path / "engine.log"),
+                      profile_dir=str(tmp_path), workloads=[workload_to_dict(w) for w in workloads],
+                      plan={"repeats": 3}, **kw)
+
+
+def test_engine_process_loop_records_every_workload_and_keeps_going(tmp_path):
+    workloads = [DecodeCell(1, 1024), DecodeCell(256, 32768), ThroughputLoad(), MixedLoad()]
+    spec = _spec(tmp_path, workloads)
+    result = run_engine_process(spec, StubSession())
+    assert result == json.loads(Path(spec.result_path).read_text())
+    by_name = {w["workload"]: w for w in result["workloads"]}
+    assert result["status"] == "done" and len(by_name) == 4
+    assert by_name["decode b1 1k"]["tpot_ms"]["median"] == pytest.approx(1.01)
+    too_big, failing = by_name["decode b256 32k"], by_name["throughput 256x128/512"]
+    assert too_big["status"] == "skipped" and "KV-cache tokens" in too_big["reason"]
+    assert failing["status"] == "error" and "out of memory" in failing["error"]
+    assert by_name["mixed 64x1k + 8x16k"]["status"] == "error"  # the stand-in has no mixed load
+
+
+def test_engine_process_loop_reports_a_refusal_and_the_time_budget(tmp_path):
+    class Refusing(StubSession):
+        def start(self):
+            raise RuntimeError("Engine core initialization failed. See root cause above.")
+
+    spec = _spec(tmp_path, [DecodeCell(1, 1024)])
+    Path(spec.log_path).write_text("ValueError: Selected backend STUB is not valid for this configuration. Reason: "
+                                   "['compute capability not supported']\n")
+    result = run_engine_process(spec, Refusing())
+    assert result["status"] == "refused" and "compute capability not supported" in result["reason"]
+    late = _spec(tmp_path, [DecodeCell(1, 1024)], deadline=time.time() + 1)
+    assert run_engine_process(late, StubSession())["workloads"][0]["reason"] == "time budget"
+
+
+# ----------------------------------------------------------------------------- the driver's orchestration
+STUB_RUNNER = '''
+import json, sys, time
+from mla_backend.serve_bench.runner_common import EngineSpec, write_result
+spec = EngineSpec.load(sys.argv[1])
+if spec.backend == "SLOW":
+    write_result(spec.result_path, {"backend": spec.backend, "status": "running", "workloads": []})
+    time.sleep(60)
+elif spec.backend == "NOPE":
+    write_result(spec.result_path, {"backend": spec.backend, "status": "refused", "reason": "not on this GPU",
+                                    "workloads": []})
+else:
+    write_result(spec.result_path, {"backend": spec.backend, "status": "done", "engine_info": {"start_s": 0.1},
+                                    "workloads": [{"workload": "decode b1 1k", "status": "ok",
+                                                   "tpot_ms": {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}}]})
+'''
+
+
+@pytest.fixture
+def stub_engine(tmp_path, monkeypatch):
+    """An engine choice whose engine process is the stand-in above (a module on PYTHONPATH)."""
+    (tmp_path / "stub_runner.py").write_text(textwrap.dedent(STUB_RUNNER))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(driver, "GPU_RELEASE_S", 0.0)
+    monkeypatch.setattr(driver, "KILL_GRACE_S", 1.0)
+    return driver.EngineChoice("vllm", "stub_runner", ("OURS", "NOPE", "SLOW"), "OURS", {"auto": "auto"}, 64, 5.0)
+
+
+def _stub_run(stub_engine, backends, budget):
+    args = driver.build_parser().parse_args(["--engine", "vllm", "--batches", "1", "--contexts", "1k",
+                                             "--workloads", "decode", "--budget", str(budget)])
+    run = driver.resolve(args)
+    run.engine, run.backends = stub_engine, backends
+    return run
+
+
+def test_driver_runs_each_backend_in_its_own_process(tmp_path, stub_engine):
+    run = _stub_run(stub_engine, ("OURS", "NOPE"), budget=600)
+    argv = ["--engine", "vllm", "--backends", "OURS,NOPE"]
+    results = driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", argv)
+    assert results["OURS"]["status"] == "done" and results["OURS"]["exit_code"] == 0
+    assert results["NOPE"] == {**results["NOPE"], "status": "refused", "reason": "not on this GPU"}
+    assert (tmp_path / "out" / "vllm-logs" / "OURS.log").exists()
+
+
+def test_driver_kills_an_engine_at_the_budget_and_skips_what_would_not_fit(tmp_path, stub_engine):
+    run = _stub_run(stub_engine, ("SLOW", "OURS"), budget=2)
+    argv = ["--engine", "vllm", "--budget", "2"]
+    t0 = time.perf_counter()
+    results = driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", argv)
+    # killed at the budget plus the grace period (shortened here), not after its 60 s
+    assert results["SLOW"]["status"] == "failed" and "time budget" in results["SLOW"]["reason"]
+    assert results["OURS"]["status"] == "skipped"
+    assert "mla-backend serve-bench --engine vllm --budget 2 --backends OURS" in results["OURS"]["reason"]
+    assert time.perf_counter() - t0 < driver.KILL_GRACE_S + 30
+
+
+def test_alone_command_replaces_the_backend_list():
+    assert driver.alone_command(["--engine", "sglang", "--backends", "a,b", "--heads", "32"], "b") == \
+        "mla-backend serve-bench --engine sglang --heads 32 --backends b"
+    assert driver.alone_command(["--engine", "vllm", "--backends=a"], "a") == \
+        "mla-backend serve-bench --engine vllm --backends a"
+
+
+# ----------------------------------------------------------------------------- command line
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit status where there is no GPU")
+def test_no_gpu_exits_with_status_2_and_says_why(capsys):
+    assert cli.main(["serve-bench", "--engine", "vllm"]) == driver.NOTHING_RAN == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_dry_run_lists_the_workloads_without_a_gpu(capsys):
+    assert cli.main(["serve-bench", "--engine", "sglang", "--heads", "32", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "tilelang_mla, flashmla, fa3, triton, flashinfer" in out and "32 heads, 8 layers" in out
+    assert "decode b256 32k" in out and "mixed 64x1k + 8x16k" in out
+
+
+# ----------------------------------------------------------------------------- the engines' own argument classes
+def _engine_spec(engine: str, backend: str, model_dir: Path, tmp_path: Path, kv: str = "auto",
+                 init: str = "dummy") -> EngineSpec:
+    args = driver.build_parser().parse_args(["--engine", engine, "--kv-cache-dtype", kv, "--init", init])
+    run = driver.resolve(args)
+    return driver.engine_spec(run, backend, model_dir, tmp_path, tmp_path / "out", in_process=False,
+                              hard_deadline=time.time() + 60)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (CI installs it with .ci/install_vllm.sh)")
+@pytest.mark.parametrize("kv,init", [("auto", "dummy"), ("fp8", "scaled")])
+def test_vllm_engine_args_accept_the_runner_s_arguments(tmp_path, kv, init):
+    import typing
+
+    from vllm.config.cache import CacheDType
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    model_dir = write_model_dir(tmp_path / "model", heads=32, layers=4)
+    if init == "scaled":
+        from mla_backend.serve_bench.random_weights import register_vllm_scaled_loader
+
+        register_vllm_scaled_loader()
+    for backend in vllm_runner.BACKENDS:
+        assert AttentionBackendEnum[backend].name == backend  # a name vLLM 0.26 knows
+        spec = _engine_spec("vllm", backend, model_dir, tmp_path, kv, init)
+        args = EngineArgs(**vllm_runner.engine_kwargs(spec))
+        assert args.attention_backend == backend and args.enable_prefix_caching is False
+        assert args.skip_tokenizer_init and args.disable_log_stats is False
+        assert args.kv_cache_dtype == ("fp8" if kv == "fp8" else "auto") and args.block_size == 64
+        assert args.kv_cache_dtype in typing.get_args(CacheDType)  # EngineArgs checks names, not values
+        assert args.profiler_config.max_iterations == spec.measure_plan.profile_steps
+    model = args.create_model_config()  # vLLM reads the generated config.json
+    assert model.use_mla and model.hf_config.num_attention_heads == 32 and model.hf_config.num_hidden_layers == 4
+    assert model.max_model_len == spec.max_model_len
+    assert model.hf_config.kv_lora_rank == 512 and model.hf_config.qk_rope_head_dim == 64
+    assert args.load_format == ("mla_scaled_dummy" if init == "scaled" else "dummy")
+
+
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not importable (CI: PYTHONPATH=.ci/sglang-site)")
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_sglang_server_args_accept_the_runner_s_arguments(tmp_path, kv):
+    import argparse
+
+    from sglang_cpu_env import prepare_cpu_torchvision
+
+    prepare_cpu_torchvision()
+    from sglang.srt.configs.model_config import AttentionArch, ModelConfig
+    from sglang.srt.server_args import ServerArgs
+
+    from mla_backend.sglang_plugin import register
+
+    register()  # what the runner does before the engine builds its ServerArgs
+    cli = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(cli)
+    choices = {a.dest: a.choices for a in cli._actions if a.choices}  # ServerArgs checks names, the CLI values
+    model_dir = write_model_dir(tmp_path / "model", heads=16, layers=4)
+    for backend in sglang_runner.BACKENDS:
+        spec = _engine_spec("sglang", backend, model_dir, tmp_path, kv)
+        kwargs = sglang_runner.server_kwargs(spec)
+        for key, value in kwargs.items():
+            assert key not in choices or value in choices[key], (key, value, choices[key])
+        server_args = ServerArgs(**kwargs)
+        assert server_args.attention_backend == backend and server_args.page_size == 64
+        assert server_args.disable_radix_cache and server_args.skip_tokenizer_init
+        assert server_args.kv_cache_dtype == ("fp8_e4m3" if kv == "fp8" else "auto")
+        assert server_args.cuda_graph_max_bs_decode == spec.max_num_seqs == 256
+    model = ModelConfig.from_server_args(server_args)  # SGLang reads the generated config.json
+    assert model.attention_arch == AttentionArch.MLA and model.num_attention_heads == 16
+    assert model.kv_lora_rank == 512 and model.qk_rope_head_dim == 64 and model.context_len == spec.max_model_len
+
+
+def test_streamed_sample_includes_the_last_submitted_request():
+    assert sglang_runner.streamed_indices(256) == [0, 36, 73, 109, 146, 182, 219, 255]
+    assert sglang_runner.streamed_indices(3) == [0, 1, 2]
+    assert sys.modules["mla_backend.serve_bench.sglang_runner"].OURS == sglang_runner.BACKENDS[0] == "tilelang_mla"
+    assert vllm_runner.OURS == vllm_runner.BACKENDS[0] == "CUSTOM"
