@@ -4,8 +4,8 @@
 Pages at the very end of the cache (with NaN just past it), every request empty but one, 1-token requests beside
 64k ones, a batch at the planner's maximum, stale NaN in the slots and pages no request reads, and NaN inputs,
 which must reach the output (FlashMLA and FlashAttention-3 give NaN in that row; so do the reference and the
-kernel here, never zeros). The kernel's LSE of such a row is not NaN yet: ``test_nan_reaches_the_lse`` is a strict
-xfail that records it. Every output buffer is poisoned first, so a row the kernel leaves unwritten shows.
+kernel here, never zeros), and to the LSE, so an LSE merge across ranks cannot drop it. Every output buffer is
+poisoned first, so a row the kernel leaves unwritten shows.
 
 Each case runs alone for compute-sanitizer, e.g.::
 
@@ -170,9 +170,6 @@ def test_nan_in_a_visible_cache_row_reaches_its_request_only():
         assert_close_to_reference(out[r: r + 1], lse[r: r + 1], ref[r: r + 1], ref_lse[r: r + 1])
 
 
-@pytest.mark.xfail(strict=True, reason="the sm90 kernel's LSE does not carry NaN: -inf for a NaN query row (it reads "
-                                       "as 'nothing visible' to an LSE merge), finite for NaN in a visible cache row; "
-                                       "the output row is NaN (seen on H100 and H200, TileLang 0.1.9)")
 @pytest.mark.parametrize("where", ["q", "cache"])
 def test_nan_reaches_the_lse(where):
     impl = kernel_or_skip()

@@ -177,10 +177,10 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
                     total += weight_s[r, j]
                 T.sync_threads()
                 for k in T.serial(T.ceildiv(T.max(n_read - lane, 0), lanes)):
-                    weight_s[r, lane + k * lanes] = T.if_then_else(total > 0, weight_s[r, lane + k * lanes] / total, 0)
+                    weight_s[r, lane + k * lanes] = T.if_then_else(total == 0, 0, weight_s[r, lane + k * lanes] / total)
                 if lane == 0 and row0 + r < rows and chunk == 0:
                     lse[tok0 + (row0 + r) // num_heads, (row0 + r) % num_heads] = T.if_then_else(
-                        total > 0, (T.log2(total) + top) * LN2, -T.infinity(accum))
+                        total == 0, -T.infinity(accum), (T.log2(total) + top) * LN2)
                 T.sync_threads()
                 T.clear(acc)
                 # past the last part: the last part's tile again, weighted 0 (no branch between the loads)
@@ -279,7 +279,7 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
                         lse_f[i] = T.exp2(lse_f[i] - lse_max[0])
                     T.reduce_sum(lse_f, lse_sum, dim=0)
                     for i in T.Parallel(MAX_PARTS):
-                        weight_s[i] = T.if_then_else(lse_sum[0] > 0, lse_f[i] / lse_sum[0], 0)
+                        weight_s[i] = T.if_then_else(lse_sum[0] == 0, 0, lse_f[i] / lse_sum[0])
                 else:
                     # a few parts (most requests of a large batch): every thread walks them, no block barrier
                     for i in T.Parallel(COMBINE_SERIAL_LSE):
@@ -292,7 +292,7 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
                     for i in T.serial(n_read):
                         lse_acc += T.exp2(lse_s[i] - lse_top)
                     for i in T.Parallel(COMBINE_SERIAL_LSE):
-                        weight_s[i] = T.if_then_else(lse_acc > 0, T.exp2(lse_s[i] - lse_top) / lse_acc, 0)
+                        weight_s[i] = T.if_then_else(lse_acc == 0, 0, T.exp2(lse_s[i] - lse_top) / lse_acc)
                     lse_max[0] = lse_top
                     lse_sum[0] = lse_acc
                 if wide:
@@ -336,7 +336,7 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
                         out[tok, head, d] = T.cast(acc[d], dtype)
                 # lse_max is the offset (0 where every partial was -inf, and then lse_sum is 0)
                 if chunk == 0:
-                    lse[tok, head] = T.if_then_else(lse_sum[0] > 0, (T.log2(lse_sum[0]) + lse_max[0]) * LN2,
-                                                    -T.infinity(accum))
+                    lse[tok, head] = T.if_then_else(lse_sum[0] == 0, -T.infinity(accum),
+                                                    (T.log2(lse_sum[0]) + lse_max[0]) * LN2)
 
     return combine_prim_func("mla_decode_combine", num_heads, q_len, dtype, dims, row_program)

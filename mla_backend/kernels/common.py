@@ -122,7 +122,7 @@ def make_store_rows(num_heads: int, q_len: int, block_rows: int, ncols: int, col
     def normalize(acc, l_sum, kv_scale, factor):
         """acc *= kv_scale / l_sum per row (0 where l_sum is 0), through the row vector ``factor``."""
         for i in T.Parallel(block_rows):
-            factor[i] = T.if_then_else(l_sum[i] > 0, kv_scale / l_sum[i], 0)
+            factor[i] = T.if_then_else(l_sum[i] == 0, 0, kv_scale / l_sum[i])
         for i, d in T.Parallel(block_rows, ncols):
             acc[i, d] *= factor[i]
 
@@ -136,7 +136,7 @@ def make_store_rows(num_heads: int, q_len: int, block_rows: int, ncols: int, col
                 for i in T.Parallel(block_rows):
                     if row0 + i < rows:
                         lse[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads] = T.if_then_else(
-                            l_sum[i] > 0, (T.log2(l_sum[i]) + m_cur[i]) * LN2, -T.infinity(accum))
+                            l_sum[i] == 0, -T.infinity(accum), (T.log2(l_sum[i]) + m_cur[i]) * LN2)
         else:
             for i, d in T.Parallel(block_rows, ncols):
                 if row0 + i < rows:
@@ -149,7 +149,7 @@ def make_store_rows(num_heads: int, q_len: int, block_rows: int, ncols: int, col
     @T.macro
     def store(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, row0, out, lse, out_partial, lse_partial):
         for i, d in T.Parallel(block_rows, ncols):
-            acc[i, d] = T.if_then_else(l_sum[i] > 0, acc[i, d] * kv_scale / l_sum[i], 0)
+            acc[i, d] = T.if_then_else(l_sum[i] == 0, 0, acc[i, d] * kv_scale / l_sum[i])
         write(acc, l_sum, m_cur, direct, slot, tok0, row0, out, lse, out_partial, lse_partial)
 
     return SegmentStore(normalize, write, store)
@@ -172,8 +172,12 @@ def wait_for_inputs(pdl: bool):
 
 
 def partial_lse(l_sum, m_cur):
-    """A part's log2-domain LSE of a row (its partial slot's): -inf where the row saw nothing."""
-    return T.if_then_else(l_sum > 0, T.log2(l_sum) + m_cur, -T.infinity("float32"))
+    """A part's log2-domain LSE of a row (its partial slot's): -inf where the row saw nothing.
+
+    Every guard on a softmax sum here tests ``== 0``, not ``> 0``: a NaN sum (NaN in q or in a visible cache row)
+    must reach the output and the LSE as NaN, as it does in the reference and the anchors, not read as "nothing
+    visible" (-inf), which an LSE merge across ranks would silently drop."""
+    return T.if_then_else(l_sum == 0, -T.infinity("float32"), T.log2(l_sum) + m_cur)
 
 
 @T.macro

@@ -18,7 +18,7 @@ def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_
     @T.macro
     def normalize(acc, l_sum, kv_scale, factor):
         for i in T.Parallel(TWS_COLS):
-            factor[i] = T.if_then_else(l_sum[i] > 0, kv_scale / l_sum[i], 0)
+            factor[i] = T.if_then_else(l_sum[i] == 0, 0, kv_scale / l_sum[i])
         for d, i in T.Parallel(ndims, TWS_COLS):
             acc[d, i] *= factor[i]
 
@@ -33,7 +33,7 @@ def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_
                 for i in T.Parallel(TWS_COLS):
                     if i < rows:
                         lse[tok0 + i // num_heads, i % num_heads] = T.if_then_else(
-                            l_sum[i] > 0, (T.log2(l_sum[i]) + m_cur[i]) * LN2, -T.infinity(accum))
+                            l_sum[i] == 0, -T.infinity(accum), (T.log2(l_sum[i]) + m_cur[i]) * LN2)
         else:
             for d, i in T.Parallel(ndims, TWS_COLS):
                 if i < rows:
@@ -46,7 +46,7 @@ def make_store_cols(num_heads: int, q_len: int, ndims: int, col0: int = 0, with_
     @T.macro
     def store(acc, l_sum, m_cur, kv_scale, direct, slot, tok0, out, lse, out_partial, lse_partial):
         for d, i in T.Parallel(ndims, TWS_COLS):
-            acc[d, i] = T.if_then_else(l_sum[i] > 0, acc[d, i] * kv_scale / l_sum[i], 0)
+            acc[d, i] = T.if_then_else(l_sum[i] == 0, 0, acc[d, i] * kv_scale / l_sum[i])
         write(acc, l_sum, m_cur, direct, slot, tok0, 0, out, lse, out_partial, lse_partial)
 
     return SegmentStore(normalize, write, store)
