@@ -158,19 +158,22 @@ def plan_request(load: HostileLoad, vocab_size: int, index: int,
     """Request ``index`` of the load (the same for the same seed, whoever asks)."""
     rng = _rng(load, "request", index)
     max_tokens = _log_uniform(rng, 1, load.max_output)
+    room = load.max_context - max_tokens  # the longest prompt this request can have
     slot = index % EXTREME_PERIOD
-    if slot == LONGEST_OFFSET:
-        prompt_len = load.max_context - max_tokens
-    elif slot == SHORTEST_OFFSET:
-        prompt_len = 1
-    else:
-        prompt_len = _log_uniform(rng, 1, load.max_context - max_tokens)
     prefixes = shared_prefixes(load, vocab_size) if prefixes is None else prefixes
     group = None
-    if prefixes and rng.random() < load.prefix_share:
+    if prefixes and slot != SHORTEST_OFFSET and rng.random() < load.prefix_share:
         candidate = rng.randrange(len(prefixes))
-        if len(prefixes[candidate]) < prompt_len:  # a prefix plus at least one token of its own
+        if len(prefixes[candidate]) < room:  # the prefix plus at least one token of its own
             group = candidate
+    if slot == LONGEST_OFFSET:
+        prompt_len = room
+    elif slot == SHORTEST_OFFSET:
+        prompt_len = 1
+    elif group is not None:
+        prompt_len = len(prefixes[group]) + _log_uniform(rng, 1, room - len(prefixes[group]))
+    else:
+        prompt_len = _log_uniform(rng, 1, room)
     head = prefixes[group] if group is not None else []
     prompt = head + _tokens(rng, prompt_len - len(head), vocab_size)
     abort_after = None
@@ -304,10 +307,10 @@ def forced_selection(records: list[dict], limit: int) -> list[dict]:
         return []
     keep = {max(done, key=lambda r: r["prompt_len"] + len(r["output"]))["index"],
             min(done, key=lambda r: r["prompt_len"])["index"]}
-    step = len(done) / max(1, limit - len(keep))
-    keep |= {done[int(i * step)]["index"] for i in range(limit - len(keep))}
-    chosen = [r for r in done if r["index"] in keep]
-    return chosen[:limit]
+    rest = [r for r in done if r["index"] not in keep]
+    wanted = max(0, limit - len(keep))
+    keep |= {rest[i * len(rest) // wanted]["index"] for i in range(wanted)} if wanted else set()
+    return [r for r in done if r["index"] in keep][:limit]
 
 
 # ----------------------------------------------------------------------------- engine processes
