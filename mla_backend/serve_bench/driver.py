@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import sglang_runner, vllm_runner
+from . import hostile, sglang_runner, vllm_runner
 from .model_config import HEAD_CHOICES_DOC, deepseek_v3_config, kv_bytes_per_token, parameter_counts, write_model_dir
 from .runner_common import EngineSpec, log_tail
 from .workloads import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, WORKLOAD_KINDS, MeasurePlan, build_workloads, context_label,
@@ -288,6 +288,8 @@ def engine_problem(engine: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0 when at least one workload was measured (or --dry-run), 2 when nothing was."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if hostile.selected(argv):  # its own flags and its own report (hostile.py)
+        return hostile.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

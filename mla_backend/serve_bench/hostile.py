@@ -1,0 +1,222 @@
+"""``mla-backend serve-bench --workloads hostile``: a served engine under a hostile load loses nothing.
+
+    mla-backend serve-bench --engine vllm|sglang --workloads hostile [--duration S] [--budget S] [--mtp on|off]
+        [--backends OURS,REFERENCE[,BASELINE]] [--max-context 8192] [--kv-tokens N] [--seed 0] [--out-dir DIR]
+
+Three engine processes, one after the other (hostile_vllm.py / hostile_sglang.py):
+
+1. **load**: the first backend (ours by default) serves the hostile load of hostile_load.py for ``--duration``
+   seconds (prefix caching, chunked prefill, a KV pool small enough to force preemption, aborts mid-decode, lengths
+   1 .. max context, changing concurrency, MTP), recording every request's outcome, tokens and logprobs and the
+   engine's own counters;
+2. **forced**: the second backend (a built-in) re-runs every surviving request's prompt + output as a prompt and
+   records its argmax at each output position (teacher forcing);
+3. **baseline**: the third backend (another built-in) does the same, so the report can say how often two built-ins
+   agree on these sequences.
+
+The report (hostile_report.py) counts requests sent / completed / aborted / failed / unfinished, preemptions, the
+engine's error counters, non-finite logprobs and the agreement fractions, and writes hostile.json and hostile.md.
+Exit status: 0 when every check passed, 1 when one failed, 2 when nothing ran (no GPU, engine missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import hostile_report
+from .hostile_load import (FORCED, LOAD, HostileLoad, HostileSpec, check_load, concurrency_schedule,
+                           forced_selection, load_to_dict, plan_request, shared_prefixes)
+from .model_config import HEAD_CHOICES_DOC, deepseek_v3_config, write_model_dir
+
+HOSTILE = "hostile"
+ENGINES = {
+    "vllm": {"runner": "mla_backend.serve_bench.hostile_vllm", "backends": ("CUSTOM", "FLASHMLA", "FLASH_ATTN_MLA"),
+             "kv": {"auto": "auto", "fp8": "fp8"}},
+    "sglang": {"runner": "mla_backend.serve_bench.hostile_sglang", "backends": ("tilelang_mla", "flashmla", "triton"),
+               "kv": {"auto": "auto", "fp8": "fp8_e4m3"}},
+}
+# Seconds planned for what is not the load itself (engine starts with compile and CUDA graphs as seen on an H100,
+# forcing the survivors, the drain of the last requests); --duration must leave room for them within --budget.
+LOAD_START_S = 120.0
+FORCED_ENGINE_S = 75.0
+DRAIN_S = 20.0
+KILL_GRACE_S = 30.0  # past its deadline a process gets this long to write its results
+
+
+def selected(argv: list[str]) -> bool:
+    """Whether a serve-bench command line asks for the hostile workload (then :func:`main` takes it)."""
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--workloads" and i + 1 < len(argv) else (
+            arg.split("=", 1)[1] if arg.startswith("--workloads=") else None)
+        if value is not None and HOSTILE in [w.strip() for w in value.split(",")]:
+            return True
+    return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = HostileLoad()
+    p = argparse.ArgumentParser(prog="mla-backend serve-bench --workloads hostile",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--engine", required=True, choices=sorted(ENGINES))
+    p.add_argument("--workloads", required=True, help="hostile (alone)")
+    p.add_argument("--backends", help="OURS,REFERENCE[,BASELINE]; vLLM default " + ",".join(ENGINES["vllm"]["backends"])
+                   + ", SGLang " + ",".join(ENGINES["sglang"]["backends"]))
+    p.add_argument("--duration", type=float, help="seconds of load (default: what --budget leaves)")
+    p.add_argument("--budget", type=float, default=600.0, help="seconds for the whole command, every engine included")
+    p.add_argument("--mtp", choices=("on", "off"), default="on", help="one MTP draft token (vLLM mtp, SGLang EAGLE)")
+    p.add_argument("--max-context", type=int, default=defaults.max_context, help="longest prompt + output")
+    p.add_argument("--max-output", type=int, default=defaults.max_output, help="most tokens one request generates")
+    p.add_argument("--kv-tokens", type=int, default=0, help="KV-pool tokens (0: 3 x max context)")
+    p.add_argument("--chunk-tokens", type=int, default=defaults.chunk_tokens, help="prefill chunk")
+    p.add_argument("--max-concurrency", type=int, default=defaults.max_concurrency)
+    p.add_argument("--phase-seconds", type=float, default=defaults.phase_s, help="concurrency changes this often")
+    p.add_argument("--prefix-share", type=float, default=defaults.prefix_share)
+    p.add_argument("--abort-share", type=float, default=defaults.abort_share)
+    p.add_argument("--forced-requests", type=int, default=defaults.forced_requests,
+                   help="most survivors re-run teacher-forced")
+    p.add_argument("--agreement-margin", type=float, default=hostile_report.DEFAULT_AGREEMENT_MARGIN,
+                   help="ours may agree this much less than the two built-ins")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heads", type=int, default=16, help=f"query heads: {HEAD_CHOICES_DOC}")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.85)
+    p.add_argument("--out-dir", default="serve_bench_results")
+    p.add_argument("--dry-run", action="store_true", help="print the load and the first requests; run nothing")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...]]:
+    """The load and the backends; ValueError names the argument, its value and what is supported."""
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if workloads != [HOSTILE]:
+        raise ValueError(f"--workloads {args.workloads!r}: hostile runs alone; give the other workloads their own "
+                         "serve-bench command")
+    engine = ENGINES[args.engine]
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip()) if args.backends else engine["backends"]
+    backends = tuple(b.upper() if args.engine == "vllm" else b.lower() for b in backends)
+    if not 1 <= len(backends) <= 3:
+        raise ValueError(f"--backends {args.backends!r}: give 1 to 3 backends (under load, reference, baseline)")
+    deepseek_v3_config(args.heads, args.layers)  # raises on impossible shapes
+    reserve = LOAD_START_S + FORCED_ENGINE_S * (len(backends) - 1) + DRAIN_S
+    duration = args.duration if args.duration is not None else args.budget - reserve
+    if duration <= 0 or duration + reserve > args.budget:
+        raise ValueError(f"--duration {duration:.0f} with --budget {args.budget:.0f}: the engines need about "
+                         f"{reserve:.0f} s besides the load; give --budget >= duration + {reserve:.0f}")
+    load = HostileLoad(seconds=duration, max_context=args.max_context, max_output=args.max_output,
+                       kv_tokens=args.kv_tokens, chunk_tokens=args.chunk_tokens, max_concurrency=args.max_concurrency,
+                       phase_s=args.phase_seconds, prefix_share=args.prefix_share, abort_share=args.abort_share,
+                       mtp=args.mtp == "on", forced_requests=args.forced_requests, seed=args.seed)
+    check_load(load)
+    return load, backends
+
+
+def describe(load: HostileLoad, backends: tuple[str, ...], vocab_size: int, requests: int = 12) -> list[str]:
+    prefixes = shared_prefixes(load, vocab_size)
+    schedule = concurrency_schedule(load)
+    lines = [f"backends: under load {backends[0]}; reference {', '.join(backends[1:]) or 'none'}",
+             f"load: {load.seconds:.0f} s, max context {load.max_context}, KV pool {load.pool_tokens} tokens, "
+             f"prefill chunk {load.chunk_tokens}, MTP {'on' if load.mtp else 'off'}, seed {load.seed}",
+             f"shared prefixes: {[len(p) for p in prefixes]} tokens; concurrency every {load.phase_s:g} s: "
+             f"{[level for _, level in schedule][:24]}{' ...' if len(schedule) > 24 else ''}",
+             f"{'request':>8}{'prompt':>8}{'output':>8}{'abort at':>10}{'prefix':>8}"]
+    for index in range(requests):
+        plan = plan_request(load, vocab_size, index, prefixes)
+        lines.append(f"{index:>8}{len(plan.prompt):>8}{plan.max_tokens:>8}{_dash(plan.abort_after):>10}"
+                     f"{_dash(plan.prefix_group):>8}")
+    return lines
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def run_phase(engine: str, mode: str, backend: str, load: HostileLoad, args, model_dir: Path, work: Path,
+              out_dir: Path, deadline: float, sequences: Path | None = None) -> dict:
+    """One engine process; returns its result file (or why there is none)."""
+    from .driver import run_engine  # the serve-bench driver's process handling (process group, kill, result)
+
+    name = f"{mode}-{backend}"
+    spec = HostileSpec(mode=mode, engine=engine, backend=backend, model_dir=str(model_dir),
+                       vocab_size=deepseek_v3_config(args.heads, args.layers)["vocab_size"], load=load_to_dict(load),
+                       result_path=str(work / f"{name}.result.json"), log_path=str(out_dir / f"hostile-{name}.log"),
+                       kv_cache_dtype=ENGINES[engine]["kv"][args.kv_cache_dtype],
+                       gpu_memory_fraction=args.gpu_memory_fraction,
+                       sequences_path=str(sequences) if sequences else "", deadline=deadline)
+    print(f"[hostile] {mode} on {backend}: engine starting (log: {spec.log_path})", flush=True)
+    result = run_engine(spec, ENGINES[engine]["runner"], work / f"{name}.spec.json",
+                        deadline + KILL_GRACE_S - time.time())
+    print(f"[hostile] {mode} on {backend}: {result.get('status')} in {result.get('wall_s', 0):.0f} s"
+          + (f"; {result['error']}" if result.get("error") else ""), flush=True)
+    return result
+
+
+def run(args, load: HostileLoad, backends: tuple[str, ...], out_dir: Path) -> dict:
+    start = time.time()
+    end = start + args.budget
+    forced_results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="hostile_") as tmp:
+        work = Path(tmp)
+        model_dir = write_model_dir(work / "model", args.heads, args.layers)
+        load_deadline = end - FORCED_ENGINE_S * (len(backends) - 1) - KILL_GRACE_S
+        load_result = run_phase(args.engine, LOAD, backends[0], load, args, model_dir, work, out_dir, load_deadline)
+        survivors = forced_selection(load_result.get("records", []), load.forced_requests)
+        sequences = work / "survivors.json"
+        sequences.write_text(json.dumps([{"index": r["index"], "output": r["output"]} for r in survivors]))
+        for i, backend in enumerate(backends[1:]):
+            if not survivors:
+                forced_results[backend] = {"status": "skipped", "error": "no completed request to force"}
+                continue
+            left = len(backends) - 1 - i
+            deadline = time.time() + (end - time.time() - KILL_GRACE_S) / left
+            forced_results[backend] = run_phase(args.engine, FORCED, backend, load, args, model_dir, work, out_dir,
+                                                deadline, sequences)
+    summary = hostile_report.summarize(load_result, forced_results, args.agreement_margin)
+    engine_info = load_result.get("engine_info", {})
+    return {"engine": args.engine, "engine_version": engine_info.get(args.engine), "ours": backends[0],
+            "backends": list(backends), "load": load_to_dict(load), "summary": summary,
+            "load_engine": {k: v for k, v in load_result.items() if k != "records"},
+            "forced_engines": {b: {k: v for k, v in r.items() if k != "argmax"} for b, r in forced_results.items()},
+            "records": load_result.get("records", []), "argmax": {b: r.get("argmax") for b, r in
+                                                                  forced_results.items()},
+            "wall_s": round(time.time() - start, 1), "command": "mla-backend serve-bench " + " ".join(sys.argv[2:])}
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        load, backends = resolve(args)
+    except ValueError as e:
+        parser.error(str(e))
+    vocab_size = deepseek_v3_config(args.heads, args.layers)["vocab_size"]
+    if args.dry_run:
+        print("\n".join(describe(load, backends, vocab_size)))
+        return 0
+    import torch
+
+    from .driver import NOTHING_RAN, engine_problem
+
+    if not torch.cuda.is_available():
+        print(f"mla-backend serve-bench: no CUDA GPU visible to torch {torch.__version__}; the hostile load needs "
+              "one (--dry-run lists it).", file=sys.stderr)
+        return NOTHING_RAN
+    problem = engine_problem(args.engine)
+    if problem:
+        print(f"mla-backend serve-bench: {problem}; nothing to run.", file=sys.stderr)
+        return NOTHING_RAN
+    out_dir = Path(args.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = run(args, load, backends, out_dir)
+    files = hostile_report.write_outputs(out_dir, report)
+    print("\n" + hostile_report.markdown(report))
+    print(f"[hostile] wrote {', '.join(files)}")
+    if not report["summary"]["counts"]["sent"]:
+        return NOTHING_RAN
+    return 0 if report["summary"]["passed"] else 1
