@@ -234,6 +234,12 @@ def test_scaled_init_gives_fp8_block_layers_the_scale_of_bf16_ones():
     assert model.gate.weight.float().std().item() == pytest.approx(384 ** -0.5, rel=0.1)
     assert torch.all(model.gate.e_score_correction_bias == 0) and torch.all(model.input_layernorm.weight == 1)
     assert model.attn.k_scale.item() == -1.0  # the engine reads it as absent and uses 1.0
+    offset_norm = torch.nn.Module()
+    offset_norm.norm = torch.nn.Module()
+    offset_norm.norm.weight = torch.nn.Parameter(torch.full((8,), 3.0), requires_grad=False)
+    offset_norm.norm.weight.dummy_weight_value = 0.0  # vLLM's mark for a norm stored as weight - 1
+    scaled_random_init(offset_norm)
+    assert torch.all(offset_norm.norm.weight == 0)
     experts = model.experts.w13_weight.to(torch.float32)
     assert not torch.equal(experts[0], experts[1])  # every expert its own weights
 

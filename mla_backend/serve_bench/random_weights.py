@@ -80,6 +80,8 @@ def scaled_fill(named_tensors, seed_of, std: float | None = None) -> None:
       checkpoint's out x in layout, also for expert stacks);
     * fp8 matrices N(0, 1) and their block or per-tensor scales ``std`` (see the module docstring);
     * static activation scales (``input_scale``) 1; vectors: norm weights 1, biases and router correction biases 0;
+    * a tensor that names its own dummy value (newer vLLM's ``dummy_weight_value``, e.g. a norm stored as weight - 1)
+      gets that value;
     * engine-owned KV-cache scales, rotary tables and integer tensors untouched; tensors on the meta device (loaded
       later by the engine) too.
 
@@ -96,7 +98,9 @@ def scaled_fill(named_tensors, seed_of, std: float | None = None) -> None:
                     or any(b in name for b in COMPUTED_BUFFERS) or leaf.lstrip("_") in ENGINE_OWNED_SCALES):
                 continue
             partner = scale_partner(name, tensors)
-            if partner is not None:
+            if getattr(tensor, "dummy_weight_value", None) is not None:
+                tensor.fill_(tensor.dummy_weight_value)
+            elif partner is not None:
                 tensor.fill_(std if std is not None else tensors[partner].shape[-1] ** -0.5)
             elif leaf.endswith("input_scale"):
                 tensor.fill_(1.0)
