@@ -149,7 +149,11 @@ class SglangSession(EngineSession):
         info = {}
         try:
             server = self.engine.get_server_info()
-            info["kv_capacity_tokens"] = server.get("max_total_num_tokens")
+            per_rank = server.get("max_total_num_tokens")
+            # under DP attention each GPU's pool holds its own share of the requests: the run holds dp_size times one
+            # rank's tokens (SGLang reports one rank's)
+            replicas = self.spec.tensor_parallel_size if self.spec.dp_attention else 1
+            info["kv_capacity_tokens"] = per_rank * replicas if per_rank else per_rank
             chunk = server.get("chunked_prefill_size")
             info["prefill_chunk_tokens"] = chunk if chunk and chunk > 0 else None
             for key in ("attention_backend", "page_size", "kv_cache_dtype", "cuda_graph_max_bs_decode",

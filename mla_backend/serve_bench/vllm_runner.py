@@ -154,7 +154,10 @@ class VllmSession(EngineSession):
         try:
             cfg = self.engine.vllm_config
             info["block_size"] = cfg.cache_config.block_size
-            info["kv_capacity_tokens"] = cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
+            # every TP GPU holds every request's latent rows (MLA's cache is not split by heads); under decode
+            # context parallelism each holds 1/N of each request's tokens, so N times as many fit
+            info["kv_capacity_tokens"] = (cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
+                                          * self.spec.decode_context_parallel_size)
             info["kv_cache_dtype"] = str(cfg.cache_config.cache_dtype)
             info["prefill_chunk_tokens"] = cfg.scheduler_config.max_num_batched_tokens
             info["max_num_seqs"] = cfg.scheduler_config.max_num_seqs
