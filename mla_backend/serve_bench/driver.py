@@ -1,9 +1,12 @@
 """``mla-backend serve-bench``: served speed of every attention backend of one engine, one engine start each.
 
     mla-backend serve-bench --engine vllm|sglang [--backends ...] [--workloads decode,throughput,mixed]
-        [--heads 16] [--layers 8] [--repeats 3] [--kv-cache-dtype auto|fp8] [--out-dir DIR] [--budget SECONDS]
+        [--model small-moe|deepseek-v3] [--heads 16] [--layers 8] [--repeats 3] [--kv-cache-dtype auto|fp8]
+        [--tensor-parallel-size N] [--dp-attention] [--speculative-tokens K] [--decode-context-parallel-size N]
+        [--out-dir DIR] [--budget SECONDS]
 
-The driver writes a DeepSeek-V3-shaped model config into a temporary directory (model_config.py), then starts one
+The driver writes a DeepSeek-V3-shaped model config into a temporary directory (model_config.py; on several GPUs the
+real model with as many layers as fit, parallel.py), then starts one
 engine process per backend (vllm_runner.py / sglang_runner.py: a fresh process, so a fresh CUDA context, for each),
 ours first. Each process runs every workload (workloads.py) and leaves its results in a JSON file; the driver collects
 them into serve_bench.json, serve_bench.md and serve_bench.png (report.py). A backend the engine refuses is reported
@@ -27,8 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import hostile, sglang_runner, vllm_runner
-from .model_config import HEAD_CHOICES_DOC, deepseek_v3_config, kv_bytes_per_token, parameter_counts, write_model_dir
+from .model_config import (DEFAULT_MODEL, HEAD_CHOICES_DOC, MODEL_CHOICES, kv_bytes_per_token, parameter_counts,
+                           write_config_dir)
+from .parallel import (MAX_SPECULATIVE_TOKENS, GpuInventory, ParallelOptions, check_parallel_options, detect_gpus,
+                       resolve_model)
 from .runner_common import EngineSpec, log_tail
+from .weight_memory import GIB, engine_budget_bytes, weight_bytes_per_gpu
 from .workloads import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, WORKLOAD_KINDS, MeasurePlan, build_workloads, context_label,
                         kv_tokens_needed, longest_request, most_requests, workload_to_dict)
 
@@ -82,8 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="decode batch sizes")
     p.add_argument("--contexts", default=",".join(context_label(c) for c in DEFAULT_CONTEXTS),
                    help="decode context lengths (k = 1024 tokens)")
-    p.add_argument("--heads", type=int, default=16, help=f"query heads: {HEAD_CHOICES_DOC}")
-    p.add_argument("--layers", type=int, default=8, help="decoder layers")
+    p.add_argument("--model", choices=MODEL_CHOICES, default=DEFAULT_MODEL,
+                   help="small-moe: DeepSeek-V3 attention with a small bf16 MoE, for one GPU; deepseek-v3: the "
+                        "released model's shapes and fp8 block-quantised weights, for several GPUs")
+    p.add_argument("--heads", type=int, help=f"small-moe's query heads (default 16): {HEAD_CHOICES_DOC}; "
+                                             "deepseek-v3 has 128")
+    p.add_argument("--layers", type=int, help="decoder layers (small-moe: default 8; deepseek-v3: default as many "
+                                              "as fit the GPUs)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs the model is split over (vLLM tensor_parallel_size, SGLang tp_size)")
+    p.add_argument("--dp-attention", action="store_true",
+                   help="SGLang: data-parallel attention over the tensor-parallel GPUs (each keeps all heads)")
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help=f"MTP draft tokens per step, 0..{MAX_SPECULATIVE_TOKENS} (vLLM deepseek_mtp, SGLang EAGLE)")
+    p.add_argument("--decode-context-parallel-size", type=int, default=1,
+                   help="vLLM decode_context_parallel_size (where its EngineArgs has it): a divisor of the TP size")
+    p.add_argument("--gpu-memory-gib", type=float,
+                   help="memory of each GPU for the weight check (default: from nvidia-smi)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per workload (median and min-max reported)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--init", choices=("dummy", "scaled"), default="dummy",
@@ -114,6 +136,8 @@ class RunSetup:
     model_config: dict
     kv_cache_dtype: str  # the engine's spelling
     args: argparse.Namespace
+    parallel: ParallelOptions = ParallelOptions()
+    gpus: GpuInventory = GpuInventory()
 
     @property
     def max_model_len(self) -> int:
@@ -125,8 +149,24 @@ class RunSetup:
         return max(most_requests(w) for w in self.workloads)
 
 
-def resolve(args: argparse.Namespace) -> RunSetup:
-    """Checks the command line and builds the run; ValueError says what is wrong."""
+def parallel_options(args: argparse.Namespace) -> ParallelOptions:
+    return ParallelOptions(args.tensor_parallel_size, args.dp_attention, args.speculative_tokens,
+                           args.decode_context_parallel_size)
+
+
+def gpu_inventory(args: argparse.Namespace, detected: GpuInventory | None = None) -> GpuInventory:
+    """The GPUs for the checks: ``--gpu-memory-gib`` wins over what nvidia-smi says."""
+    detected = detect_gpus() if detected is None else detected
+    if args.gpu_memory_gib is None:
+        return detected
+    if args.gpu_memory_gib <= 0:
+        raise ValueError(f"--gpu-memory-gib must be positive, got {args.gpu_memory_gib}")
+    return GpuInventory(detected.count, int(args.gpu_memory_gib * GIB))
+
+
+def resolve(args: argparse.Namespace, detected_gpus: GpuInventory | None = None) -> RunSetup:
+    """Checks the command line and builds the run; ValueError says what is wrong. ``detected_gpus``: the machine's
+    GPUs (default: nvidia-smi's)."""
     engine = ENGINES[args.engine]
     backends = _str_list(args.backends) if args.backends else engine.backends
     backends = tuple(b.upper() if engine.name == "vllm" else b.lower() for b in backends)
@@ -140,20 +180,37 @@ def resolve(args: argparse.Namespace) -> RunSetup:
     if not workloads:
         raise ValueError("no workload selected")
     plan = MeasurePlan(repeats=args.repeats, window_steps=args.window_steps, profile_steps=args.profile_steps)
-    model_config = deepseek_v3_config(args.heads, args.layers)
-    return RunSetup(engine, backends, workloads, plan, model_config, engine.kv_cache_dtypes[args.kv_cache_dtype], args)
+    if not 0 < args.gpu_memory_fraction <= 1:
+        raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
+    gpus = gpu_inventory(args, detected_gpus)
+    options = parallel_options(args)
+    check_parallel_options(engine.name, options, gpus)
+    model_config = resolve_model(args.model, args.heads, args.layers, options, gpus, args.gpu_memory_fraction)
+    return RunSetup(engine, backends, workloads, plan, model_config, engine.kv_cache_dtypes[args.kv_cache_dtype], args,
+                    options, gpus)
 
 
 def describe_run(run: RunSetup) -> list[str]:
     """The dry-run listing: model, engine settings and every workload with the KV cache it needs."""
     config, counts = run.model_config, parameter_counts(run.model_config)
     per_token = kv_bytes_per_token(config, run.kv_cache_dtype)
+    options = run.parallel
+    weights = weight_bytes_per_gpu(config, options.layout)
+    memory = run.gpus.memory_bytes
+    budget = (f"of {engine_budget_bytes(memory, run.args.gpu_memory_fraction) / GIB:.1f} GiB the engine may use"
+              if memory else "(GPU memory unknown: not checked)")
     lines = [f"engine {run.engine.name}; backends {', '.join(run.backends)}; page size {run.engine.page_size}; "
              f"KV cache {run.kv_cache_dtype}; weights {run.args.init}",
-             f"model: DeepSeek-V3 attention with {config['num_attention_heads']} heads, {config['num_hidden_layers']} "
-             f"layers, MoE {config['n_routed_experts']} x {config['moe_intermediate_size']} top-"
-             f"{config['num_experts_per_tok']}; {sum(counts.values()) / 1e9:.2f} B parameters "
+             f"model {run.args.model}: DeepSeek-V3 attention with {config['num_attention_heads']} heads, "
+             f"{config['num_hidden_layers']} layers, MoE {config['n_routed_experts']} x "
+             f"{config['moe_intermediate_size']} top-{config['num_experts_per_tok']}, "
+             f"{weight_format(config)} weights; {sum(counts.values()) / 1e9:.2f} B parameters "
              f"({', '.join(f'{k} {v / 1e9:.2f} B' for k, v in counts.items())}); KV {per_token} bytes per token",
+             f"GPUs {options.tensor_parallel_size}: TP {options.tensor_parallel_size}, attention DP "
+             f"{options.attention_data_parallel_size}, {options.heads_per_gpu(config['num_attention_heads'])} heads "
+             f"per GPU, MTP {options.speculative_tokens} draft tokens, decode context parallel "
+             f"{options.decode_context_parallel_size}; weights {sum(weights.values()) / GIB:.1f} GiB per GPU "
+             f"{budget}",
              f"max_model_len {run.max_model_len}, max_num_seqs {run.max_num_seqs}; {run.plan.repeats} repeats, "
              f"{run.plan.window_steps} decode steps per window, {run.plan.profile_steps} profiled steps",
              f"{'workload':<32}{'KV tokens':>12}{'KV GiB':>9}"]
@@ -161,6 +218,14 @@ def describe_run(run: RunSetup) -> list[str]:
         tokens = kv_tokens_needed(w, run.plan)
         lines.append(f"{w.name:<32}{tokens:>12}{tokens * per_token / 2**30:>9.1f}")
     return lines
+
+
+def weight_format(config: dict) -> str:
+    """``fp8 blocks 128x128`` or ``bf16``."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return "bf16"
+    return f"{quant['quant_method']} blocks {'x'.join(map(str, quant['weight_block_size']))}"
 
 
 # ----------------------------------------------------------------------------- engine processes
@@ -229,7 +294,9 @@ def engine_spec(run: RunSetup, backend: str, model_dir: Path, work: Path, out_di
                       kv_cache_dtype=run.kv_cache_dtype, page_size=run.engine.page_size, init=run.args.init,
                       gpu_memory_fraction=run.args.gpu_memory_fraction, max_model_len=run.max_model_len,
                       max_num_seqs=run.max_num_seqs, in_process=in_process, deadline=hard_deadline,
-                      hard_deadline=hard_deadline)
+                      hard_deadline=hard_deadline, tensor_parallel_size=run.parallel.tensor_parallel_size,
+                      dp_attention=run.parallel.dp_attention, speculative_tokens=run.parallel.speculative_tokens,
+                      decode_context_parallel_size=run.parallel.decode_context_parallel_size)
 
 
 def alone_command(argv: list[str], backend: str) -> str:
@@ -318,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(run.workloads)} workloads; budget {args.budget:.0f} s", flush=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
-        model_dir = write_model_dir(Path(tmp) / "model", args.heads, args.layers)
+        model_dir = write_config_dir(Path(tmp) / "model", run.model_config)
         results = run_backends(run, model_dir, Path(tmp), out_dir, argv)
     data = report.assemble(env, run, results, time.perf_counter() - t0)
     files = report.write_outputs(out_dir, data)

@@ -1,15 +1,23 @@
-"""A DeepSeek-V3-shaped model for the served-speed benchmark, as a Hugging Face config directory (no weights).
+"""DeepSeek-V3-shaped models for the served-speed benchmark, as Hugging Face config directories (no weights).
 
-The attention is DeepSeek-V3's, width for width (hidden 7168, q_lora 1536, kv_lora 512, qk_nope 128, qk_rope 64,
-v_head 128, yarn rope as in the released ``config.json``); only the number of heads changes, to what one
-tensor-parallel rank holds (128 heads at TP1, 32 at TP4, 16 at TP8). Everything else is shrunk so one GPU holds the
-model and attention stays a visible share of a decode step: few layers, a small MoE (16 experts of intermediate 512,
-top 4, in DeepSeek's grouped routing) and a 32k vocabulary. Engines load it with dummy weights
-(``load_format="dummy"``), so nothing but ``config.json`` is written.
+Two models (``--model``):
+
+* ``small-moe`` (the default, one GPU): DeepSeek-V3's attention, width for width (hidden 7168, q_lora 1536, kv_lora
+  512, qk_nope 128, qk_rope 64, v_head 128, yarn rope as in the released ``config.json``); only the number of heads
+  changes, to what one tensor-parallel rank holds (128 heads at TP1, 32 at TP4, 16 at TP8). Everything else is shrunk
+  so one GPU holds the model and attention stays a visible share of a decode step: few layers, a small MoE (16
+  experts of intermediate 512, top 4, in DeepSeek's grouped routing), a 32k vocabulary and bf16 weights.
+* ``deepseek-v3`` (several GPUs): the released model at its real shapes, 128 heads, 256 routed experts of
+  intermediate 2048 (top 8), the 129280-token vocabulary and the released checkpoint's fp8 block quantisation; only
+  the number of layers is chosen, as many as the GPUs hold (weight_memory.py says how many).
+
+Engines load either with dummy weights (``load_format="dummy"`` or random_weights.py), so nothing but
+``config.json`` is written.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -67,6 +75,42 @@ SMALL_MOE = {
 VOCAB_SIZE = 32000
 
 
+SMALL_MOE_MODEL, DEEPSEEK_V3_MODEL = "small-moe", "deepseek-v3"
+MODEL_CHOICES = (SMALL_MOE_MODEL, DEEPSEEK_V3_MODEL)
+DEFAULT_MODEL = SMALL_MOE_MODEL
+SMALL_MOE_DEFAULT_HEADS, SMALL_MOE_DEFAULT_LAYERS = 16, 8
+
+#: The released DeepSeek-V3's MoE, vocabulary and depth (its config.json).
+DEEPSEEK_V3_MOE = {
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 2048,
+    "intermediate_size": 18432,  # the dense first layers' MLP
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "ep_size": 1,
+}
+DEEPSEEK_V3_HEADS = 128
+DEEPSEEK_V3_LAYERS = 61
+DEEPSEEK_V3_VOCAB_SIZE = 129280
+#: The released checkpoint's weight format: every linear layer of attention, the dense MLPs and the experts in fp8
+#: (e4m3) with one float32 scale per 128x128 block (``weight_scale_inv``); embeddings, output layer, norms and the
+#: router stay bf16. Engines build the same layers from this entry, so dummy weights take the checkpoint's memory.
+DEEPSEEK_V3_FP8_QUANTIZATION = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+
 def deepseek_v3_config(heads: int = 16, layers: int = 8, vocab_size: int = VOCAB_SIZE, **overrides) -> dict:
     """The config.json contents: DeepSeek-V3's attention with ``heads`` query heads, ``layers`` decoder layers and
     the small MoE; ``overrides`` replace any field (e.g. ``n_routed_experts``)."""
@@ -97,13 +141,43 @@ def deepseek_v3_config(heads: int = 16, layers: int = 8, vocab_size: int = VOCAB
     return config
 
 
-def write_model_dir(directory: str | Path, heads: int = 16, layers: int = 8, **overrides) -> Path:
-    """Writes ``directory/config.json`` (creating the directory) and returns the directory."""
+def released_deepseek_v3_config(layers: int) -> dict:
+    """The released DeepSeek-V3 (128 heads, 256 experts, fp8 block-quantised weights) with ``layers`` decoder
+    layers (61 in the release; the first three have a dense MLP, the rest the MoE)."""
+    if not 1 <= layers <= DEEPSEEK_V3_LAYERS:
+        raise ValueError(f"layers must be 1..{DEEPSEEK_V3_LAYERS} for {DEEPSEEK_V3_MODEL} (the released model has "
+                         f"{DEEPSEEK_V3_LAYERS}), got {layers}")
+    return deepseek_v3_config(DEEPSEEK_V3_HEADS, layers, vocab_size=DEEPSEEK_V3_VOCAB_SIZE, **DEEPSEEK_V3_MOE,
+                              quantization_config=copy.deepcopy(DEEPSEEK_V3_FP8_QUANTIZATION))
+
+
+def model_config(model: str, heads: int | None = None, layers: int | None = None) -> dict:
+    """The config of ``model`` (one of :data:`MODEL_CHOICES`). ``small-moe`` takes any head count (default 16) and
+    layer count (default 8); ``deepseek-v3`` has its 128 heads and needs ``layers``."""
+    if model == SMALL_MOE_MODEL:
+        return deepseek_v3_config(SMALL_MOE_DEFAULT_HEADS if heads is None else heads,
+                                  SMALL_MOE_DEFAULT_LAYERS if layers is None else layers)
+    if model == DEEPSEEK_V3_MODEL:
+        if heads is not None and heads != DEEPSEEK_V3_HEADS:
+            raise ValueError(f"--heads {heads} does not apply to {DEEPSEEK_V3_MODEL}, which has "
+                             f"{DEEPSEEK_V3_HEADS} heads (tensor parallelism splits them over the GPUs)")
+        if layers is None:
+            raise ValueError(f"{DEEPSEEK_V3_MODEL} needs a layer count (1..{DEEPSEEK_V3_LAYERS})")
+        return released_deepseek_v3_config(layers)
+    raise ValueError(f"unknown model {model!r}; supported: {', '.join(MODEL_CHOICES)}")
+
+
+def write_config_dir(directory: str | Path, config: dict) -> Path:
+    """Writes ``config`` as ``directory/config.json`` (creating the directory) and returns the directory."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    config = deepseek_v3_config(heads, layers, **overrides)
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+def write_model_dir(directory: str | Path, heads: int = 16, layers: int = 8, **overrides) -> Path:
+    """Writes the small-MoE model's ``directory/config.json`` (creating the directory) and returns the directory."""
+    return write_config_dir(directory, deepseek_v3_config(heads, layers, **overrides))
 
 
 def kv_bytes_per_token(config: dict, kv_cache_dtype: str = "auto") -> int:
@@ -113,7 +187,7 @@ def kv_bytes_per_token(config: dict, kv_cache_dtype: str = "auto") -> int:
 
 
 def parameter_counts(config: dict) -> dict[str, int]:
-    """Parameters by part (the MTP layer, which runs only under speculative decoding, is left out)."""
+    """Parameters by part, whole model (the MTP layer, which runs only under speculative decoding, is left out)."""
     h, heads, layers = config["hidden_size"], config["num_attention_heads"], config["num_hidden_layers"]
     qk_head = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     q_lora, kv_lora, rope = config["q_lora_rank"], config["kv_lora_rank"], config["qk_rope_head_dim"]

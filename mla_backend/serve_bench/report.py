@@ -1,8 +1,9 @@
 """serve-bench's outputs: one JSON with every raw repeat, a markdown report and a plot.
 
-The markdown has one table per metric with a row per workload and a column per backend (median [min-max] of the
-repeats), plus the speedup of ours over the best built-in backend, the attention share of a decode step per cell,
-and every backend that did not run, with the reason.
+The markdown has the setup (GPUs, tensor and attention data parallelism, heads per GPU, MTP, KV-cache dtype), one
+table per metric with a row per workload and a column per backend (median [min-max] of the repeats), plus the speedup
+of ours over the best built-in backend, the attention share of a decode step per cell, and every backend that did
+not run, with the reason.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 from .model_config import parameter_counts
+from .weight_memory import GIB, weight_bytes_per_gpu
 from .workloads import DECODE
 
 BASENAME = "serve_bench"
@@ -82,16 +84,24 @@ def assemble(env: dict, run, results: dict[str, dict], wall_s: float) -> dict:
             version = (result.get("engine_info") or {}).get(key)
             if version and not env.get(key):
                 env[key] = version
-    args = run.args
+    args, config, options = run.args, run.model_config, run.parallel
     settings = {"engine": run.engine.name, "backends": list(run.backends), "ours": run.engine.ours,
-                "heads": args.heads, "layers": args.layers, "kv_cache_dtype": run.kv_cache_dtype,
+                "model": args.model, "heads": config["num_attention_heads"], "layers": config["num_hidden_layers"],
+                "gpus": options.tensor_parallel_size, "tensor_parallel_size": options.tensor_parallel_size,
+                "dp_attention": options.dp_attention,
+                "attention_data_parallel_size": options.attention_data_parallel_size,
+                "heads_per_gpu": options.heads_per_gpu(config["num_attention_heads"]),
+                "speculative_tokens": options.speculative_tokens,
+                "decode_context_parallel_size": options.decode_context_parallel_size,
+                "weight_gib_per_gpu": round(sum(weight_bytes_per_gpu(config, options.layout).values()) / GIB, 2),
+                "kv_cache_dtype": run.kv_cache_dtype,
                 "page_size": run.engine.page_size, "init": args.init, "prefix_caching": False,
                 "gpu_memory_fraction": args.gpu_memory_fraction, "max_model_len": run.max_model_len,
                 "max_num_seqs": run.max_num_seqs, "plan": dataclasses.asdict(run.plan), "budget_s": args.budget,
                 "workloads": [w.name for w in run.workloads],
                 "workload_kinds": {w.name: w.kind for w in run.workloads}, "wall_s": round(wall_s, 1)}
     return {"env": env, "settings": settings,
-            "model": {"config": run.model_config, "parameters": parameter_counts(run.model_config)},
+            "model": {"config": config, "parameters": parameter_counts(config)},
             "backends": results}
 
 
@@ -198,6 +208,24 @@ def engine_table(data: dict) -> list[str]:
     return lines + [""]
 
 
+def setup_table(data: dict) -> list[str]:
+    """One row: how the model was spread over the GPUs and what each GPU's attention ran."""
+    s = data["settings"]
+    mtp = f"{s.get('speculative_tokens', 0)} draft tokens" if s.get("speculative_tokens") else "off"
+    return ["| GPUs | TP | attention DP | heads per GPU | MTP | KV cache | decode CP | weights per GPU |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {s.get('gpus', 1)} | {s.get('tensor_parallel_size', 1)} | {s.get('attention_data_parallel_size', 1)} "
+            f"| {s.get('heads_per_gpu', s['heads'])} | {mtp} | {s['kv_cache_dtype']} | "
+            f"{s.get('decode_context_parallel_size', 1)} | {s.get('weight_gib_per_gpu', '–')} GiB |", ""]
+
+
+def weight_description(config: dict) -> str:
+    quant = config.get("quantization_config")
+    if not quant:
+        return "bf16"
+    return f"{quant['quant_method']} {'x'.join(map(str, quant['weight_block_size']))}-block weights"
+
+
 def header(data: dict) -> list[str]:
     env, s, config = data["env"], data["settings"], data["model"]["config"]
     params = sum(data["model"]["parameters"].values())
@@ -206,13 +234,14 @@ def header(data: dict) -> list[str]:
             f"Model: DeepSeek-V3 attention (hidden {config['hidden_size']}, q_lora {config['q_lora_rank']}, kv_lora "
             f"{config['kv_lora_rank']}, rope {config['qk_rope_head_dim']}, yarn) with {s['heads']} heads, "
             f"{s['layers']} layers, MoE {config['n_routed_experts']} experts x {config['moe_intermediate_size']} "
-            f"(top {config['num_experts_per_tok']}), {params / 1e9:.2f} B parameters, bf16, {s['init']} weights. "
+            f"(top {config['num_experts_per_tok']}), vocabulary {config['vocab_size']}, {params / 1e9:.2f} B "
+            f"parameters, {weight_description(config)}, {s['init']} weights. "
             f"KV cache {s['kv_cache_dtype']}, page {s['page_size']}, prefix caching off, {s['plan']['repeats']} "
             f"repeats (decode: windows of {s['plan']['window_steps']} steps on one prefilled batch).", "",
             f"torch {env.get('torch')} (CUDA {env.get('cuda_runtime')}), vLLM {env.get('vllm')}, SGLang "
             f"{env.get('sglang')}, TileLang {env.get('tilelang')}, FlashInfer {env.get('flashinfer-python')}, "
             f"driver {env.get('driver')}, commit {env.get('git')}. Run took {s['wall_s']:.0f} s.", "",
-            f"Command: `{env['command']}`", ""]
+            f"Command: `{env['command']}`", "", *setup_table(data)]
 
 
 def markdown(data: dict) -> str:
@@ -275,8 +304,11 @@ def plot(data: dict, path: str | Path) -> str | None:
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     env, s = data["env"], data["settings"]
-    axes[0, 0].set_title(f"serve-bench {s['engine']} {env.get(s['engine'])}, {env.get('gpu')}, {s['heads']} heads, "
-                         f"{s['layers']} layers, KV {s['kv_cache_dtype']}")
+    parallel = (f"TP{s.get('tensor_parallel_size', 1)}" + (" DP-attn" if s.get("dp_attention") else "")
+                + (f" MTP{s['speculative_tokens']}" if s.get("speculative_tokens") else ""))
+    axes[0, 0].set_title(f"serve-bench {s['engine']} {env.get(s['engine'])}, {env.get('gpu')}, {parallel}, "
+                         f"{s.get('heads_per_gpu', s['heads'])} heads/GPU, {s['layers']} layers, "
+                         f"KV {s['kv_cache_dtype']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -49,6 +49,10 @@ class EngineSpec:
     in_process: bool = False  # vLLM: engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     deadline: float = float("inf")  # epoch seconds: no workload starts within MIN_WORKLOAD_S of it
     hard_deadline: float = float("inf")  # epoch seconds: a running workload stops here
+    tensor_parallel_size: int = 1  # GPUs the model is split over
+    dp_attention: bool = False  # SGLang: attention data-parallel over the TP GPUs
+    speculative_tokens: int = 0  # MTP draft tokens per step (0: no speculative decoding)
+    decode_context_parallel_size: int = 1  # vLLM: GPUs each request's KV cache is spread over in decode
 
     @property
     def measure_plan(self) -> MeasurePlan:

@@ -16,6 +16,8 @@ token. The throughput load is one ``Engine.generate`` call, as SGLang's ``bench_
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import inspect
 import os
 import sys
 import time
@@ -42,17 +44,52 @@ PROFILE_POLL_S = 0.05
 PROFILE_WAIT_S = 30.0  # for the trace file after the profiled steps
 ABORT_WAIT_S = 60.0
 WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 4, 512, 8
+#: SGLang's speculative algorithm for DeepSeek's MTP layer (it loads the layer from the target's own checkpoint).
+MTP_ALGORITHM = "EAGLE"
+#: Newer SGLang's width of attention data parallelism; older ones spell it enable_dp_attention with dp_size.
+ATTENTION_DP_FIELD = "attn_dp_size"
 
 
-def server_kwargs(spec: EngineSpec) -> dict:
+def server_arg_fields() -> set[str] | None:
+    """The keyword arguments the installed SGLang's ServerArgs takes, or None where SGLang is not installed."""
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    from sglang.srt.server_args import ServerArgs
+
+    return set(inspect.signature(ServerArgs).parameters)
+
+
+def parallel_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
+    """Tensor parallelism, DP attention and MTP speculative decoding as ServerArgs arguments.
+
+    DP attention: one attention replica per GPU (``tp_size`` of them), each with all heads and its own requests;
+    ``attn_dp_size`` where ServerArgs has it, else the older ``enable_dp_attention`` with ``dp_size``. MTP: EAGLE
+    with DeepSeek's MTP layer as the draft, one draft token per step in a chain (``speculative_eagle_topk`` 1), so
+    ``speculative_num_draft_tokens`` = steps + 1 queries per request are verified, as SGLang documents for DeepSeek."""
+    tp = spec.tensor_parallel_size
+    kwargs: dict = {"tp_size": tp}
+    if spec.dp_attention:
+        fields = server_arg_fields() if fields is None else fields
+        if fields is not None and ATTENTION_DP_FIELD in fields:
+            kwargs[ATTENTION_DP_FIELD] = tp
+        else:
+            kwargs.update(enable_dp_attention=True, dp_size=tp)
+    if spec.speculative_tokens:
+        kwargs.update(speculative_algorithm=MTP_ALGORITHM, speculative_num_steps=spec.speculative_tokens,
+                      speculative_eagle_topk=1, speculative_num_draft_tokens=spec.speculative_tokens + 1)
+    return kwargs
+
+
+def server_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
     """The ``sglang.Engine`` / ``ServerArgs`` arguments: dummy weights, token-id prompts, radix (prefix) cache off,
-    fixed seed, the backend under test, CUDA graphs up to the largest batch."""
+    fixed seed, the backend under test, CUDA graphs up to the largest batch, the parallel layout (``fields``: the
+    ServerArgs arguments, default the installed SGLang's)."""
     return dict(model_path=spec.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                 attention_backend=spec.backend, page_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
                 disable_radix_cache=True, random_seed=spec.measure_plan.seed,
                 mem_fraction_static=spec.gpu_memory_fraction, context_length=spec.max_model_len,
                 max_running_requests=spec.max_num_seqs, cuda_graph_max_bs_decode=spec.max_num_seqs,
-                disable_shared_experts_fusion=True, log_level="warning")
+                disable_shared_experts_fusion=True, log_level="warning", **parallel_kwargs(spec, fields))
 
 
 def prepare_process() -> None:
@@ -112,12 +149,18 @@ class SglangSession(EngineSession):
         info = {}
         try:
             server = self.engine.get_server_info()
-            info["kv_capacity_tokens"] = server.get("max_total_num_tokens")
+            per_rank = server.get("max_total_num_tokens")
+            # under DP attention each GPU's pool holds its own share of the requests: the run holds dp_size times one
+            # rank's tokens (SGLang reports one rank's)
+            replicas = self.spec.tensor_parallel_size if self.spec.dp_attention else 1
+            info["kv_capacity_tokens"] = per_rank * replicas if per_rank else per_rank
             chunk = server.get("chunked_prefill_size")
             info["prefill_chunk_tokens"] = chunk if chunk and chunk > 0 else None
             for key in ("attention_backend", "page_size", "kv_cache_dtype", "cuda_graph_max_bs_decode",
                         "cuda_graph_max_bs", "max_running_requests", "context_length", "mem_fraction_static",
-                        "disable_cuda_graph", "disable_overlap_schedule"):
+                        "disable_cuda_graph", "disable_overlap_schedule", "tp_size", "dp_size", "attn_dp_size",
+                        "enable_dp_attention", "speculative_algorithm", "speculative_num_steps",
+                        "speculative_num_draft_tokens", "quantization"):
                 if key in server:
                     info[key] = server[key]
         except Exception as e:  # noqa: BLE001 - introspection only

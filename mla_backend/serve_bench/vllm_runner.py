@@ -10,6 +10,8 @@ does not enter them.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
 import sys
 import time
@@ -33,6 +35,10 @@ BLOCK_SIZE = 64
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT = "mla_backend.vllm_plugin:register"
 WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 4, 512, 8
+#: EngineArgs' field for decode context parallelism (not in every vLLM release).
+DECODE_CONTEXT_PARALLEL_FIELD = "decode_context_parallel_size"
+#: vLLM's speculative method that drafts with DeepSeek-V3's own MTP layer (num_nextn_predict_layers in the config).
+MTP_METHOD = "deepseek_mtp"
 TRACE_PATTERN = "*.pt.trace.json*"
 PROFILE_WAIT_S = 30.0  # for the trace file after the profiled steps
 
@@ -60,14 +66,50 @@ def profiler_config(spec: EngineSpec):
                           torch_profiler_record_shapes=False, max_iterations=spec.measure_plan.profile_steps)
 
 
+def engine_arg_fields() -> set[str] | None:
+    """The fields of the installed vLLM's EngineArgs, or None where vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def decode_context_parallel_problem(fields: set[str] | None) -> str | None:
+    """Why ``--decode-context-parallel-size`` cannot be passed to this vLLM, or None."""
+    if fields is None:
+        return "--decode-context-parallel-size needs vLLM installed (pip install -e \".[vllm]\")"
+    if DECODE_CONTEXT_PARALLEL_FIELD not in fields:
+        import vllm
+
+        return (f"--decode-context-parallel-size: vLLM {vllm.__version__}'s EngineArgs has no "
+                f"{DECODE_CONTEXT_PARALLEL_FIELD}; supported only where it has")
+    return None
+
+
+def parallel_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
+    """Tensor parallelism, MTP speculative decoding and decode context parallelism, as EngineArgs arguments (only
+    those that differ from vLLM's defaults)."""
+    kwargs: dict = {"tensor_parallel_size": spec.tensor_parallel_size}
+    if spec.speculative_tokens:
+        kwargs["speculative_config"] = {"method": MTP_METHOD, "num_speculative_tokens": spec.speculative_tokens}
+    if spec.decode_context_parallel_size > 1:
+        problem = decode_context_parallel_problem(engine_arg_fields() if fields is None else fields)
+        if problem:
+            raise ValueError(problem)
+        kwargs[DECODE_CONTEXT_PARALLEL_FIELD] = spec.decode_context_parallel_size
+    return kwargs
+
+
 def engine_kwargs(spec: EngineSpec) -> dict:
     """The ``vllm.LLM`` / ``EngineArgs`` arguments: dummy weights, token-id prompts, prefix caching off, fixed seed,
-    the backend under test, stats kept (the per-request step timestamps come from them)."""
+    the backend under test, stats kept (the per-request step timestamps come from them), the parallel layout."""
     kwargs = dict(model=spec.model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=spec.measure_plan.seed,
                   load_format=SCALED_LOAD_FORMAT if spec.init == "scaled" else "dummy",
                   attention_backend=spec.backend, block_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
                   enable_prefix_caching=False, gpu_memory_utilization=spec.gpu_memory_fraction,
-                  max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs, disable_log_stats=False)
+                  max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs, disable_log_stats=False,
+                  **parallel_kwargs(spec))
     if spec.measure_plan.profile_steps:
         kwargs["profiler_config"] = profiler_config(spec)
     return kwargs
@@ -83,6 +125,10 @@ class VllmSession(EngineSession):
     def start(self) -> dict:
         if self.spec.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            if self.spec.tensor_parallel_size > 1:
+                # the TP workers must inherit this process's registrations (our backend, the scaled loader): forked,
+                # vLLM's default, which it replaces by spawn only when CUDA is already initialised here
+                os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
         import vllm
         from vllm import LLM
 
@@ -108,7 +154,10 @@ class VllmSession(EngineSession):
         try:
             cfg = self.engine.vllm_config
             info["block_size"] = cfg.cache_config.block_size
-            info["kv_capacity_tokens"] = cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
+            # every TP GPU holds every request's latent rows (MLA's cache is not split by heads); under decode
+            # context parallelism each holds 1/N of each request's tokens, so N times as many fit
+            info["kv_capacity_tokens"] = (cfg.cache_config.num_gpu_blocks * cfg.cache_config.block_size
+                                          * self.spec.decode_context_parallel_size)
             info["kv_cache_dtype"] = str(cfg.cache_config.cache_dtype)
             info["prefill_chunk_tokens"] = cfg.scheduler_config.max_num_batched_tokens
             info["max_num_seqs"] = cfg.scheduler_config.max_num_seqs
@@ -116,6 +165,11 @@ class VllmSession(EngineSession):
             info["cudagraph_mode"] = str(cfg.compilation_config.cudagraph_mode)
             info["attention_backend"] = str(cfg.attention_config.backend)
             info["async_scheduling"] = getattr(cfg.scheduler_config, "async_scheduling", None)
+            info["tensor_parallel_size"] = cfg.parallel_config.tensor_parallel_size
+            info["decode_context_parallel_size"] = getattr(cfg.parallel_config, DECODE_CONTEXT_PARALLEL_FIELD, None)
+            spec_config = cfg.speculative_config
+            info["speculative_tokens"] = spec_config.num_speculative_tokens if spec_config else 0
+            info["quantization"] = cfg.model_config.quantization
         except Exception as e:  # noqa: BLE001
             info["introspection_error"] = f"{type(e).__name__}: {e}"
         return info
