@@ -344,6 +344,15 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
     return results
 
 
+def run_blocker(engine: str) -> str | None:
+    """Why nothing can be measured here (no CUDA GPU, or the engine is not installed), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"no CUDA GPU visible to torch {torch.__version__}"
+    return engine_problem(engine)
+
+
 def engine_problem(engine: str) -> str | None:
     """Why the engine cannot run here, or None."""
     if importlib.util.find_spec(engine) is None:
@@ -366,15 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print("\n".join(describe_run(run)))
         return 0
-    import torch
-
-    if not torch.cuda.is_available():
-        print(f"mla-backend serve-bench: no CUDA GPU visible to torch {torch.__version__}; nothing to measure "
-              "(--dry-run lists the model and the workloads).", file=sys.stderr)
-        return NOTHING_RAN
-    problem = engine_problem(args.engine)
-    if problem:
-        print(f"mla-backend serve-bench: {problem}; nothing to measure.", file=sys.stderr)
+    blocker = run_blocker(args.engine)
+    if blocker:
+        print(f"mla-backend serve-bench: {blocker}; nothing to measure (--dry-run lists the model and the workloads).",
+              file=sys.stderr)
         return NOTHING_RAN
     from . import report
 

@@ -199,17 +199,11 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         print("\n".join(describe(load, backends, vocab_size)))
         return 0
-    import torch
+    from .driver import NOTHING_RAN, run_blocker
 
-    from .driver import NOTHING_RAN, engine_problem
-
-    if not torch.cuda.is_available():
-        print(f"mla-backend serve-bench: no CUDA GPU visible to torch {torch.__version__}; the hostile load needs "
-              "one (--dry-run lists it).", file=sys.stderr)
-        return NOTHING_RAN
-    problem = engine_problem(args.engine)
-    if problem:
-        print(f"mla-backend serve-bench: {problem}; nothing to run.", file=sys.stderr)
+    blocker = run_blocker(args.engine)
+    if blocker:
+        print(f"mla-backend serve-bench: {blocker}; the hostile load cannot run (--dry-run lists it).", file=sys.stderr)
         return NOTHING_RAN
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)

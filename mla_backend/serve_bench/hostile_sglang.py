@@ -16,24 +16,20 @@ output position.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import sys
 import time
 import traceback
-from pathlib import Path
 
-from .hostile_load import (FORCED, LOAD, PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger, forced_prompt,
-                           shared_prefixes)
-from .runner_common import log_tail, refusal_reason, write_result
+from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger
+from .hostile_process import PROGRESS_EVERY_S, force_survivors, process_main
+from .runner_common import log_tail, write_result
 from .sglang_runner import INIT_ENV, bench_engine_class, prepare_process
 
 MTP_ARGS = dict(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1,
                 speculative_num_draft_tokens=2, speculative_draft_attention_backend="triton")
-FORCED_BATCH = 64
 POLL_S = 0.005
-PROGRESS_EVERY_S = 15.0
 RETRACTED_LINE = re.compile(r"#retracted_reqs: (\d+)")
 TRACEBACK_LINE = "Traceback (most recent call last)"
 # Prometheus samples read after the load (counters: the sample names carry the _total suffix).
@@ -242,45 +238,19 @@ def top1_tokens(input_top_logprobs: list, count: int) -> list[int]:
 
 
 def run_forced(spec: HostileSpec, result: dict) -> None:
-    load = spec.hostile_load
-    survivors = json.loads(Path(spec.sequences_path).read_text())
     engine = start_engine(forced_server_kwargs(spec))
-    result.update(status="running", engine_info=introspect(engine), argmax={})
-    prefixes = shared_prefixes(load, spec.vocab_size)
-    for start in range(0, len(survivors), FORCED_BATCH):
-        if time.time() > spec.deadline:
-            result["stopped_early"] = f"time budget: {len(result['argmax'])} of {len(survivors)} requests forced"
-            break
-        batch = survivors[start:start + FORCED_BATCH]
-        prompts = [forced_prompt(load, spec.vocab_size, s["index"], s["output"], prefixes) for s in batch]
+
+    def force_batch(prompts):
         outputs = engine.generate(input_ids=[p for p, _ in prompts], sampling_params=sampling(1), return_logprob=True,
                                   logprob_start_len=[n - 1 for _, n in prompts], top_logprobs_num=1)
-        for survivor, (sequence, prompt_len), out in zip(batch, prompts, outputs):
-            top = out["meta_info"]["input_top_logprobs"]
-            result["argmax"][survivor["index"]] = top1_tokens(top, len(sequence) - prompt_len)
-        write_result(spec.result_path, result)
-    result["status"] = "done"
+        return [top1_tokens(out["meta_info"]["input_top_logprobs"], len(sequence) - prompt_len)
+                for (sequence, prompt_len), out in zip(prompts, outputs)]
+
+    force_survivors(spec, result, introspect(engine), force_batch)
 
 
-# ----------------------------------------------------------------------------- process
 def main(argv: list[str] | None = None) -> int:
-    spec = HostileSpec.load_file((sys.argv[1:] if argv is None else argv)[0])
-    result = {"engine": "sglang", "backend": spec.backend, "mode": spec.mode, "status": "starting"}
-    write_result(spec.result_path, result)
-    t0 = time.perf_counter()
-    try:
-        if spec.mode == LOAD:
-            run_load(spec, result)
-        elif spec.mode == FORCED:
-            run_forced(spec, result)
-        else:
-            raise ValueError(f"mode={spec.mode!r} is not supported; use {LOAD!r} or {FORCED!r}")
-    except Exception as e:  # noqa: BLE001 - a refusal or crash is a result
-        result.update(status="refused" if result["status"] == "starting" else "failed",
-                      error=refusal_reason(e, log_tail(spec.log_path)), traceback=traceback.format_exc()[-3000:])
-    result["wall_s"] = round(time.perf_counter() - t0, 1)
-    write_result(spec.result_path, result)
-    return 0 if result["status"] == "done" else 1
+    return process_main("sglang", run_load, run_forced, argv)
 
 
 if __name__ == "__main__":  # SGLang spawns its scheduler: the engine must not start on import

@@ -13,20 +13,16 @@ NaN logits (``VLLM_COMPUTE_NANS_IN_LOGITS=1``).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
-from .hostile_load import (FORCED, LOAD, PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger, forced_prompt,
-                           shared_prefixes)
+from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger
+from .hostile_process import PROGRESS_EVERY_S, force_survivors, process_main
 from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
-from .runner_common import log_tail, refusal_reason, write_result
+from .runner_common import write_result
 
-FORCED_BATCH = 64  # requests per generate call in forced mode (progress is written after each)
-PROGRESS_EVERY_S = 15.0
 MTP_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
 # The engine's counters read into the report (sums over labels, except request_success by finish reason).
 COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
@@ -225,44 +221,19 @@ def run_forced(spec: HostileSpec, result: dict) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    load = spec.hostile_load
-    survivors = json.loads(Path(spec.sequences_path).read_text())
     llm = start_engine(forced_engine_kwargs(spec))
-    result.update(status="running", engine_info=introspect(llm), argmax={})
-    prefixes = shared_prefixes(load, spec.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
-    for start in range(0, len(survivors), FORCED_BATCH):
-        if time.time() > spec.deadline:
-            result["stopped_early"] = f"time budget: {len(result['argmax'])} of {len(survivors)} requests forced"
-            break
-        batch = survivors[start:start + FORCED_BATCH]
-        prompts = [forced_prompt(load, spec.vocab_size, s["index"], s["output"], prefixes) for s in batch]
+
+    def force_batch(prompts):
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in prompts], params, use_tqdm=False)
-        for survivor, (sequence, prompt_len), out in zip(batch, prompts, outputs):
-            result["argmax"][survivor["index"]] = rank1_tokens(out.prompt_logprobs, prompt_len, len(sequence))
-        write_result(spec.result_path, result)
-    result["status"] = "done"
+        return [rank1_tokens(out.prompt_logprobs, prompt_len, len(sequence))
+                for (sequence, prompt_len), out in zip(prompts, outputs)]
+
+    force_survivors(spec, result, introspect(llm), force_batch)
 
 
-# ----------------------------------------------------------------------------- process
 def main(argv: list[str] | None = None) -> int:
-    spec = HostileSpec.load_file((sys.argv[1:] if argv is None else argv)[0])
-    result = {"engine": "vllm", "backend": spec.backend, "mode": spec.mode, "status": "starting"}
-    write_result(spec.result_path, result)
-    t0 = time.perf_counter()
-    try:
-        if spec.mode == LOAD:
-            run_load(spec, result)
-        elif spec.mode == FORCED:
-            run_forced(spec, result)
-        else:
-            raise ValueError(f"mode={spec.mode!r} is not supported; use {LOAD!r} or {FORCED!r}")
-    except Exception as e:  # noqa: BLE001 - a refusal or crash is a result
-        result.update(status="refused" if result["status"] == "starting" else "failed",
-                      error=refusal_reason(e, log_tail(spec.log_path)), traceback=traceback.format_exc()[-3000:])
-    result["wall_s"] = round(time.perf_counter() - t0, 1)
-    write_result(spec.result_path, result)
-    return 0 if result["status"] == "done" else 1
+    return process_main("vllm", run_load, run_forced, argv)
 
 
 if __name__ == "__main__":
