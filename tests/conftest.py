@@ -9,6 +9,11 @@
   checks (barrier protocol simulations, register budgets, prim_func scripts) and lowers only
   tests/test_tilelang_versions.py's representative variants; ``python3 -m pytest -m slow`` (.ci/run's second pass)
   or ``-m ''`` runs the rest.
+* On a Hopper GPU, the kernels the selected ``gpu`` tests launch (tests/precompile.py: read off each item's
+  ``mla_kernels`` marker and parameters) are compiled in parallel, one process per variant on every CPU, into
+  TileLang's disk cache before the first test runs, instead of one after another as each test first needs one.
+  ``MLA_BACKEND_TEST_PRECOMPILE=0`` turns that off. At the end, any kernel a test launched that was not precompiled
+  is listed (a test whose marker misses a variant it builds).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import re
 
 import pytest
 import torch
+
+import precompile
 
 # A lowering: a fixture that lowers (lowered, lowered_tws, cuda_lowered, ...) or a call that does.
 _LOWERING_CALL = re.compile(r"(?<![\w.])(?:tilelang\.lower|tilelang\.compile|_lower\w*)\(|getfixturevalue\(\s*\S*lower")
@@ -48,3 +55,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+_PRECOMPILED = pytest.StashKey[list]()
+
+
+def pytest_collection_finish(session):
+    # after -m / -k selection: only the selected tests' kernels; not under --collect-only or on an xdist worker (each
+    # would compile the same variants)
+    config = session.config
+    if config.option.collectonly or hasattr(config, "workerinput"):
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    write_line = reporter.write_line if reporter is not None else print
+    config.stash[_PRECOMPILED] = precompile.precompile(session.items, write_line)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    names = config.stash.get(_PRECOMPILED, [])
+    missed = precompile.not_precompiled(names) if names else []
+    if missed:
+        terminalreporter.write_line(f"mla_backend: launched but not precompiled (add them to the tests' mla_kernels "
+                                    f"markers): {', '.join(missed)}")

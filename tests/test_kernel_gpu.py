@@ -1,8 +1,11 @@
-"""TileLang kernel vs the fp32 reference on the GPU (marked gpu: skipped without one)."""
+"""TileLang kernel vs the fp32 reference on the GPU (marked gpu: skipped without one).
+
+A test's kernels are 16 heads, q_len 1, page 64, bf16 and a cache of the q dtype, changed by its ``mla_kernels``
+marker and its heads / q_len / page_size / dtype / kv_dtype parameters (tests/precompile.py): tests/conftest.py compiles
+them all in parallel before the run. A test that launches another variant says so in its marker.
+"""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ import torch
 from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode, mla_decode_reference
 from mla_backend.dispatch import select_impl
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.mla_kernels]
 
 SCALE = 192**-0.5
 
@@ -81,24 +84,6 @@ def parts_per_request(plan, batch):
 
 RAGGED = [0, 1, 63, 65, 200, 1000, 64, 2049]
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
-# (heads, q_len, page_size, dtype, kv_dtype) of every test below, compiled up front in parallel.
-VARIANTS = ([(16, 1, p, BF16, BF16) for p in (1, 16, 32, 64, 128)] + [(h, 1, 64, BF16, BF16) for h in (1, 32, 64, 128)]
-            + [(16, 2, 64, BF16, BF16), (128, 2, 64, BF16, BF16), (16, 3, 16, BF16, BF16), (32, 4, 1, BF16, BF16),
-               (128, 4, 16, BF16, BF16), (16, 1, 64, FP16, FP16), (16, 1, 64, BF16, FP8), (16, 1, 64, FP16, FP8),
-               (16, 1, 1, BF16, FP8), (128, 2, 16, BF16, FP8), (16, 1, 16, BF16, FP8), (16, 1, 128, FP16, FP8),
-               (8, 2, 32, BF16, FP8), (128, 1, 1, BF16, BF16), (128, 1, 16, BF16, BF16), (128, 1, 32, BF16, BF16),
-               (64, 2, 16, BF16, BF16), (128, 2, 1, FP16, FP16)])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compiled_variants():
-    if not torch.cuda.is_available() or select_impl(torch.device("cuda"), BF16, BF16, 16, 1, 64).impl == "reference":
-        return
-    from mla_backend.kernels import runtime
-
-    arch = select_impl(torch.device("cuda"), BF16, BF16, 16, 1, 64).impl.split("-", 1)[1]
-    seconds = runtime.warmup([v + (arch,) for v in VARIANTS], workers=os.cpu_count() or 1)
-    print(f"\ncompiled/loaded {len(VARIANTS)} kernel variants in {seconds:.1f}s")
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 32, 64, 128])
@@ -131,6 +116,7 @@ def test_row_blocks_below_page_64(heads, q_len, page_size, dtype):
     check(*make_problem(lens, heads, q_len, page_size, dtype, seed=page_size + heads)[:4], dtype)
 
 
+@pytest.mark.mla_kernels(dtype=FP16)
 def test_fp16():
     _kernel_or_skip(dtype=torch.float16)
     check(*make_problem(RAGGED, 16, 1, 64, torch.float16, seed=5), torch.float16)
@@ -233,6 +219,7 @@ def test_long_and_zero(kv_dtype, lens, seed, rel_tol):
 @pytest.mark.parametrize("heads,q_len,page_size,dtype", [(16, 1, 64, BF16), (16, 1, 64, FP16), (16, 1, 1, BF16),
                                                          (128, 2, 16, BF16), (16, 1, 16, BF16), (16, 1, 128, FP16),
                                                          (8, 2, 32, BF16)])
+@pytest.mark.mla_kernels(kv_dtype=FP8)
 def test_fp8_cache(heads, q_len, page_size, dtype):
     _kernel_or_skip(dtype=dtype, kv_dtype=FP8, heads=heads, q_len=q_len, page_size=page_size)
     lens = RAGGED if q_len == 1 else [q_len, 63, 65, 300, 1500]
@@ -240,6 +227,7 @@ def test_fp8_cache(heads, q_len, page_size, dtype):
 
 
 @pytest.mark.parametrize("q_scale", [1e-3, 30.0])
+@pytest.mark.mla_kernels(kv_dtype=FP8)
 def test_fp8_cache_q_magnitudes(q_scale):
     """With an fp8 cache the Hopper kernel computes in fp16 and holds a bf16 q as fp16 x 2^-8: small and
     large q (peaked softmax) stay within tolerance of the fp32 reference."""
@@ -249,6 +237,7 @@ def test_fp8_cache_q_magnitudes(q_scale):
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.mla_kernels(kv_dtype=FP8)
 def test_fp8_dequant_is_exact(dtype):
     """Every e4m3 value (subnormals, +-0, 448) comes out exactly: with one visible position the output
     is k_scale * V of that row, and a power-of-two k_scale keeps it representable in bf16 / fp16."""
@@ -345,6 +334,7 @@ def torch_planner(fused: SplitPlanner, heads: int, q_len: int) -> SplitPlanner:
 
 
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 2), (32, 1)])
+@pytest.mark.mla_kernels(plans=(300,))
 def test_plan_kernel_matches_torch_planner(heads, q_len):
     """The one-launch planner (sm90) writes the same plan as the torch ops: ragged lengths with zeros and block
     edges, equal lengths (where the cut aligned to the requests wins), batches from 1 to the planner's max, an
@@ -370,6 +360,7 @@ def test_plan_kernel_matches_torch_planner(heads, q_len):
         assert torch.equal(a.cu_blocks[: batch + 1].cpu(), b.cu_blocks[: batch + 1]), (trial, lens)
 
 
+@pytest.mark.mla_kernels(plans=(512, 1024))
 def test_plan_kernels_warm_up_to_the_engine_batch():
     """warm_up_plan_kernels (SGLang's warm-up, for its eager planners) compiles one planner kernel per power of two up
     to the engine's max batch: a planner for 1000 requests built afterwards compiles nothing and plans as the torch
@@ -393,6 +384,7 @@ def test_plan_kernels_warm_up_to_the_engine_batch():
         assert torch.equal(getattr(a, name).cpu(), getattr(b, name)), name
 
 
+@pytest.mark.mla_kernels(plans=((2, 32),))  # the other block size: 96 - 64
 def test_plan_with_other_block_size_is_refused():
     """A plan cut in another kernel's KV blocks would index the wrong blocks: refused, naming both."""
     impl = _kernel_or_skip()
@@ -465,6 +457,7 @@ def test_waits_for_a_predecessor_that_triggers_early(heads, q_len):
 
 
 @pytest.mark.parametrize("backend", ["tvm_ffi", "cython"])
+@pytest.mark.mla_kernels(plans=(300,))
 def test_plan_kernel_waits_for_a_predecessor_that_triggers_early(backend, monkeypatch):
     """The one-launch planner waits for the stream's previous kernel before it reads ``kv_lens``, like the decode
     kernels. TileLang's default launcher (tvm_ffi) allows an early start only for kernels that wait; its cython

@@ -20,7 +20,7 @@ import torch
 from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode, mla_decode_reference
 from mla_backend.dispatch import select_impl
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.mla_kernels]  # kernels: tests/precompile.py
 
 SCALE = 192**-0.5
 BF16 = torch.bfloat16
@@ -125,6 +125,7 @@ def test_one_token_requests_beside_64k_ones():
 
 
 @pytest.mark.parametrize("batch", [256, 257])
+@pytest.mark.mla_kernels(plans=(257,))
 def test_batch_at_the_planners_max(batch):
     """A planner sized for exactly this batch (256 fills the plan kernel's smallest scan, 257 starts the next)."""
     impl = kernel_or_skip()

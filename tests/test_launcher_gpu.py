@@ -10,7 +10,7 @@ from mla_backend import (MLADecodeLauncher, MLADecodeMetadata, MLAInputError, Sp
                          mla_decode_reference)
 from mla_backend.dispatch import select_impl
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.mla_kernels]  # kernels: tests/precompile.py
 
 SCALE = 192**-0.5
 K_SCALE = 0.37

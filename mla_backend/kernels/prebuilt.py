@@ -156,14 +156,17 @@ def compile_variants(variants: list[tuple], plan_batches: tuple[int, ...] = (), 
     Without ``into_package`` each lands in TileLang's own cache (ahead-of-time warm-up of this machine). With it, the
     installed TileLang's release folder (``release_dir()``) is rebuilt from scratch: ``entries/<key>/`` and
     ``manifest.json``, which a wheel then carries; other releases' folders are kept.
-    ``progress(done, total, name, seconds)`` is called as each one finishes. Returns ``{name: seconds}``.
+    ``plan_batches``: the planner kernels' max batches, each an int (cut in ``block_n``-token blocks) or a
+    ``(max_batch, block_n)`` pair. ``progress(done, total, name, seconds)`` is called as each one finishes.
+    Returns ``{name: seconds}``.
     """
     import concurrent.futures
     import multiprocessing
     import tempfile
 
     tasks = [(variant_name(*v), tuple(v)) for v in variants]
-    tasks += [(plan_name(b, block_n), ("plan", b, block_n)) for b in plan_batches]
+    plans = [p if isinstance(p, tuple) else (p, block_n) for p in plan_batches]
+    tasks += [(plan_name(b, n), ("plan", b, n)) for b, n in plans]
     scratch = Path(tempfile.mkdtemp(prefix="mla_backend_compile_"))
     jobs = []
     for i, (name, spec) in enumerate(tasks):
