@@ -51,6 +51,16 @@ DEEPSEEK_V3_ATTENTION = {
     "attention_dropout": 0.0,
 }
 
+#: DeepSeek-V3's routing scheme, shared by both MoE sizes: sigmoid scores, grouped top-k with a correction bias.
+DEEPSEEK_ROUTING = {
+    "moe_layer_freq": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "ep_size": 1,
+}
+
 #: The shrunk rest: DeepSeek-V3's routing scheme (sigmoid scores, grouped top-k with a correction bias, one shared
 #: expert, the first layer dense) at 1/16 of its experts and 1/4 of their width.
 SMALL_MOE = {
@@ -62,12 +72,7 @@ SMALL_MOE = {
     "moe_intermediate_size": 512,
     "intermediate_size": 2048,  # the dense first layer's MLP
     "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "ep_size": 1,
+    **DEEPSEEK_ROUTING,
 }
 
 # A 32k vocabulary instead of DeepSeek's 129280: with only a few layers, a full-size output layer would be a large
@@ -90,12 +95,7 @@ DEEPSEEK_V3_MOE = {
     "moe_intermediate_size": 2048,
     "intermediate_size": 18432,  # the dense first layers' MLP
     "first_k_dense_replace": 3,
-    "moe_layer_freq": 1,
-    "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "ep_size": 1,
+    **DEEPSEEK_ROUTING,
 }
 DEEPSEEK_V3_HEADS = 128
 DEEPSEEK_V3_LAYERS = 61

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -221,6 +222,14 @@ def run_engine_process(spec: EngineSpec, session) -> dict:
             result["shutdown_error"] = f"{type(e).__name__}: {e}"
     write_result(spec.result_path, result)
     return result
+
+
+def engine_process_main(session_class, argv: list[str] | None = None) -> int:
+    """``python -m mla_backend.serve_bench.<engine>_runner SPEC_JSON``: one engine process; exit 0 when its workloads
+    ran or the engine refused the backend (a refusal is a result), 1 when it failed."""
+    spec = EngineSpec.load((sys.argv[1:] if argv is None else argv)[0])
+    result = run_engine_process(spec, session_class(spec))
+    return 0 if result["status"] in ("done", "refused") else 1
 
 
 # ----------------------------------------------------------------------------- records both engines build

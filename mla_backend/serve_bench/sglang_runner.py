@@ -26,7 +26,7 @@ from .measure import TokenTracker
 from .profile_trace import newest_trace
 from .random_weights import patch_sglang_dummy_weights
 from .runner_common import (EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
-                            mixed_repeat, read_profile, run_engine_process)
+                            mixed_repeat, read_profile, engine_process_main)
 from .workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, decode_max_tokens,
                         mixed_decoder_max_tokens, prompt_seed, token_prompts)
 
@@ -327,10 +327,7 @@ def _sampling(max_new_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    spec = EngineSpec.load(args[0])
-    result = run_engine_process(spec, SglangSession(spec))
-    return 0 if result["status"] in ("done", "refused") else 1
+    return engine_process_main(SglangSession, argv)
 
 
 if __name__ == "__main__":

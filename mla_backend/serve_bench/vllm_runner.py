@@ -20,7 +20,7 @@ from .measure import TokenTracker, median_or_none, request_tpots
 from .profile_trace import newest_trace
 from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
 from .runner_common import (EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
-                            mixed_repeat, read_profile, run_engine_process)
+                            mixed_repeat, read_profile, engine_process_main)
 from .workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, decode_max_tokens,
                         mixed_decoder_max_tokens, prompt_seed, token_prompts)
 
@@ -337,10 +337,7 @@ def throughput_repeat(outputs, seconds: float, load: ThroughputLoad) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    spec = EngineSpec.load(args[0])
-    result = run_engine_process(spec, VllmSession(spec))
-    return 0 if result["status"] in ("done", "refused") else 1
+    return engine_process_main(VllmSession, argv)
 
 
 if __name__ == "__main__":
