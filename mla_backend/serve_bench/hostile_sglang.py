@@ -25,7 +25,7 @@ import traceback
 from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger
 from .hostile_process import PROGRESS_EVERY_S, force_survivors, process_main
 from .runner_common import log_tail, write_result
-from .sglang_runner import INIT_ENV, bench_engine_class, prepare_process
+from .sglang_runner import INIT_ENV, bench_engine_class, prepare_process, read_server_info
 
 MTP_ARGS = dict(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1,
                 speculative_num_draft_tokens=2, speculative_draft_attention_backend="triton")
@@ -215,17 +215,11 @@ def run_load(spec: HostileSpec, result: dict) -> None:
 def introspect(engine) -> dict:
     import sglang
 
-    info = {"sglang": sglang.__version__}
-    try:
-        server = engine.get_server_info()
-        for key in ("max_total_num_tokens", "chunked_prefill_size", "page_size", "attention_backend",
-                    "disable_radix_cache", "speculative_algorithm", "speculative_draft_attention_backend",
-                    "max_running_requests", "context_length"):
-            if key in server:
-                info[key] = server[key]
-    except Exception as e:  # noqa: BLE001 - introspection only
-        info["introspection_error"] = f"{type(e).__name__}: {e}"
-    return info
+    fields, _ = read_server_info(engine, ("max_total_num_tokens", "chunked_prefill_size", "page_size",
+                                          "attention_backend", "disable_radix_cache", "speculative_algorithm",
+                                          "speculative_draft_attention_backend", "max_running_requests",
+                                          "context_length"))
+    return {"sglang": sglang.__version__, **fields}
 
 
 # ----------------------------------------------------------------------------- forced mode

@@ -119,6 +119,23 @@ def bench_engine_class():
     return BenchEngine
 
 
+#: The resolved settings a run's report records from ``Engine.get_server_info()``.
+SERVER_INFO_KEYS = ("attention_backend", "page_size", "kv_cache_dtype", "cuda_graph_max_bs_decode", "cuda_graph_max_bs",
+                    "max_running_requests", "context_length", "mem_fraction_static", "disable_cuda_graph",
+                    "disable_overlap_schedule", "tp_size", "dp_size", "attn_dp_size", "enable_dp_attention",
+                    "speculative_algorithm", "speculative_num_steps", "speculative_num_draft_tokens", "quantization")
+
+
+def read_server_info(engine, keys) -> tuple[dict, dict]:
+    """(the fields of ``keys`` the engine reports, its whole server info); introspection only, so a failure is
+    recorded as ``introspection_error`` (and the server info is empty) rather than raised."""
+    try:
+        server = engine.get_server_info()
+    except Exception as e:  # noqa: BLE001 - introspection only
+        return {"introspection_error": f"{type(e).__name__}: {e}"}, {}
+    return {key: server[key] for key in keys if key in server}, server
+
+
 def streamed_indices(count: int, streamed: int = STREAMED_REQUESTS) -> list[int]:
     """Which of ``count`` requests are streamed: evenly spread, always the first and the last."""
     if count <= streamed:
@@ -146,9 +163,8 @@ class SglangSession(EngineSession):
         return info
 
     def _introspect(self) -> dict:
-        info = {}
-        try:
-            server = self.engine.get_server_info()
+        info, server = read_server_info(self.engine, SERVER_INFO_KEYS)
+        if server:
             per_rank = server.get("max_total_num_tokens")
             # under DP attention each GPU's pool holds its own share of the requests: the run holds dp_size times one
             # rank's tokens (SGLang reports one rank's)
@@ -156,15 +172,6 @@ class SglangSession(EngineSession):
             info["kv_capacity_tokens"] = per_rank * replicas if per_rank else per_rank
             chunk = server.get("chunked_prefill_size")
             info["prefill_chunk_tokens"] = chunk if chunk and chunk > 0 else None
-            for key in ("attention_backend", "page_size", "kv_cache_dtype", "cuda_graph_max_bs_decode",
-                        "cuda_graph_max_bs", "max_running_requests", "context_length", "mem_fraction_static",
-                        "disable_cuda_graph", "disable_overlap_schedule", "tp_size", "dp_size", "attn_dp_size",
-                        "enable_dp_attention", "speculative_algorithm", "speculative_num_steps",
-                        "speculative_num_draft_tokens", "quantization"):
-                if key in server:
-                    info[key] = server[key]
-        except Exception as e:  # noqa: BLE001 - introspection only
-            info["introspection_error"] = f"{type(e).__name__}: {e}"
         return info
 
     def warmup(self) -> None:
