@@ -31,14 +31,15 @@ from pathlib import Path
 from . import hostile_report
 from .hostile_load import (FORCED, LOAD, HostileLoad, HostileSpec, check_load, concurrency_schedule,
                            forced_selection, load_to_dict, plan_request, shared_prefixes)
-from .model_config import HEAD_CHOICES_DOC, deepseek_v3_config, write_model_dir
+from . import sglang_runner, vllm_runner
+from .model_config import HEAD_CHOICES_DOC, deepseek_v3_config, write_config_dir
 
 HOSTILE = "hostile"
 ENGINES = {
-    "vllm": {"runner": "mla_backend.serve_bench.hostile_vllm", "backends": ("CUSTOM", "FLASHMLA", "FLASH_ATTN_MLA"),
-             "kv": {"auto": "auto", "fp8": "fp8"}},
-    "sglang": {"runner": "mla_backend.serve_bench.hostile_sglang", "backends": ("tilelang_mla", "flashmla", "triton"),
-               "kv": {"auto": "auto", "fp8": "fp8_e4m3"}},
+    "vllm": {"runner": "mla_backend.serve_bench.hostile_vllm",
+             "backends": (vllm_runner.OURS, "FLASHMLA", "FLASH_ATTN_MLA"), "kv": vllm_runner.KV_CACHE_DTYPES},
+    "sglang": {"runner": "mla_backend.serve_bench.hostile_sglang",
+               "backends": (sglang_runner.OURS, "flashmla", "triton"), "kv": sglang_runner.KV_CACHE_DTYPES},
 }
 # Seconds planned for what is not the load itself (engine starts with compile and CUDA graphs as seen on an H100,
 # forcing the survivors, the drain of the last requests); --duration must leave room for them within --budget.
@@ -92,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...]]:
-    """The load and the backends; ValueError names the argument, its value and what is supported."""
+def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...], dict]:
+    """The load, the backends and the model's config.json contents; ValueError names the argument, its value and
+    what is supported."""
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if workloads != [HOSTILE]:
         raise ValueError(f"--workloads {args.workloads!r}: hostile runs alone; give the other workloads their own "
@@ -103,7 +105,7 @@ def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...]]:
     backends = tuple(b.upper() if args.engine == "vllm" else b.lower() for b in backends)
     if not 1 <= len(backends) <= 3:
         raise ValueError(f"--backends {args.backends!r}: give 1 to 3 backends (under load, reference, baseline)")
-    deepseek_v3_config(args.heads, args.layers)  # raises on impossible shapes
+    model_config = deepseek_v3_config(args.heads, args.layers)  # raises on impossible shapes
     reserve = LOAD_START_S + FORCED_ENGINE_S * (len(backends) - 1) + DRAIN_S
     duration = args.duration if args.duration is not None else args.budget - reserve
     if duration <= 0 or duration + reserve > args.budget:
@@ -114,7 +116,7 @@ def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...]]:
                        phase_s=args.phase_seconds, prefix_share=args.prefix_share, abort_share=args.abort_share,
                        mtp=args.mtp == "on", forced_requests=args.forced_requests, seed=args.seed)
     check_load(load)
-    return load, backends
+    return load, backends, model_config
 
 
 def describe(load: HostileLoad, backends: tuple[str, ...], vocab_size: int, requests: int = 12) -> list[str]:
@@ -137,14 +139,14 @@ def _dash(value) -> str:
     return "-" if value is None else str(value)
 
 
-def run_phase(engine: str, mode: str, backend: str, load: HostileLoad, args, model_dir: Path, work: Path,
-              out_dir: Path, deadline: float, sequences: Path | None = None) -> dict:
+def run_phase(engine: str, mode: str, backend: str, load: HostileLoad, args, model_dir: Path, vocab_size: int,
+              work: Path, out_dir: Path, deadline: float, sequences: Path | None = None) -> dict:
     """One engine process; returns its result file (or why there is none)."""
     from .driver import run_engine  # the serve-bench driver's process handling (process group, kill, result)
 
     name = f"{mode}-{backend}"
     spec = HostileSpec(mode=mode, engine=engine, backend=backend, model_dir=str(model_dir),
-                       vocab_size=deepseek_v3_config(args.heads, args.layers)["vocab_size"], load=load_to_dict(load),
+                       vocab_size=vocab_size, load=load_to_dict(load),
                        result_path=str(work / f"{name}.result.json"), log_path=str(out_dir / f"hostile-{name}.log"),
                        kv_cache_dtype=ENGINES[engine]["kv"][args.kv_cache_dtype],
                        gpu_memory_fraction=args.gpu_memory_fraction,
@@ -157,15 +159,17 @@ def run_phase(engine: str, mode: str, backend: str, load: HostileLoad, args, mod
     return result
 
 
-def run(args, load: HostileLoad, backends: tuple[str, ...], out_dir: Path) -> dict:
+def run(args, load: HostileLoad, backends: tuple[str, ...], model_config: dict, out_dir: Path) -> dict:
     start = time.time()
     end = start + args.budget
     forced_results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="hostile_") as tmp:
         work = Path(tmp)
-        model_dir = write_model_dir(work / "model", args.heads, args.layers)
+        model_dir = write_config_dir(work / "model", model_config)
+        vocab_size = model_config["vocab_size"]
         load_deadline = end - FORCED_ENGINE_S * (len(backends) - 1) - KILL_GRACE_S
-        load_result = run_phase(args.engine, LOAD, backends[0], load, args, model_dir, work, out_dir, load_deadline)
+        load_result = run_phase(args.engine, LOAD, backends[0], load, args, model_dir, vocab_size, work, out_dir,
+                                load_deadline)
         survivors = forced_selection(load_result.get("records", []), load.forced_requests)
         sequences = work / "survivors.json"
         sequences.write_text(json.dumps([{"index": r["index"], "output": r["output"]} for r in survivors]))
@@ -175,8 +179,8 @@ def run(args, load: HostileLoad, backends: tuple[str, ...], out_dir: Path) -> di
                 continue
             left = len(backends) - 1 - i
             deadline = time.time() + (end - time.time() - KILL_GRACE_S) / left
-            forced_results[backend] = run_phase(args.engine, FORCED, backend, load, args, model_dir, work, out_dir,
-                                                deadline, sequences)
+            forced_results[backend] = run_phase(args.engine, FORCED, backend, load, args, model_dir, vocab_size, work,
+                                                out_dir, deadline, sequences)
     summary = hostile_report.summarize(load_result, forced_results, args.agreement_margin)
     engine_info = load_result.get("engine_info", {})
     return {"engine": args.engine, "engine_version": engine_info.get(args.engine), "ours": backends[0],
@@ -192,12 +196,11 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        load, backends = resolve(args)
+        load, backends, model_config = resolve(args)
     except ValueError as e:
         parser.error(str(e))
-    vocab_size = deepseek_v3_config(args.heads, args.layers)["vocab_size"]
     if args.dry_run:
-        print("\n".join(describe(load, backends, vocab_size)))
+        print("\n".join(describe(load, backends, model_config["vocab_size"])))
         return 0
     from .driver import NOTHING_RAN, run_blocker
 
@@ -207,7 +210,7 @@ def main(argv: list[str]) -> int:
         return NOTHING_RAN
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    report = run(args, load, backends, out_dir)
+    report = run(args, load, backends, model_config, out_dir)
     files = hostile_report.write_outputs(out_dir, report)
     print("\n" + hostile_report.markdown(report))
     print(f"[hostile] wrote {', '.join(files)}")
