@@ -133,3 +133,14 @@ def test_launcher_refuses_to_build_during_capture():
     with pytest.raises(MLAInputError, match="built during CUDA-graph capture"):
         with torch.cuda.graph(graph):
             MLADecodeLauncher("cuda", 16, page_size=PAGE, dtype=BF16, softmax_scale=SCALE)
+
+
+def test_launch_entries_keep_the_gil():
+    """tvm-ffi functions release the GIL by default; the launch entries must not (an engine's IO threads would take it
+    in the middle of a step)."""
+    _kernel_or_skip(16, 1, BF16)
+    variant = MLADecodeLauncher("cuda", 16, page_size=PAGE, dtype=BF16, softmax_scale=SCALE).variant(1)
+    entries = [k for k in variant.kernels[:4] if k is not None and hasattr(type(k), "release_gil")]
+    if not entries:
+        pytest.skip("this TileLang release launches through its kernel objects, not tvm-ffi functions")
+    assert [k.release_gil for k in entries] == [False] * len(entries)

@@ -69,6 +69,11 @@ def launch_entry(kernel, num_args: int):
     checks every argument's dtype, shape and device. The function is returned where the kernel runs through tvm-ffi,
     allocates no output and takes ``num_args`` arguments; anything else (another release or execution backend) keeps
     the kernel object.
+
+    The function keeps the GIL while it launches, as torch's own ops do. tvm-ffi releases it by default
+    (``TVM_FFI_RELEASE_GIL_BY_DEFAULT``); a launch returns in microseconds, but a released GIL lets another Python
+    thread of the engine (vLLM's engine-core IO threads) take it, and the launching thread then waits for that thread
+    to give it back in the middle of a step.
     """
     import tilelang
     from tilelang import tvm
@@ -81,7 +86,10 @@ def launch_entry(kernel, num_args: int):
     module = adapter.executable
     if isinstance(module, tvm.runtime.Executable):
         module = module.jit()
-    return module.get_function("main")
+    function = module.get_function("main")
+    if hasattr(type(function), "release_gil"):
+        function.release_gil = False
+    return function
 
 
 def launch_entries(kernels: Kernels) -> Kernels:
