@@ -30,7 +30,11 @@ import time
 
 import torch
 
-LATENT, ROPE, HEAD = 512, 64, 576
+from .cli import nothing_ran
+from .constants import HEAD_DIM as HEAD
+from .constants import KV_LORA_RANK as LATENT
+from .constants import ROPE_DIM as ROPE
+
 QO = HEAD + LATENT  # q (576) + out (512) elements per (token, head)
 SOFTMAX_SCALE = 192 ** -0.5
 K_SCALE = 0.5  # non-unit fp8 dequantisation scale
@@ -625,7 +629,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-NOTHING_RAN = 2  # exit status when nothing was timed (no GPU, no matching config, every implementation failed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -645,12 +648,10 @@ def main(argv: list[str] | None = None) -> int:
         dry_run(cfgs, impls, args.fp8)
         return 0
     if not torch.cuda.is_available():
-        print(f"mla-backend bench: no CUDA GPU visible to torch {torch.__version__}; nothing to time "
-              "(--dry-run lists the configs with their bytes and FLOP).", file=sys.stderr)
-        return NOTHING_RAN
+        return nothing_ran("bench", f"no CUDA GPU visible to torch {torch.__version__}; nothing to time "
+                           "(--dry-run lists the configs with their bytes and FLOP).")
     if not cfgs:
-        print("mla-backend bench: no config matches the filter; nothing to time.", file=sys.stderr)
-        return NOTHING_RAN
+        return nothing_ran("bench", "no config matches the filter; nothing to time.")
     import logging
 
     log = logging.getLogger("mla_backend")
@@ -675,9 +676,7 @@ def main(argv: list[str] | None = None) -> int:
           "(below 1: ours is faster).")
     print("\n".join(table(results, impls)))
     if not any("us" in v for r in results for v in r["impls"].values()):
-        print("mla-backend bench: no implementation was timed on any config (see the skips and errors above).",
-              file=sys.stderr)
-        return NOTHING_RAN
+        return nothing_ran("bench", "no implementation was timed on any config (see the skips and errors above).")
     return 0
 
 

@@ -13,6 +13,13 @@ import platform
 import sys
 
 SCALE = 192**-0.5  # DeepSeek-V3's softmax scale (qk_nope 128 + rope 64), without the yarn factor
+NOTHING_RAN = 2  # exit status of bench / serve-bench when nothing was measured (no GPU, nothing installed, all failed)
+
+
+def nothing_ran(command: str, reason: str) -> int:
+    """Says on stderr why ``mla-backend command`` measured nothing and returns :data:`NOTHING_RAN`."""
+    print(f"mla-backend {command}: {reason}", file=sys.stderr)
+    return NOTHING_RAN
 
 
 def _version(dist: str) -> str:

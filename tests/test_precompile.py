@@ -31,6 +31,22 @@ ADVERSARIAL = [(16, 1, 1, BF16, BF16), (16, 1, 64, BF16, BF16), (16, 2, 64, BF16
 LAUNCHER = [(h, q, 64, BF16, kv) for h in (16, 32, 128) for q in (1, 2) for kv in (BF16, FP8)]
 
 
+def cache_entries(cache: Path) -> list[Path]:
+    """The kernel entries of a TileLang cache holding one release."""
+    from mla_backend.kernels.prebuilt import _entries_dir
+
+    root = _entries_dir(cache)
+    return sorted(p for p in root.iterdir() if not p.name.startswith(".")) if root else []
+
+
+@pytest.mark.parametrize("layout", ["0.1.9-linux_x86_64/kernels", "0.1.15/linux-x86_64/kernels"])
+def test_cache_entries_in_each_tilelang_layout(tmp_path, layout):
+    (tmp_path / layout / "abc").mkdir(parents=True)
+    (tmp_path / layout.rsplit("/", 1)[0] / "staging").mkdir()
+    assert cache_entries(tmp_path) == [tmp_path / layout / "abc"]
+    assert cache_entries(tmp_path / "empty") == []
+
+
 def collect(*args) -> list:
     """The items a ``pytest --collect-only`` of ``args`` selects (tests/conftest.py loaded, so no GPU: nothing built)."""
     items = []
@@ -153,10 +169,10 @@ def test_precompiled_item_loads_without_compiling(gpu_items, tmp_path, monkeypat
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
     names, _ = precompile.compile_for_sm90(*precompile.collected_kernels([item]), workers=2)
     assert sorted(names) == ["h16-q2-p64-bfloat16-bfloat16", "plan-b256-n64"]
-    entries = sorted(p for p in cache.glob("*/kernels/*") if not p.name.startswith("."))
+    entries = cache_entries(cache)
     assert len(entries) == 5  # split, three combines, planner
     run = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TILELANG_CACHE_DIR": str(cache)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert "begins to compile" not in run.stdout + run.stderr
-    assert sorted(p for p in cache.glob("*/kernels/*") if not p.name.startswith(".")) == entries
+    assert cache_entries(cache) == entries

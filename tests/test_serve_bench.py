@@ -446,7 +446,7 @@ def test_alone_command_replaces_the_backend_list():
 # ----------------------------------------------------------------------------- command line
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit status where there is no GPU")
 def test_no_gpu_exits_with_status_2_and_says_why(capsys):
-    assert cli.main(["serve-bench", "--engine", "vllm"]) == driver.NOTHING_RAN == 2
+    assert cli.main(["serve-bench", "--engine", "vllm"]) == cli.NOTHING_RAN == 2
     assert "no CUDA GPU" in capsys.readouterr().err
 
 
@@ -480,7 +480,7 @@ def test_vllm_engine_args_accept_the_runner_s_arguments(tmp_path, kv, init):
         from mla_backend.serve_bench.random_weights import register_vllm_scaled_loader
 
         register_vllm_scaled_loader()
-    for backend in vllm_runner.BACKENDS:
+    for backend in vllm_runner.ENGINE.backends:
         assert AttentionBackendEnum[backend].name == backend  # a name vLLM 0.26 knows
         spec = _engine_spec("vllm", backend, model_dir, tmp_path, kv, init)
         args = EngineArgs(**vllm_runner.engine_kwargs(spec))
@@ -514,7 +514,7 @@ def test_sglang_server_args_accept_the_runner_s_arguments(tmp_path, kv):
     ServerArgs.add_cli_args(cli)
     choices = {a.dest: a.choices for a in cli._actions if a.choices}  # ServerArgs checks names, the CLI values
     model_dir = write_model_dir(tmp_path / "model", heads=16, layers=4)
-    for backend in sglang_runner.BACKENDS:
+    for backend in sglang_runner.ENGINE.backends:
         spec = _engine_spec("sglang", backend, model_dir, tmp_path, kv)
         kwargs = sglang_runner.server_kwargs(spec)
         for key, value in kwargs.items():
@@ -532,5 +532,6 @@ def test_sglang_server_args_accept_the_runner_s_arguments(tmp_path, kv):
 def test_streamed_sample_includes_the_last_submitted_request():
     assert sglang_runner.streamed_indices(256) == [0, 36, 73, 109, 146, 182, 219, 255]
     assert sglang_runner.streamed_indices(3) == [0, 1, 2]
-    assert sys.modules["mla_backend.serve_bench.sglang_runner"].OURS == sglang_runner.BACKENDS[0] == "tilelang_mla"
-    assert vllm_runner.OURS == vllm_runner.BACKENDS[0] == "CUSTOM"
+    sglang_engine = sys.modules["mla_backend.serve_bench.sglang_runner"].ENGINE
+    assert sglang_engine.ours == sglang_runner.ENGINE.backends[0] == "tilelang_mla"
+    assert vllm_runner.ENGINE.ours == vllm_runner.ENGINE.backends[0] == "CUSTOM"

@@ -62,11 +62,21 @@ def compat_pass_configs() -> dict:
     body such as a request segment (``if blk_hi > blk_lo:``) into separately guarded statements and substitutes
     its scalar binds (``tok0 = qo_indptr[req]``, ``kv_len = kv_lens[req]``, ...) at every use. The ws kernel's
     consumer warpgroups then spill under their setmaxnreg budgets (0.1.12: 300 B, 0.1.15: 280 B; 0.1.9: none).
+
+    ``tl.disable_buffer_init_check`` (TileLang >= 0.1.15, a check only, no effect on the code): the check reads each
+    warpgroup's code alone, so the shared buffers one warpgroup writes and another reads after a barrier
+    (``p_shared``, ``alpha_slots``) look read before written, and every compile logged three false warnings.
     """
     import tilelang
 
-    key = getattr(tilelang.PassConfigKey, "TL_IF_STMT_BINDING_INLINE_REPLAYABLE_BINDS", None)
-    return {} if key is None else {key.value if hasattr(key, "value") else key: False}
+    keys = tilelang.PassConfigKey
+    settings = {"TL_IF_STMT_BINDING_INLINE_REPLAYABLE_BINDS": False, "TL_DISABLE_BUFFER_INIT_CHECK": True}
+    configs = {}
+    for name, value in settings.items():
+        key = getattr(keys, name, None)
+        if key is not None:
+            configs[key.value if hasattr(key, "value") else key] = value
+    return configs
 
 
 def kernel_launch(*blocks, threads: int, prelude: str | None = None, cluster_dims: tuple | None = None):

@@ -70,8 +70,9 @@ def packaged_releases() -> list[str]:
 
 
 def _entries_dir(cache_dir: Path) -> Path | None:
-    """The folder of entries under a TileLang cache: ``<version>-<platform>/kernels`` (one TileLang per cache here)."""
-    found = sorted(cache_dir.glob("*/kernels"))
+    """The folder of entries under a TileLang cache (one TileLang per cache here): ``<version>-<platform>/kernels``
+    up to 0.1.12, ``<version>/<platform>-<machine>/kernels`` from 0.1.15."""
+    found = sorted(p for pattern in ("*/kernels", "*/*/kernels") for p in cache_dir.glob(pattern) if p.is_dir())
     return found[0] if found else None
 
 

@@ -29,42 +29,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cli import nothing_ran
 from . import hostile, sglang_runner, vllm_runner
 from .model_config import (DEFAULT_MODEL, HEAD_CHOICES_DOC, MODEL_CHOICES, kv_bytes_per_token, parameter_counts,
                            write_config_dir)
 from .parallel import (MAX_SPECULATIVE_TOKENS, GpuInventory, ParallelOptions, check_parallel_options, detect_gpus,
                        resolve_model)
-from .runner_common import EngineSpec, log_tail
+from .runner_common import EngineChoice, EngineSpec, log_tail
 from .weight_memory import GIB, engine_budget_bytes, weight_bytes_per_gpu
 from .workloads import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, WORKLOAD_KINDS, MeasurePlan, build_workloads, context_label,
                         kv_tokens_needed, longest_request, most_requests, workload_to_dict)
 
-NOTHING_RAN = 2  # exit status when nothing was measured (no GPU, engine not installed, every backend failed)
 KILL_GRACE_S = 60.0  # an engine process past the budget gets this long to write its results before it is killed
 GPU_RELEASE_S = 3.0  # pause between engines, so that the previous one's GPU memory is back
 DEFAULT_BUDGET_S = 3600
 DEFAULT_ENGINE_TIMEOUT_S = 1800  # a hung engine must not take the whole budget
 
 
-@dataclass(frozen=True)
-class EngineChoice:
-    """What the driver needs to know about an engine (its runner module holds the rest)."""
-
-    name: str
-    runner: str  # module run as the engine process
-    backends: tuple[str, ...]  # ours first
-    ours: str
-    kv_cache_dtypes: dict[str, str]
-    page_size: int
-    first_engine_estimate_s: float  # an engine's start plus the default workloads, before one has run
-
-
-ENGINES = {
-    "vllm": EngineChoice("vllm", "mla_backend.serve_bench.vllm_runner", vllm_runner.BACKENDS, vllm_runner.OURS,
-                         vllm_runner.KV_CACHE_DTYPES, vllm_runner.BLOCK_SIZE, 420.0),
-    "sglang": EngineChoice("sglang", "mla_backend.serve_bench.sglang_runner", sglang_runner.BACKENDS,
-                           sglang_runner.OURS, sglang_runner.KV_CACHE_DTYPES, sglang_runner.PAGE_SIZE, 420.0),
-}
+ENGINES = {engine.name: engine for engine in (vllm_runner.ENGINE, sglang_runner.ENGINE)}
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -83,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mla-backend serve-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--engine", required=True, choices=sorted(ENGINES))
-    p.add_argument("--backends", help="comma list, ours first by default; vLLM: " + ",".join(vllm_runner.BACKENDS)
-                   + "; SGLang: " + ",".join(sglang_runner.BACKENDS))
+    p.add_argument("--backends", help="comma list, ours first by default; vLLM: " + ",".join(vllm_runner.ENGINE.backends)
+                   + "; SGLang: " + ",".join(sglang_runner.ENGINE.backends))
     p.add_argument("--workloads", default=",".join(WORKLOAD_KINDS), help="comma list of " + ",".join(WORKLOAD_KINDS))
     p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="decode batch sizes")
     p.add_argument("--contexts", default=",".join(context_label(c) for c in DEFAULT_CONTEXTS),
@@ -377,9 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     blocker = run_blocker(args.engine)
     if blocker:
-        print(f"mla-backend serve-bench: {blocker}; nothing to measure (--dry-run lists the model and the workloads).",
-              file=sys.stderr)
-        return NOTHING_RAN
+        return nothing_ran("serve-bench", f"{blocker}; nothing to measure (--dry-run lists the model and the "
+                                          "workloads).")
     from . import report
 
     out_dir = Path(args.out_dir).resolve()
@@ -396,11 +377,5 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + report.markdown(data))
     print(f"[serve-bench] wrote {', '.join(files)}")
     if not report.anything_measured(data):
-        print("mla-backend serve-bench: no workload was measured on any backend (see the reasons above).",
-              file=sys.stderr)
-        return NOTHING_RAN
+        return nothing_ran("serve-bench", "no workload was measured on any backend (see the reasons above).")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -37,9 +37,11 @@ from .model_config import HEAD_CHOICES_DOC, deepseek_v3_config, write_config_dir
 HOSTILE = "hostile"
 ENGINES = {
     "vllm": {"runner": "mla_backend.serve_bench.hostile_vllm",
-             "backends": (vllm_runner.OURS, "FLASHMLA", "FLASH_ATTN_MLA"), "kv": vllm_runner.KV_CACHE_DTYPES},
+             "backends": (vllm_runner.ENGINE.ours, "FLASHMLA", "FLASH_ATTN_MLA"),
+             "kv": vllm_runner.ENGINE.kv_cache_dtypes},
     "sglang": {"runner": "mla_backend.serve_bench.hostile_sglang",
-               "backends": (sglang_runner.OURS, "flashmla", "triton"), "kv": sglang_runner.KV_CACHE_DTYPES},
+               "backends": (sglang_runner.ENGINE.ours, "flashmla", "triton"),
+               "kv": sglang_runner.ENGINE.kv_cache_dtypes},
 }
 # Seconds planned for what is not the load itself (engine starts with compile and CUDA graphs as seen on an H100,
 # forcing the survivors, the drain of the last requests); --duration must leave room for them within --budget.
@@ -202,12 +204,12 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         print("\n".join(describe(load, backends, model_config["vocab_size"])))
         return 0
-    from .driver import NOTHING_RAN, run_blocker
+    from ..cli import NOTHING_RAN, nothing_ran
+    from .driver import run_blocker
 
     blocker = run_blocker(args.engine)
     if blocker:
-        print(f"mla-backend serve-bench: {blocker}; the hostile load cannot run (--dry-run lists it).", file=sys.stderr)
-        return NOTHING_RAN
+        return nothing_ran("serve-bench", f"{blocker}; the hostile load cannot run (--dry-run lists it).")
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     report = run(args, load, backends, model_config, out_dir)

@@ -21,7 +21,8 @@ from pathlib import Path
 from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
 from .profile_trace import kernel_breakdown, load_trace_events, newest_trace
 from .workloads import (MIN_PREFILL_CHUNK, DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, Workload,
-                        kv_tokens_needed, workload_from_dict, workload_to_dict)
+                        decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed, token_prompts, workload_from_dict,
+                        workload_to_dict)
 
 # A workload does not start with less than this left before the deadline (a decode cell takes 5-60 s).
 MIN_WORKLOAD_S = 30.0
@@ -259,9 +260,23 @@ def mixed_repeat(tracker: TokenTracker, decoders: list[str], long_prompts: list[
             "window_s": seconds}
 
 
+@dataclass(frozen=True)
+class EngineChoice:
+    """What the driver and the hostile load need to know about an engine (its runner module holds the rest)."""
+
+    name: str
+    runner: str  # module run as the engine process
+    backends: tuple[str, ...]  # ours first
+    ours: str
+    kv_cache_dtypes: dict[str, str]  # the engine's spelling of the CLI's --kv-cache-dtype values
+    page_size: int  # every backend's
+    first_engine_estimate_s: float = 420.0  # an engine's start plus the default workloads, before one has run
+
+
 class EngineSession:
     """The interface :func:`run_engine_process` drives; each engine runner subclasses it."""
 
+    spec: EngineSpec
     kv_capacity_tokens: int | None = None
     prefill_chunk_tokens: int = MIN_PREFILL_CHUNK
 
@@ -286,6 +301,22 @@ class EngineSession:
 
     def mixed(self, load: MixedLoad, plan: MeasurePlan) -> dict:
         raise NotImplementedError
+
+    def decode_inputs(self, cell: DecodeCell, plan: MeasurePlan) -> tuple[list, int]:
+        """A decode cell's prompts and the tokens each request generates (its windows, within the model length)."""
+        prompts = token_prompts(cell.batch, cell.context, self.spec.vocab_size, prompt_seed(cell, plan))
+        return prompts, min(decode_max_tokens(cell, plan, self.prefill_chunk_tokens),
+                            self.spec.max_model_len - cell.context)
+
+    def mixed_inputs(self, load: MixedLoad, plan: MeasurePlan) -> tuple[list, list, int]:
+        """The mixed load's decoder prompts, long prompts and the tokens each decoder generates."""
+        decoder_prompts = token_prompts(load.decoders, load.decoder_context, self.spec.vocab_size,
+                                        prompt_seed(load, plan, 0))
+        long_prompts = token_prompts(load.long_prompts, load.long_context, self.spec.vocab_size,
+                                     prompt_seed(load, plan, 1))
+        decoder_tokens = min(mixed_decoder_max_tokens(load, plan, self.prefill_chunk_tokens),
+                             self.spec.max_model_len - load.decoder_context)
+        return decoder_prompts, long_prompts, decoder_tokens
 
     def shutdown(self) -> None:
         pass

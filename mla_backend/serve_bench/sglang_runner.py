@@ -25,18 +25,14 @@ import time
 from .measure import TokenTracker
 from .profile_trace import newest_trace
 from .random_weights import patch_sglang_dummy_weights
-from .runner_common import (EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
+from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
                             mixed_repeat, read_profile, engine_process_main)
-from .workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, decode_max_tokens,
-                        mixed_decoder_max_tokens, prompt_seed, token_prompts)
+from .workloads import DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed, token_prompts
 
-ENGINE = "sglang"
-OURS = "tilelang_mla"
-BACKENDS = (OURS, "flashmla", "fa3", "triton", "flashinfer")
-#: SGLang's spelling of the CLI's --kv-cache-dtype values.
-KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3"}
-#: Every backend gets page 64 (FlashMLA's only size; SGLang does not pick one for an out-of-tree backend).
-PAGE_SIZE = 64
+#: Page 64 for every backend (FlashMLA's only size; SGLang does not pick one for an out-of-tree backend).
+ENGINE = EngineChoice("sglang", "mla_backend.serve_bench.sglang_runner",
+                      ("tilelang_mla", "flashmla", "fa3", "triton", "flashinfer"), "tilelang_mla",
+                      {"auto": "auto", "fp8": "fp8_e4m3"}, page_size=64)
 INIT_ENV = "MLA_SERVE_BENCH_INIT"  # read by the scheduler processes
 STREAMED_REQUESTS = 8
 POLL_S = 0.001
@@ -253,8 +249,7 @@ class SglangSession(EngineSession):
 
     # ------------------------------------------------------------------------- workloads
     def decode_cell(self, cell: DecodeCell, plan: MeasurePlan) -> dict:
-        prompts = token_prompts(cell.batch, cell.context, self.spec.vocab_size, prompt_seed(cell, plan))
-        max_new = min(decode_max_tokens(cell, plan, self.prefill_chunk_tokens), self.spec.max_model_len - cell.context)
+        prompts, max_new = self.decode_inputs(cell, plan)
         return self._run(self._decode_cell(cell, plan, prompts, max_new))
 
     async def _decode_cell(self, cell: DecodeCell, plan: MeasurePlan, prompts, max_new: int) -> dict:
@@ -296,12 +291,7 @@ class SglangSession(EngineSession):
         return measurement(load, repeats)
 
     def mixed(self, load: MixedLoad, plan: MeasurePlan) -> dict:
-        decoder_prompts = token_prompts(load.decoders, load.decoder_context, self.spec.vocab_size,
-                                        prompt_seed(load, plan, 0))
-        long_prompts = token_prompts(load.long_prompts, load.long_context, self.spec.vocab_size,
-                                     prompt_seed(load, plan, 1))
-        decoder_tokens = min(mixed_decoder_max_tokens(load, plan, self.prefill_chunk_tokens),
-                             self.spec.max_model_len - load.decoder_context)
+        decoder_prompts, long_prompts, decoder_tokens = self.mixed_inputs(load, plan)
         repeats = [self._run(self._mixed(load, plan, r, decoder_prompts, long_prompts, decoder_tokens))
                    for r in range(plan.repeats)]
         return measurement(load, repeats)

@@ -19,19 +19,15 @@ import time
 from .measure import TokenTracker, median_or_none, request_tpots
 from .profile_trace import newest_trace
 from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
-from .runner_common import (EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
+from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
                             mixed_repeat, read_profile, engine_process_main)
-from .workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, decode_max_tokens,
-                        mixed_decoder_max_tokens, prompt_seed, token_prompts)
+from .workloads import DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed, token_prompts
 
-ENGINE = "vllm"
-OURS = "CUSTOM"
-#: Ours first, then the built-in MLA backends (FLASH_ATTN_MLA is vLLM 0.26's default on Hopper).
-BACKENDS = (OURS, "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA", "FLASHINFER_MLA")
-#: vLLM's spelling of the CLI's --kv-cache-dtype values.
-KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8"}
-#: The page size every backend gets: FlashMLA's only one, the one ours is fastest with.
-BLOCK_SIZE = 64
+#: Ours first, then the built-in MLA backends (FLASH_ATTN_MLA is vLLM 0.26's default on Hopper); page 64 for every
+#: backend: FlashMLA's only size, the one ours is fastest with.
+ENGINE = EngineChoice("vllm", "mla_backend.serve_bench.vllm_runner",
+                      ("CUSTOM", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA", "FLASHINFER_MLA"), "CUSTOM",
+                      {"auto": "auto", "fp8": "fp8"}, page_size=64)
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT = "mla_backend.vllm_plugin:register"
 WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 4, 512, 8
@@ -249,9 +245,7 @@ class VllmSession(EngineSession):
 
     # ------------------------------------------------------------------------- workloads
     def decode_cell(self, cell: DecodeCell, plan: MeasurePlan) -> dict:
-        prompts = token_prompts(cell.batch, cell.context, self.spec.vocab_size, prompt_seed(cell, plan))
-        max_tokens = min(decode_max_tokens(cell, plan, self.prefill_chunk_tokens),
-                         self.spec.max_model_len - cell.context)
+        prompts, max_tokens = self.decode_inputs(cell, plan)
         tracker = TokenTracker()
         submitted = time.monotonic()
         keys = self._submit(tracker, prompts, max_tokens, f"b{cell.batch}c{cell.context}")
@@ -291,12 +285,7 @@ class VllmSession(EngineSession):
         return measurement(load, repeats)
 
     def mixed(self, load: MixedLoad, plan: MeasurePlan) -> dict:
-        decoder_prompts = token_prompts(load.decoders, load.decoder_context, self.spec.vocab_size,
-                                        prompt_seed(load, plan, 0))
-        long_prompts = token_prompts(load.long_prompts, load.long_context, self.spec.vocab_size,
-                                     prompt_seed(load, plan, 1))
-        decoder_tokens = min(mixed_decoder_max_tokens(load, plan, self.prefill_chunk_tokens),
-                             self.spec.max_model_len - load.decoder_context)
+        decoder_prompts, long_prompts, decoder_tokens = self.mixed_inputs(load, plan)
         repeats = []
         for r in range(plan.repeats):
             tracker = TokenTracker()

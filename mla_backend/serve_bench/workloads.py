@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 DECODE, THROUGHPUT, MIXED = "decode", "throughput", "mixed"
 WORKLOAD_KINDS = (DECODE, THROUGHPUT, MIXED)
@@ -25,22 +26,30 @@ def context_label(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
 
+class _Named:
+    """A workload's ``name``: its class's ``label`` filled with its fields, context lengths as ``4k``."""
+
+    label: ClassVar[str]
+
+    @property
+    def name(self) -> str:
+        fields = dataclasses.asdict(self)
+        return self.label.format(**{k: context_label(v) if k.endswith("context") else v for k, v in fields.items()})
+
+
 @dataclass(frozen=True)
-class DecodeCell:
+class DecodeCell(_Named):
     """``batch`` requests of ``context`` prompt tokens, prefilled once; then decode steps of the whole batch are
     timed (TPOT), in windows of :attr:`MeasurePlan.window_steps` steps, one window per repeat."""
 
     batch: int
     context: int
     kind: str = DECODE
-
-    @property
-    def name(self) -> str:
-        return f"decode b{self.batch} {context_label(self.context)}"
+    label: ClassVar[str] = "decode b{batch} {context}"
 
 
 @dataclass(frozen=True)
-class ThroughputLoad:
+class ThroughputLoad(_Named):
     """Offline throughput, decode-heavy: all prompts submitted at once, each generating ``output_len`` tokens
     (ignore_eos); output tokens per second of the whole generate call, once per repeat."""
 
@@ -48,14 +57,11 @@ class ThroughputLoad:
     input_len: int = 128
     output_len: int = 512
     kind: str = THROUGHPUT
-
-    @property
-    def name(self) -> str:
-        return f"throughput {self.prompts}x{self.input_len}/{self.output_len}"
+    label: ClassVar[str] = "throughput {prompts}x{input_len}/{output_len}"
 
 
 @dataclass(frozen=True)
-class MixedLoad:
+class MixedLoad(_Named):
     """Chunked prefill under decode: ``decoders`` requests decode while ``long_prompts`` prompts of
     ``long_context`` tokens arrive, one every ``arrival_gap_steps`` decode steps. Timed from the first arrival to the
     last long prompt's first token: the decoders' TPOT, the long prompts' TTFT and output tokens per second."""
@@ -66,11 +72,7 @@ class MixedLoad:
     long_context: int = 16384
     arrival_gap_steps: int = 16
     kind: str = MIXED
-
-    @property
-    def name(self) -> str:
-        return (f"mixed {self.decoders}x{context_label(self.decoder_context)} + "
-                f"{self.long_prompts}x{context_label(self.long_context)}")
+    label: ClassVar[str] = "mixed {decoders}x{decoder_context} + {long_prompts}x{long_context}"
 
 
 Workload = DecodeCell | ThroughputLoad | MixedLoad
