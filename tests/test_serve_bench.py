@@ -31,7 +31,9 @@ from mla_backend.serve_bench.measure import (TokenTracker, decode_window_tpots, 
                                              summarize, tpot_between)
 from mla_backend.serve_bench.model_config import (DEEPSEEK_V3_ATTENTION, deepseek_v3_config, kv_bytes_per_token,
                                                   parameter_counts, write_model_dir)
-from mla_backend.serve_bench.profile_trace import categorize, kernel_breakdown, load_trace_events, newest_trace
+from mla_backend.host_trace import host_range
+from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, kernel_breakdown, load_trace_events,
+                                                  newest_trace)
 from mla_backend.serve_bench.runner_common import (EngineSession, EngineSpec, decode_record, kv_capacity_problem,
                                                    measurement, mixed_repeat, refusal_reason, run_engine_process)
 from mla_backend.serve_bench.workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, build_workloads,
@@ -238,6 +240,30 @@ def test_kernel_breakdown_gives_the_attention_share(tmp_path):
     assert newest_trace(tmp_path, since=0) == path and newest_trace(tmp_path, since=time.time() + 60) is None
 
 
+def test_host_ranges_read_the_plugins_ranges_from_a_real_profiler_trace(tmp_path):
+    """host_range records a named range only under a profiler; host_ranges reads its calls and percentiles back from
+    the Chrome trace torch writes, beside the engines' attention op (a cpu_op)."""
+    assert host_range("vllm.forward_mqa") is host_range("vllm.build_decode")  # the shared no-op
+    x = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            with host_range("vllm.forward_mqa"):
+                x = x @ x / 64
+        with host_range("vllm.build_decode"):
+            pass
+    path = tmp_path / "t.json"
+    prof.export_chrome_trace(str(path))
+    events = load_trace_events(path) + [{"ph": "X", "cat": "cpu_op", "name": "vllm::unified_mla_attention_with_output",
+                                         "dur": 40.0, "ts": 0}]
+    ranges = host_ranges(events)
+    assert set(ranges) == {"mla_backend.vllm.forward_mqa", "mla_backend.vllm.build_decode",
+                           "vllm::unified_mla_attention_with_output"}
+    assert ranges["mla_backend.vllm.forward_mqa"]["calls"] == 5 and ranges["mla_backend.vllm.build_decode"]["calls"] == 1
+    forward = ranges["mla_backend.vllm.forward_mqa"]
+    assert 0 < forward["p50_us"] <= forward["p99_us"] <= forward["max_us"]
+    assert ranges["vllm::unified_mla_attention_with_output"]["p50_us"] == 40.0
+
+
 @pytest.mark.parametrize("name,category", [
     ("flash_fwd_splitkv_mla_kernel", "attention"), ("flash::FlashAttnFwdSm90<...>", "attention"),
     ("_fwd_grouped_kernel_stage1", "attention"), ("_fwd_kernel_stage2", "attention"),
@@ -309,6 +335,16 @@ def test_markdown_tables_show_median_spread_and_the_speedup_of_ours():
     assert "| FLASH_ATTN_MLA | refused |" in text and "Selected backend FLASH_ATTN_MLA is not valid" in text
     assert "| TRITON_MLA | skipped |" in text and "run it alone" in text
     assert "Command: `mla-backend serve-bench --engine vllm`" in text and "16 heads, 8 layers" in text
+    assert "Host time per call" not in text  # no profile held host ranges
+
+
+def test_markdown_host_table_per_range_and_backend():
+    data = _synthetic_report()
+    data["backends"]["CUSTOM"]["workloads"][0]["profile"]["host"] = {
+        "mla_backend.vllm.build_decode": {"calls": 5, "p50_us": 21.04, "p99_us": 35.0, "max_us": 35.0}}
+    text = report.markdown(data)
+    assert "#### Host time per call in the profiled steps, µs p50 / p99 (calls)" in text
+    assert "| decode b16 8k | `mla_backend.vllm.build_decode` | 21.0 / 35.0 (5) | – | – | – |" in text
 
 
 def test_outputs_hold_every_raw_repeat(tmp_path, capsys):

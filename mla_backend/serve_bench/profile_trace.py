@@ -73,6 +73,28 @@ def kernel_breakdown(events: list[dict], steps: int | None = None) -> dict:
     return result
 
 
+# Host ranges: the plugins' own (mla_backend.host_trace: metadata build per step, decode call per layer) and the
+# engines' attention op, which every backend's layer calls from Python outside FULL CUDA graphs (vLLM's piecewise
+# steps). torch.profiler writes record_function ranges as user_annotation, torch ops as cpu_op.
+HOST_RANGE_PATTERN = re.compile(r"^mla_backend\.|unified_(mla_)?attention", re.I)
+HOST_CATEGORIES = ("user_annotation", "cpu_op")
+
+
+def host_ranges(events: list[dict]) -> dict:
+    """Host time of each named range matching :data:`HOST_RANGE_PATTERN`: calls and p50 / p99 / max microseconds."""
+    durations: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in HOST_CATEGORIES and e.get("ph", "X") == "X" and HOST_RANGE_PATTERN.search(e.get("name", "")):
+            durations[e["name"]].append(float(e.get("dur", 0.0)))
+    result = {}
+    for name, values in sorted(durations.items()):
+        values.sort()
+        pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731 - nearest rank
+        result[name] = {"calls": len(values), "p50_us": round(pick(0.5), 1), "p99_us": round(pick(0.99), 1),
+                        "max_us": round(values[-1], 1)}
+    return result
+
+
 def newest_trace(directory: str | Path, since: float, pattern: str = "*.json*") -> Path | None:
     """The most recently written trace file in ``directory`` modified at or after ``since`` (epoch seconds)."""
     candidates = [p for p in Path(directory).glob(pattern) if p.is_file() and p.stat().st_mtime >= since]

@@ -190,6 +190,23 @@ def attention_share_table(data: dict) -> list[str]:
             "| workload | " + " | ".join(backends) + " |", "|---" * (len(backends) + 1) + "|", *rows, ""]
 
 
+def host_table(data: dict) -> list[str]:
+    """Host time per call of the named ranges in the profiled steps (profile_trace.host_ranges), per backend."""
+    backends = list(data["backends"])
+    rows = []
+    for workload in workload_names(data):
+        per_backend = [((records_by_workload(data["backends"][b]).get(workload) or {}).get("profile") or {})
+                       .get("host") or {} for b in backends]
+        for name in sorted(set().union(*per_backend)):
+            cells = [f"{h[name]['p50_us']:.1f} / {h[name]['p99_us']:.1f} ({h[name]['calls']})" if name in h else "–"
+                     for h in per_backend]
+            rows.append(f"| {workload} | `{name}` | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["#### Host time per call in the profiled steps, µs p50 / p99 (calls)", "",
+            "| workload | range | " + " | ".join(backends) + " |", "|---" * (len(backends) + 2) + "|", *rows, ""]
+
+
 def engine_table(data: dict) -> list[str]:
     lines = ["#### Engines", "", "| backend | status | start s | KV-cache tokens | prefill chunk | notes |",
              "|---|---|---|---|---|---|"]
@@ -249,6 +266,7 @@ def markdown(data: dict) -> str:
     for key, title, digits, smaller in METRICS:
         lines += metric_table(data, key, title, digits, smaller)
     lines += attention_share_table(data)
+    lines += host_table(data)
     lines += engine_table(data)
     lines += ["Decode cells: TPOT of the whole batch, each repeat a window of decode steps after every request was "
               "prefilled; output tokens per second = batch / TPOT. Throughput: output tokens over the wall time of "

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
-from .profile_trace import kernel_breakdown, load_trace_events, newest_trace
+from .profile_trace import host_ranges, kernel_breakdown, load_trace_events, newest_trace
 from .workloads import (MIN_PREFILL_CHUNK, DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, Workload,
                         decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed, token_prompts, workload_from_dict,
                         workload_to_dict)
@@ -157,7 +157,9 @@ def read_profile(directory: str | Path, since: float, steps: int, pattern: str =
         if path is None:
             return {"error": f"no profiler trace was written in {directory}"}
         try:
-            breakdown = kernel_breakdown(load_trace_events(path), steps)
+            events = load_trace_events(path)
+            breakdown = kernel_breakdown(events, steps)
+            breakdown["host"] = host_ranges(events)
         except (OSError, ValueError, EOFError):  # still being written
             time.sleep(0.5 * (attempt + 1))
             continue

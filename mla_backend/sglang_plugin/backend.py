@@ -36,6 +36,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from ..constants import HEAD_DIM, KV_LORA_RANK, MAX_HEADS, MAX_Q_LEN, ROPE_DIM, SUPPORTED_PAGE_SIZES
 from ..dispatch import ENV_IMPL, REFERENCE, engine_impl_request, select_impl, warmup
+from ..host_trace import host_range
 from ..launcher import MLADecodeLauncher
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
 from ..verify import verification_report, verifying
@@ -511,7 +512,8 @@ class TileLangMLABackend(AttentionBackend):
 
     def _build_metadata(self, forward_batch) -> Optional[DecodeForwardMetadata]:
         start = time.perf_counter()
-        meta = self._decode_metadata(forward_batch)
+        with host_range("sglang.build_decode"):
+            meta = self._decode_metadata(forward_batch)
         self._stats["metadata_host_s"] += time.perf_counter() - start
         self._count(_step_kind(forward_batch))
         return meta
@@ -553,19 +555,20 @@ class TileLangMLABackend(AttentionBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
 
     def _attend(self, q, q_rope, layer, forward_batch) -> torch.Tensor:
-        meta = self.forward_metadata
-        if not isinstance(meta, DecodeForwardMetadata):
-            raise RuntimeError(f"{BACKEND_NAME}: {forward_batch.forward_mode} forward without decode metadata "
-                               "(init_forward_metadata was not called for this batch)")
-        heads = layer.tp_q_head_num
-        if q_rope is not None:
-            q_nope, q_pe = _as3d(q, heads, KV_LORA_RANK), _as3d(q_rope, heads, ROPE_DIM)
-        else:
-            q = _as3d(q, heads, HEAD_DIM)
-            q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
-        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, HEAD_DIM)
-        launch = self._launchers.get(layer.layer_id) or self._build_launcher(layer)
-        return launch(q_nope, q_pe, kv_cache, meta.metadata).view(-1, heads * KV_LORA_RANK)
+        with host_range("sglang.forward_decode"):
+            meta = self.forward_metadata
+            if not isinstance(meta, DecodeForwardMetadata):
+                raise RuntimeError(f"{BACKEND_NAME}: {forward_batch.forward_mode} forward without decode metadata "
+                                   "(init_forward_metadata was not called for this batch)")
+            heads = layer.tp_q_head_num
+            if q_rope is not None:
+                q_nope, q_pe = _as3d(q, heads, KV_LORA_RANK), _as3d(q_rope, heads, ROPE_DIM)
+            else:
+                q = _as3d(q, heads, HEAD_DIM)
+                q_nope, q_pe = q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:]
+            kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(-1, self.page_size, HEAD_DIM)
+            launch = self._launchers.get(layer.layer_id) or self._build_launcher(layer)
+            return launch(q_nope, q_pe, kv_cache, meta.metadata).view(-1, heads * KV_LORA_RANK)
 
     def _build_launcher(self, layer) -> MLADecodeLauncher:
         heads = layer.tp_q_head_num

@@ -27,6 +27,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, Attent
 
 from ..constants import HEAD_DIM, KV_LORA_RANK, MAX_HEADS, MAX_Q_LEN, ROPE_DIM
 from ..dispatch import ENV_IMPL, TILELANG_GFX942, engine_impl_request, tilelang_available, warmup
+from ..host_trace import host_range
 from ..launcher import MLADecodeLauncher
 from ..metadata import MLADecodeMetadata
 from .translate import DecodeMetadataBuilder, decode_q_len_limit
@@ -192,8 +193,9 @@ class TileLangMLAMetadataBuilder(MLACommonMetadataBuilder[TileLangMLAMetadata]):
                       num_decode_tokens: int, dcp_tot_seq_lens_device: torch.Tensor | None,
                       **kwargs) -> TileLangMLADecodeMetadata:
         # vLLM passes keywords only; **kwargs takes what newer releases add (0.33: max_query_len).
-        mla = self._decode.build(block_table_tensor, seq_lens_device, query_start_loc_cpu, num_decode_tokens,
-                                 max_seq_len)
+        with host_range("vllm.build_decode"):
+            mla = self._decode.build(block_table_tensor, seq_lens_device, query_start_loc_cpu, num_decode_tokens,
+                                     max_seq_len)
         return TileLangMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
                                          dcp_tot_seq_lens=dcp_tot_seq_lens_device, mla=mla)
 
@@ -240,11 +242,12 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         decode = attn_metadata.decode
         assert decode is not None and decode.mla is not None
-        q_nope, q_pe = q if isinstance(q, tuple) else (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])
-        launch = self._launch or self._build_launcher(q_nope, kv_c_and_k_pe_cache, layer)
-        if self.need_to_return_lse_for_decode:  # a new LSE tensor, which DCP's merge reads after this call
-            return launch(q_nope, q_pe, kv_c_and_k_pe_cache, decode.mla, return_lse=True)
-        return launch(q_nope, q_pe, kv_c_and_k_pe_cache, decode.mla), None
+        with host_range("vllm.forward_mqa"):
+            q_nope, q_pe = q if isinstance(q, tuple) else (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])
+            launch = self._launch or self._build_launcher(q_nope, kv_c_and_k_pe_cache, layer)
+            if self.need_to_return_lse_for_decode:  # a new LSE tensor, which DCP's merge reads after this call
+                return launch(q_nope, q_pe, kv_c_and_k_pe_cache, decode.mla, return_lse=True)
+            return launch(q_nope, q_pe, kv_c_and_k_pe_cache, decode.mla), None
 
     def _build_launcher(self, q_nope: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer
                         ) -> MLADecodeLauncher:
