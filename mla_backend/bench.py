@@ -629,8 +629,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0 when at least one implementation was timed (or --dry-run), 2 when nothing ran."""
     argv = list(sys.argv[1:] if argv is None else argv)

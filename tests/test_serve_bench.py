@@ -258,8 +258,8 @@ def test_host_ranges_read_the_plugins_ranges_from_a_real_profiler_trace(tmp_path
     ranges = host_ranges(events)
     assert set(ranges) == {"mla_backend.vllm.forward_mqa", "mla_backend.vllm.build_decode",
                            "vllm::unified_mla_attention_with_output"}
-    assert ranges["mla_backend.vllm.forward_mqa"]["calls"] == 5 and ranges["mla_backend.vllm.build_decode"]["calls"] == 1
     forward = ranges["mla_backend.vllm.forward_mqa"]
+    assert forward["calls"] == 5 and ranges["mla_backend.vllm.build_decode"]["calls"] == 1
     assert 0 < forward["p50_us"] <= forward["p99_us"] <= forward["max_us"]
     assert ranges["vllm::unified_mla_attention_with_output"]["p50_us"] == 40.0
 
@@ -440,7 +440,7 @@ def stub_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(driver, "GPU_RELEASE_S", 0.0)
     monkeypatch.setattr(driver, "KILL_GRACE_S", 1.0)
-    return driver.EngineChoice("vllm", "stub_runner", ("OURS", "NOPE", "SLOW"), "OURS", {"auto": "auto"}, 64, 5.0)
+    return driver.EngineChoice("vllm", "stub_runner", ("OURS", "NOPE", "SLOW"), {"auto": "auto"}, 64, 5.0)
 
 
 def _stub_run(stub_engine, backends, budget):

@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mla-backend serve-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--engine", required=True, choices=sorted(ENGINES))
-    p.add_argument("--backends", help="comma list, ours first by default; vLLM: " + ",".join(vllm_runner.ENGINE.backends)
-                   + "; SGLang: " + ",".join(sglang_runner.ENGINE.backends))
+    p.add_argument("--backends", help="comma list, ours first by default; vLLM: "
+                   + ",".join(vllm_runner.ENGINE.backends) + "; SGLang: " + ",".join(sglang_runner.ENGINE.backends))
     p.add_argument("--workloads", default=",".join(WORKLOAD_KINDS), help="comma list of " + ",".join(WORKLOAD_KINDS))
     p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="decode batch sizes")
     p.add_argument("--contexts", default=",".join(context_label(c) for c in DEFAULT_CONTEXTS),

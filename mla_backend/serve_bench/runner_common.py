@@ -21,8 +21,8 @@ from pathlib import Path
 from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
 from .profile_trace import host_ranges, kernel_breakdown, load_trace_events, newest_trace
 from .workloads import (MIN_PREFILL_CHUNK, DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, Workload,
-                        decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed, token_prompts, workload_from_dict,
-                        workload_to_dict)
+                        decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed, token_prompts,
+                        workload_from_dict, workload_to_dict)
 
 # A workload does not start with less than this left before the deadline (a decode cell takes 5-60 s).
 MIN_WORKLOAD_S = 30.0
@@ -269,10 +269,13 @@ class EngineChoice:
     name: str
     runner: str  # module run as the engine process
     backends: tuple[str, ...]  # ours first
-    ours: str
     kv_cache_dtypes: dict[str, str]  # the engine's spelling of the CLI's --kv-cache-dtype values
     page_size: int  # every backend's
     first_engine_estimate_s: float = 420.0  # an engine's start plus the default workloads, before one has run
+
+    @property
+    def ours(self) -> str:
+        return self.backends[0]
 
 
 class EngineSession:

@@ -25,13 +25,13 @@ import time
 from .measure import TokenTracker
 from .profile_trace import newest_trace
 from .random_weights import patch_sglang_dummy_weights
-from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
-                            mixed_repeat, read_profile, engine_process_main)
+from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
+                            engine_process_main, measurement, mixed_repeat, read_profile)
 from .workloads import DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed, token_prompts
 
 #: Page 64 for every backend (FlashMLA's only size; SGLang does not pick one for an out-of-tree backend).
 ENGINE = EngineChoice("sglang", "mla_backend.serve_bench.sglang_runner",
-                      ("tilelang_mla", "flashmla", "fa3", "triton", "flashinfer"), "tilelang_mla",
+                      ("tilelang_mla", "flashmla", "fa3", "triton", "flashinfer"),
                       {"auto": "auto", "fp8": "fp8_e4m3"}, page_size=64)
 INIT_ENV = "MLA_SERVE_BENCH_INIT"  # read by the scheduler processes
 STREAMED_REQUESTS = 8

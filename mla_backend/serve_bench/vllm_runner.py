@@ -19,14 +19,14 @@ import time
 from .measure import TokenTracker, median_or_none, request_tpots
 from .profile_trace import newest_trace
 from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
-from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record, measurement,
-                            mixed_repeat, read_profile, engine_process_main)
+from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
+                            engine_process_main, measurement, mixed_repeat, read_profile)
 from .workloads import DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed, token_prompts
 
 #: Ours first, then the built-in MLA backends (FLASH_ATTN_MLA is vLLM 0.26's default on Hopper); page 64 for every
 #: backend: FlashMLA's only size, the one ours is fastest with.
 ENGINE = EngineChoice("vllm", "mla_backend.serve_bench.vllm_runner",
-                      ("CUSTOM", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA", "FLASHINFER_MLA"), "CUSTOM",
+                      ("CUSTOM", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA", "FLASHINFER_MLA"),
                       {"auto": "auto", "fp8": "fp8"}, page_size=64)
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT = "mla_backend.vllm_plugin:register"
