@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import time
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ import torch
 from mla_backend import cli
 from mla_backend.serve_bench import hostile, hostile_report
 from mla_backend.serve_bench.hostile_load import (ABORTED, COMPLETED, FAILED, FORCED, LOAD, PAGE_TOKENS, UNFINISHED,
-                                                  HostileLoad, HostileSpec, LoadLedger, check_load,
+                                                  HostileLoad, HostileSpec, LoadLedger, check_load, sending_window,
                                                   concurrency_at, concurrency_schedule, forced_prompt,
                                                   forced_selection, load_from_dict, load_to_dict, plan_request,
                                                   shared_prefixes)
@@ -110,6 +111,15 @@ def test_impossible_loads_are_refused_with_the_setting_named(change, name):
 
 
 # ----------------------------------------------------------------------------- bookkeeping
+def test_a_slow_engine_start_shortens_the_sending_not_the_drain():
+    load = dataclasses.replace(LOAD_, seconds=60, drain_s=30)
+    assert sending_window(load, time.time() + 1000) == 60
+    assert 39 < sending_window(load, time.time() + 70) <= 40  # 70 s left: 40 of sending, then the drain
+    assert sending_window(load, time.time() + 10) == 0
+    ledger = LoadLedger(load, VOCAB, start_s=100.0, send_s=40)
+    assert ledger.sending(139.9) and not ledger.sending(140.0) and ledger.due(140.0) == []
+
+
 def test_ledger_fills_to_the_schedule_aborts_when_due_and_accounts_every_request():
     load = dataclasses.replace(LOAD_, seconds=10, phase_s=5, concurrency_levels=(2, 5), max_concurrency=8)
     ledger = LoadLedger(load, VOCAB, start_s=100.0)
@@ -254,7 +264,7 @@ def test_serve_bench_hands_the_hostile_workload_to_its_driver(capsys):
     assert hostile.selected(["--engine", "vllm", "--workloads", "decode,hostile"])
     assert hostile.selected(["--workloads=hostile"]) and not hostile.selected(["--workloads", "decode"])
     assert cli.main(["serve-bench", "--engine", "sglang", "--workloads", "hostile", "--duration", "60",
-                     "--budget", "400", "--dry-run"]) == 0
+                     "--budget", "500", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "under load tilelang_mla; reference flashmla, triton" in out and "KV pool 24576 tokens" in out
 

@@ -43,11 +43,12 @@ ENGINES = {
                "backends": (sglang_runner.ENGINE.ours, "flashmla", "triton"),
                "kv": sglang_runner.ENGINE.kv_cache_dtypes},
 }
-# Seconds planned for what is not the load itself (engine starts with compile and CUDA graphs as seen on an H100,
-# forcing the survivors, the drain of the last requests); --duration must leave room for them within --budget.
-LOAD_START_S = 120.0
-FORCED_ENGINE_S = 75.0
-DRAIN_S = 20.0
+# Seconds planned for what is not the load itself, as seen on an H100 with every compile cache empty: the load
+# engine's start (torch.compile, CUDA graphs, the MTP drafter: 130 s), a forced engine's start and forcing (the first
+# builds the MoE's Triton kernels: 105 s, the second 46 s). The requests in flight when sending stops get the load's
+# drain_s; an engine that starts slower than planned sends for less (hostile_load.sending_window).
+LOAD_START_S = 140.0
+FORCED_ENGINE_S = 110.0
 KILL_GRACE_S = 30.0  # past its deadline a process gets this long to write its results
 
 
@@ -108,7 +109,7 @@ def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...], dic
     if not 1 <= len(backends) <= 3:
         raise ValueError(f"--backends {args.backends!r}: give 1 to 3 backends (under load, reference, baseline)")
     model_config = deepseek_v3_config(args.heads, args.layers)  # raises on impossible shapes
-    reserve = LOAD_START_S + FORCED_ENGINE_S * (len(backends) - 1) + DRAIN_S
+    reserve = LOAD_START_S + FORCED_ENGINE_S * (len(backends) - 1) + HostileLoad().drain_s + KILL_GRACE_S
     duration = args.duration if args.duration is not None else args.budget - reserve
     if duration <= 0 or duration + reserve > args.budget:
         raise ValueError(f"--duration {duration:.0f} with --budget {args.budget:.0f}: the engines need about "
@@ -179,8 +180,8 @@ def run(args, load: HostileLoad, backends: tuple[str, ...], model_config: dict, 
             if not survivors:
                 forced_results[backend] = {"status": "skipped", "error": "no completed request to force"}
                 continue
-            left = len(backends) - 1 - i
-            deadline = time.time() + (end - time.time() - KILL_GRACE_S) / left
+            later = len(backends) - 2 - i  # forced engines still to come keep their planned time
+            deadline = end - KILL_GRACE_S - FORCED_ENGINE_S * later
             forced_results[backend] = run_phase(args.engine, FORCED, backend, load, args, model_dir, vocab_size, work,
                                                 out_dir, deadline, sequences)
     summary = hostile_report.summarize(load_result, forced_results, args.agreement_margin)

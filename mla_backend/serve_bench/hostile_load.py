@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +56,7 @@ class HostileLoad:
     abort_share: float = 0.2  # share of the requests aborted mid-decode
     mtp: bool = True  # one MTP draft token (vLLM "mtp", SGLang EAGLE): q_len 2 decode and verification
     forced_requests: int = 256  # most surviving requests re-run teacher-forced on the reference backends
-    drain_s: float = 90.0  # for the requests in flight when sending stops
+    drain_s: float = 30.0  # for the requests in flight when sending stops
     seed: int = 0
 
     @property
@@ -210,12 +211,20 @@ class RequestState:
     abort_sent: bool = False
 
 
+def sending_window(load: HostileLoad, deadline: float) -> float:
+    """Seconds of sending that still leave the last requests ``drain_s`` before ``deadline`` (wall clock): an engine
+    that started slower than planned sends for less rather than leaving requests unfinished."""
+    return max(0.0, min(load.seconds, deadline - time.time() - load.drain_s))
+
+
 class LoadLedger:
     """What an engine process submits and aborts, and how every request ended. Engine-independent: the runner feeds
     it the tokens and logprobs it sees and asks it what to do next."""
 
-    def __init__(self, load: HostileLoad, vocab_size: int, start_s: float):
+    def __init__(self, load: HostileLoad, vocab_size: int, start_s: float, send_s: float | None = None):
+        """``send_s``: how long new requests go out (default ``load.seconds``; see :func:`sending_window`)."""
         self.load, self.vocab_size, self.start_s = load, vocab_size, start_s
+        self.send_s = load.seconds if send_s is None else send_s
         self.schedule = concurrency_schedule(load)
         self.prefixes = shared_prefixes(load, vocab_size)
         self.in_flight: dict[str, RequestState] = {}
@@ -223,8 +232,12 @@ class LoadLedger:
         self.next_index = 0
         self.peak_in_flight = 0
 
+    @property
+    def send_end(self) -> float:
+        return self.start_s + self.send_s
+
     def sending(self, now_s: float) -> bool:
-        return now_s - self.start_s < self.load.seconds
+        return now_s < self.send_end
 
     def due(self, now_s: float) -> list[RequestPlan]:
         """The requests to submit now: enough to bring the in-flight count to the schedule's level."""

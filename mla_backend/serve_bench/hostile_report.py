@@ -86,7 +86,8 @@ def summarize(load_result: dict, forced: dict[str, dict], margin: float = DEFAUL
                                   for b, f in forced.items())}
     return {"counts": counts, "preemptions": load_result.get("preemptions"),
             "prefix_cache": load_result.get("prefix_cache"), "spec_decode": load_result.get("spec_decode"),
-            "peak_in_flight": load_result.get("peak_in_flight"), "engine_errors": errors,
+            "peak_in_flight": load_result.get("peak_in_flight"), "sent_s": load_result.get("sent_s"),
+            "engine_errors": errors,
             "agreement": agreement_record, "checks": checks, "passed": all(c["ok"] for c in checks.values())}
 
 
@@ -99,7 +100,8 @@ def markdown(report: dict) -> str:
     s = report["summary"]
     c = s["counts"]
     lines = [f"### Hostile load: {report['engine']} {report.get('engine_version') or ''}, ours = {report['ours']}"
-             f"{' + MTP' if report['load']['mtp'] else ''}, {report['load']['seconds']:.0f} s",
+             f"{' + MTP' if report['load']['mtp'] else ''}, requests sent for "
+             f"{s.get('sent_s') or report['load']['seconds']:.0f} s",
              "",
              "| sent | completed | aborted | failed | unfinished | preemptions | prefix-cache hit tokens | "
              "peak in flight | passed |",

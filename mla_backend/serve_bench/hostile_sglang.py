@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 
-from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger
+from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger, sending_window
 from .hostile_process import PROGRESS_EVERY_S, force_survivors, process_main
 from .runner_common import log_tail, write_result
 from .sglang_runner import INIT_ENV, bench_engine_class, prepare_process, read_server_info
@@ -110,7 +110,7 @@ async def stream_request(engine, ledger: LoadLedger, plan) -> None:
 async def drive_load(engine, ledger: LoadLedger, load: HostileLoad, deadline: float, progress) -> str | None:
     """Submits what the schedule asks for, aborts what is due, waits for the rest; returns why it stopped early."""
     tasks: list[asyncio.Task] = []
-    send_end = ledger.start_s + load.seconds
+    send_end = ledger.send_end
     last_progress = time.monotonic()
     stopped = None
     while True:
@@ -187,7 +187,7 @@ def run_load(spec: HostileSpec, result: dict) -> None:
     except Exception as e:  # noqa: BLE001 - the log still counts retractions
         before, note = {}, f"Prometheus unreadable ({type(e).__name__}: {e}); retractions from the log"
     log_offset = len(log_tail(spec.log_path, 10**9))
-    ledger = LoadLedger(load, spec.vocab_size, time.monotonic())
+    ledger = LoadLedger(load, spec.vocab_size, time.monotonic(), sending_window(load, spec.deadline))
 
     def progress():
         result["records"] = ledger.records
@@ -208,7 +208,8 @@ def run_load(spec: HostileSpec, result: dict) -> None:
     aborts_sent = sum(1 for r in ledger.records if r["outcome"] == "aborted")
     log_text = log_tail(spec.log_path, 10**9)[log_offset:]
     result.update(engine_report(before, after, log_text, aborts_sent, note))
-    result.update(records=ledger.records, peak_in_flight=ledger.peak_in_flight, stopped_early=stopped,
+    result.update(records=ledger.records, peak_in_flight=ledger.peak_in_flight, sent_s=round(ledger.send_s, 1),
+                  stopped_early=stopped,
                   status="failed" if stopped and stopped.startswith("engine error") else "done")
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 import traceback
 
-from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger
+from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger, sending_window
 from .hostile_process import PROGRESS_EVERY_S, force_survivors, process_main
 from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
 from .runner_common import write_result
@@ -127,7 +127,7 @@ def drive_load(engine, ledger: LoadLedger, load: HostileLoad, deadline: float, p
     from vllm.inputs import TokensPrompt
 
     last_progress = time.monotonic()
-    send_end = ledger.start_s + load.seconds
+    send_end = ledger.send_end
     while True:
         now = time.monotonic()
         for plan in ledger.due(now):
@@ -170,7 +170,7 @@ def run_load(spec: HostileSpec, result: dict) -> None:
         before, readable, note = read_counters(llm), True, ""
     except Exception as e:  # noqa: BLE001 - reported as unreadable, which fails the counters check
         before, readable, note = {}, False, f"{type(e).__name__}: {e}"
-    ledger = LoadLedger(load, spec.vocab_size, time.monotonic())
+    ledger = LoadLedger(load, spec.vocab_size, time.monotonic(), sending_window(load, spec.deadline))
 
     def progress():
         result["records"] = ledger.records
@@ -190,7 +190,8 @@ def run_load(spec: HostileSpec, result: dict) -> None:
         except Exception as e:  # noqa: BLE001
             after, readable, note = {}, False, f"{type(e).__name__}: {e}"
     result.update(engine_report(counter_deltas(before, after) if readable else {}, aborts_sent, readable, note))
-    result.update(records=ledger.records, peak_in_flight=ledger.peak_in_flight, stopped_early=stopped,
+    result.update(records=ledger.records, peak_in_flight=ledger.peak_in_flight, sent_s=round(ledger.send_s, 1),
+                  stopped_early=stopped,
                   status="failed" if stopped and stopped.startswith("engine error") else "done")
 
 
