@@ -264,14 +264,14 @@ def test_serve_bench_hands_the_hostile_workload_to_its_driver(capsys):
     assert hostile.selected(["--engine", "vllm", "--workloads", "decode,hostile"])
     assert hostile.selected(["--workloads=hostile"]) and not hostile.selected(["--workloads", "decode"])
     assert cli.main(["serve-bench", "--engine", "sglang", "--workloads", "hostile", "--duration", "60",
-                     "--budget", "500", "--dry-run"]) == 0
+                     "--budget", "700", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "under load tilelang_mla; reference flashmla, triton" in out and "KV pool 24576 tokens" in out
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--workloads", "hostile,decode"], "hostile runs alone"),
-    (["--workloads", "hostile", "--duration", "300", "--budget", "400"], "--budget >= duration"),
+    (["--workloads", "hostile", "--duration", "300", "--budget", "400"], "--budget >= duration + 420"),
     (["--workloads", "hostile", "--backends", "a,b,c,d"], "1 to 3 backends"),
     (["--workloads", "hostile", "--kv-tokens", "1000"], "kv_tokens=1000 is not supported"),
     (["--workloads", "hostile", "--heads", "300"], "heads")])

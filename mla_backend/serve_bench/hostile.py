@@ -35,20 +35,20 @@ from . import sglang_runner, vllm_runner
 from .model_config import HEAD_CHOICES_DOC, deepseek_v3_config, write_config_dir
 
 HOSTILE = "hostile"
+# Seconds planned for what is not the load itself, as seen on an H100 with every compile cache empty.
+# load_start_s: the load engine's start. vLLM: torch.compile, CUDA graphs and the MTP drafter, 130 s. SGLang: the
+# target's CUDA graphs up to batch 64 (the first capture builds the MoE's Triton kernels: 100 s), then the EAGLE
+# draft's, over 230 s. forced_s: a forced engine's eager start and forcing (vLLM: 105 s for the first, which builds
+# the MoE's Triton kernels, 46 s for the second). The requests in flight when sending stops get the load's drain_s; an
+# engine that starts slower than planned sends for less (hostile_load.sending_window).
 ENGINES = {
     "vllm": {"runner": "mla_backend.serve_bench.hostile_vllm",
              "backends": (vllm_runner.ENGINE.ours, "FLASHMLA", "FLASH_ATTN_MLA"),
-             "kv": vllm_runner.ENGINE.kv_cache_dtypes},
+             "kv": vllm_runner.ENGINE.kv_cache_dtypes, "load_start_s": 140.0, "forced_s": 110.0},
     "sglang": {"runner": "mla_backend.serve_bench.hostile_sglang",
                "backends": (sglang_runner.ENGINE.ours, "flashmla", "triton"),
-               "kv": sglang_runner.ENGINE.kv_cache_dtypes},
+               "kv": sglang_runner.ENGINE.kv_cache_dtypes, "load_start_s": 270.0, "forced_s": 110.0},
 }
-# Seconds planned for what is not the load itself, as seen on an H100 with every compile cache empty: the load
-# engine's start (torch.compile, CUDA graphs, the MTP drafter: 130 s), a forced engine's start and forcing (the first
-# builds the MoE's Triton kernels: 105 s, the second 46 s). The requests in flight when sending stops get the load's
-# drain_s; an engine that starts slower than planned sends for less (hostile_load.sending_window).
-LOAD_START_S = 140.0
-FORCED_ENGINE_S = 110.0
 KILL_GRACE_S = 30.0  # past its deadline a process gets this long to write its results
 
 
@@ -109,7 +109,7 @@ def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...], dic
     if not 1 <= len(backends) <= 3:
         raise ValueError(f"--backends {args.backends!r}: give 1 to 3 backends (under load, reference, baseline)")
     model_config = deepseek_v3_config(args.heads, args.layers)  # raises on impossible shapes
-    reserve = LOAD_START_S + FORCED_ENGINE_S * (len(backends) - 1) + HostileLoad().drain_s + KILL_GRACE_S
+    reserve = reserve_s(args.engine, len(backends))
     duration = args.duration if args.duration is not None else args.budget - reserve
     if duration <= 0 or duration + reserve > args.budget:
         raise ValueError(f"--duration {duration:.0f} with --budget {args.budget:.0f}: the engines need about "
@@ -120,6 +120,12 @@ def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...], dic
                        mtp=args.mtp == "on", forced_requests=args.forced_requests, seed=args.seed)
     check_load(load)
     return load, backends, model_config
+
+
+def reserve_s(engine: str, backends: int) -> float:
+    """Seconds of ``--budget`` that are not the load: the engines' starts, the forcing, the drain and the grace."""
+    plan = ENGINES[engine]
+    return plan["load_start_s"] + plan["forced_s"] * (backends - 1) + HostileLoad().drain_s + KILL_GRACE_S
 
 
 def describe(load: HostileLoad, backends: tuple[str, ...], vocab_size: int, requests: int = 12) -> list[str]:
@@ -170,7 +176,8 @@ def run(args, load: HostileLoad, backends: tuple[str, ...], model_config: dict, 
         work = Path(tmp)
         model_dir = write_config_dir(work / "model", model_config)
         vocab_size = model_config["vocab_size"]
-        load_deadline = end - FORCED_ENGINE_S * (len(backends) - 1) - KILL_GRACE_S
+        forced_s = ENGINES[args.engine]["forced_s"]
+        load_deadline = end - forced_s * (len(backends) - 1) - KILL_GRACE_S
         load_result = run_phase(args.engine, LOAD, backends[0], load, args, model_dir, vocab_size, work, out_dir,
                                 load_deadline)
         survivors = forced_selection(load_result.get("records", []), load.forced_requests)
@@ -181,7 +188,7 @@ def run(args, load: HostileLoad, backends: tuple[str, ...], model_config: dict, 
                 forced_results[backend] = {"status": "skipped", "error": "no completed request to force"}
                 continue
             later = len(backends) - 2 - i  # forced engines still to come keep their planned time
-            deadline = end - KILL_GRACE_S - FORCED_ENGINE_S * later
+            deadline = end - KILL_GRACE_S - forced_s * later
             forced_results[backend] = run_phase(args.engine, FORCED, backend, load, args, model_dir, vocab_size, work,
                                                 out_dir, deadline, sequences)
     summary = hostile_report.summarize(load_result, forced_results, args.agreement_margin)
