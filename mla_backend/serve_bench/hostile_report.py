@@ -101,7 +101,7 @@ def markdown(report: dict) -> str:
     c = s["counts"]
     lines = [f"### Hostile load: {report['engine']} {report.get('engine_version') or ''}, ours = {report['ours']}"
              f"{' + MTP' if report['load']['mtp'] else ''}, requests sent for "
-             f"{s.get('sent_s') or report['load']['seconds']:.0f} s",
+             f"{report['load']['seconds'] if s.get('sent_s') is None else s['sent_s']:.0f} s",
              "",
              "| sent | completed | aborted | failed | unfinished | preemptions | prefix-cache hit tokens | "
              "peak in flight | passed |",
