@@ -271,7 +271,7 @@ def test_serve_bench_hands_the_hostile_workload_to_its_driver(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--workloads", "hostile,decode"], "hostile runs alone"),
-    (["--workloads", "hostile", "--duration", "300", "--budget", "400"], "--budget >= duration + 420"),
+    (["--workloads", "hostile", "--duration", "300", "--budget", "400"], "--budget >= duration + 460"),
     (["--workloads", "hostile", "--backends", "a,b,c,d"], "1 to 3 backends"),
     (["--workloads", "hostile", "--kv-tokens", "1000"], "kv_tokens=1000 is not supported"),
     (["--workloads", "hostile", "--heads", "300"], "heads")])
