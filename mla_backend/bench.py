@@ -18,7 +18,6 @@ import argparse
 import csv
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import math
 import os
@@ -30,6 +29,7 @@ import time
 
 import torch
 
+from . import installed
 from .cli import nothing_ran
 from .constants import HEAD_DIM as HEAD
 from .constants import KV_LORA_RANK as LATENT
@@ -489,11 +489,7 @@ def environment(argv: list[str]) -> dict:
     env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": "mla-backend bench " + " ".join(argv), "python": sys.version.split()[0],
            "torch": torch.__version__, "cuda_runtime": torch.version.cuda}
-    for pkg in ("triton", "vllm", "tilelang"):
-        try:
-            env[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            env[pkg] = None
+    env.update({pkg: installed.version(pkg) for pkg in ("triton", "vllm", "tilelang")})
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
         env.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / 2**30, 1))

@@ -7,10 +7,11 @@ DeepSeek-V3 shape, then runs ``mla_decode`` on fresh random data and checks it; 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import math
 import platform
 import sys
+
+from . import installed
 
 SCALE = 192**-0.5  # DeepSeek-V3's softmax scale (qk_nope 128 + rope 64), without the yarn factor
 NOTHING_RAN = 2  # exit status of bench / serve-bench when nothing was measured (no GPU, nothing installed, all failed)
@@ -23,11 +24,7 @@ def nothing_ran(command: str, reason: str) -> int:
 
 
 def _version(dist: str) -> str:
-    """The installed version from package metadata (no import of the package, which can be heavy)."""
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return f"not installed (no distribution named {dist!r})"
+    return installed.version(dist) or f"not installed (no distribution named {dist!r})"
 
 
 def _tilelang_status() -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import os
 import platform
@@ -18,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .. import installed
 from .model_config import parameter_counts
 from .weight_memory import GIB, weight_bytes_per_gpu
 from .workloads import DECODE
@@ -34,13 +34,6 @@ METRICS = (
 
 
 # ----------------------------------------------------------------------------- environment
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _first_line_of(cmd: list[str]) -> str | None:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
@@ -65,7 +58,7 @@ def environment(argv: list[str], engine: str) -> dict:
            "command": "mla-backend serve-bench " + " ".join(argv), "engine": engine,
            "python": platform.python_version(), "host": platform.node()}
     for dist in VERSIONED_PACKAGES:
-        env[dist] = _version(dist)
+        env[dist] = installed.version(dist)
     try:
         import torch
 

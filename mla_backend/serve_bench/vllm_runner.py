@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from .. import installed
 from .measure import TokenTracker, median_or_none, request_tpots
 from .profile_trace import newest_trace
 from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
@@ -76,9 +77,7 @@ def decode_context_parallel_problem(fields: set[str] | None) -> str | None:
     if fields is None:
         return "--decode-context-parallel-size needs vLLM installed (pip install -e \".[vllm]\")"
     if DECODE_CONTEXT_PARALLEL_FIELD not in fields:
-        import vllm
-
-        return (f"--decode-context-parallel-size: vLLM {vllm.__version__}'s EngineArgs has no "
+        return (f"--decode-context-parallel-size: vLLM {installed.version('vllm')}'s EngineArgs has no "
                 f"{DECODE_CONTEXT_PARALLEL_FIELD}; supported only where it has")
     return None
 
