@@ -38,9 +38,10 @@ HOSTILE = "hostile"
 # Seconds planned for what is not the load itself, as seen on an H100 with every compile cache empty.
 # load_start_s: from the command's start to the load engine's first request. vLLM: process start, torch.compile, CUDA
 # graphs, the MTP drafter and a warm-up request, 170 s. SGLang: the target's CUDA graphs up to batch 64 (the first
-# capture builds the MoE's Triton kernels: 100 s), then the EAGLE draft's: still capturing at 228 s. forced_s: a forced engine's eager start and forcing (vLLM: 105 s for the first, which builds
-# the MoE's Triton kernels, 46 s for the second). The requests in flight when sending stops get the load's drain_s; an
-# engine that starts slower than planned sends for less (hostile_load.sending_window).
+# capture builds the MoE's Triton kernels: 100 s), then the EAGLE draft's: still capturing at 228 s.
+# forced_s: a forced engine's eager start and forcing (vLLM: 105 s for the first, which builds the MoE's Triton
+# kernels, 46 s for the second). The requests in flight when sending stops get the load's drain_s; an engine that
+# starts slower than planned sends for less (hostile_load.sending_window).
 ENGINES = {
     "vllm": {"runner": "mla_backend.serve_bench.hostile_vllm",
              "backends": (vllm_runner.ENGINE.ours, "FLASHMLA", "FLASH_ATTN_MLA"),
