@@ -267,11 +267,16 @@ def test_serve_bench_hands_the_hostile_workload_to_its_driver(capsys):
                      "--budget", "700", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "under load tilelang_mla; reference flashmla, triton" in out and "KV pool 24576 tokens" in out
+    assert "sending for up to 60 s; 60 s if the load engine takes the 300 s" in out
+    # Without --duration the sending lasts as long as the budget allows after the start; a cold start leaves 20 s.
+    assert cli.main(["serve-bench", "--engine", "vllm", "--workloads", "hostile", "--budget", "480", "--dry-run"]) == 0
+    assert "sending for up to 200 s; 20 s if the load engine takes the 180 s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--workloads", "hostile,decode"], "hostile runs alone"),
-    (["--workloads", "hostile", "--duration", "300", "--budget", "400"], "--budget >= duration + 460"),
+    (["--workloads", "hostile", "--duration", "300", "--budget", "200"], "give --budget >= 300 plus the start"),
+    (["--workloads", "hostile", "--duration", "0"], "--duration 0.0: give a positive number"),
     (["--workloads", "hostile", "--backends", "a,b,c,d"], "1 to 3 backends"),
     (["--workloads", "hostile", "--kv-tokens", "1000"], "kv_tokens=1000 is not supported"),
     (["--workloads", "hostile", "--heads", "300"], "heads")])

@@ -51,6 +51,7 @@ ENGINES = {
                "kv": sglang_runner.ENGINE.kv_cache_dtypes, "load_start_s": 300.0, "forced_s": 110.0},
 }
 KILL_GRACE_S = 30.0  # past its deadline a process gets this long to write its results
+MIN_SENDING_S = 20.0  # the least sending a --budget must leave after the load engine's start
 
 
 def selected(argv: list[str]) -> bool:
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", required=True, help="hostile (alone)")
     p.add_argument("--backends", help="OURS,REFERENCE[,BASELINE]; vLLM default " + ",".join(ENGINES["vllm"]["backends"])
                    + ", SGLang " + ",".join(ENGINES["sglang"]["backends"]))
-    p.add_argument("--duration", type=float, help="seconds of load (default: what --budget leaves)")
+    p.add_argument("--duration", type=float, help="most seconds of sending (default: what --budget leaves)")
     p.add_argument("--budget", type=float, default=600.0, help="seconds for the whole command, every engine included")
     p.add_argument("--mtp", choices=("on", "off"), default="on", help="one MTP draft token (vLLM mtp, SGLang EAGLE)")
     p.add_argument("--max-context", type=int, default=defaults.max_context, help="longest prompt + output")
@@ -110,11 +111,17 @@ def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...], dic
     if not 1 <= len(backends) <= 3:
         raise ValueError(f"--backends {args.backends!r}: give 1 to 3 backends (under load, reference, baseline)")
     model_config = deepseek_v3_config(args.heads, args.layers)  # raises on impossible shapes
-    reserve = reserve_s(args.engine, len(backends))
-    duration = args.duration if args.duration is not None else args.budget - reserve
-    if duration <= 0 or duration + reserve > args.budget:
-        raise ValueError(f"--duration {duration:.0f} with --budget {args.budget:.0f}: the engines need about "
-                         f"{reserve:.0f} s besides the load; give --budget >= duration + {reserve:.0f}")
+    # Sending ends at --duration or where the budget says (hostile_load.sending_window), whichever comes first, so
+    # the budget only has to fit what follows the load engine's start; the default is all that the budget leaves.
+    most = args.budget - (reserve_s(args.engine, len(backends)) - ENGINES[args.engine]["load_start_s"])
+    if most < MIN_SENDING_S:
+        raise ValueError(f"--budget {args.budget:.0f}: the reference engines, the drain and the grace need "
+                         f"{args.budget - most:.0f} s besides the load engine's start and its sending; give --budget "
+                         f">= {args.budget - most + MIN_SENDING_S:.0f} plus the start (planned: "
+                         f"{ENGINES[args.engine]['load_start_s']:.0f} s with every compile cache empty)")
+    if args.duration is not None and not args.duration > 0:
+        raise ValueError(f"--duration {args.duration}: give a positive number of seconds")
+    duration = args.duration if args.duration is not None else most
     load = HostileLoad(seconds=duration, max_context=args.max_context, max_output=args.max_output,
                        kv_tokens=args.kv_tokens, chunk_tokens=args.chunk_tokens, max_concurrency=args.max_concurrency,
                        phase_s=args.phase_seconds, prefix_share=args.prefix_share, abort_share=args.abort_share,
@@ -133,7 +140,7 @@ def describe(load: HostileLoad, backends: tuple[str, ...], vocab_size: int, requ
     prefixes = shared_prefixes(load, vocab_size)
     schedule = concurrency_schedule(load)
     lines = [f"backends: under load {backends[0]}; reference {', '.join(backends[1:]) or 'none'}",
-             f"load: {load.seconds:.0f} s, max context {load.max_context}, KV pool {load.pool_tokens} tokens, "
+             f"load: up to {load.seconds:.0f} s of sending, max context {load.max_context}, KV pool {load.pool_tokens} tokens, "
              f"prefill chunk {load.chunk_tokens}, MTP {'on' if load.mtp else 'off'}, seed {load.seed}",
              f"shared prefixes: {[len(p) for p in prefixes]} tokens; concurrency every {load.phase_s:g} s: "
              f"{[level for _, level in schedule][:24]}{' ...' if len(schedule) > 24 else ''}",
@@ -210,6 +217,11 @@ def main(argv: list[str]) -> int:
         load, backends, model_config = resolve(args)
     except ValueError as e:
         parser.error(str(e))
+    cold = min(load.seconds, args.budget - reserve_s(args.engine, len(backends)))
+    print(f"[hostile] sending for up to {load.seconds:.0f} s; {max(0.0, cold):.0f} s if the load engine takes the "
+          f"{ENGINES[args.engine]['load_start_s']:.0f} s to start that it takes with every compile cache empty"
+          + ("" if cold >= MIN_SENDING_S else " (warm the caches first: mla-backend compile, or one serve-bench run)"),
+          flush=True)
     if args.dry_run:
         print("\n".join(describe(load, backends, model_config["vocab_size"])))
         return 0
