@@ -116,6 +116,8 @@ def test_a_slow_engine_start_shortens_the_sending_not_the_drain():
     assert sending_window(load, time.time() + 1000) == 60
     assert 39 < sending_window(load, time.time() + 70) <= 40  # 70 s left: 40 of sending, then the drain
     assert sending_window(load, time.time() + 10) == 0
+    # A baseline load still to come (start 40 s, drain 30 s) sends as long: 200 s left gives 50 s each.
+    assert 49 < sending_window(load, time.time() + 200, later_loads=1, later_start_s=40) <= 50
     ledger = LoadLedger(load, VOCAB, start_s=100.0, send_s=40)
     assert ledger.sending(139.9) and not ledger.sending(140.0) and ledger.due(140.0) == []
 
@@ -191,37 +193,60 @@ def _record(index, outcome, output, logprobs=None):
 
 def test_summary_passes_a_clean_run_and_names_what_failed():
     records = [_record(0, COMPLETED, [1, 2, 3, 4]), _record(1, COMPLETED, [5, 6]), _record(2, ABORTED, [1])]
-    forced = {"FLASHMLA": {"status": "done", "argmax": {"0": [1, 2, 3, 4], "1": [5, 0]}},
-              "FLASH_ATTN_MLA": {"status": "done", "argmax": {"0": [1, 2, 3, 4], "1": [5, 6]}}}
-    summary = hostile_report.summarize(_load_result(records), forced, margin=0.2)
+    baseline = _load_result([_record(0, COMPLETED, [1, 2, 3, 4]), _record(1, COMPLETED, [5, 7])])
+    reference = ("FLASHMLA", {"status": "done", "argmax": {"ours": {"0": [1, 2, 3, 4], "1": [5, 0]},
+                                                           "baseline": {"0": [1, 2, 3, 4], "1": [5, 7]}}})
+    summary = hostile_report.summarize(_load_result(records), reference, ("FLASH_ATTN_MLA", baseline), margin=0.2)
     assert summary["passed"], summary["checks"]
     assert summary["counts"] == {"sent": 3, COMPLETED: 2, ABORTED: 1, FAILED: 0, UNFINISHED: 0}
+    assert summary["baseline"]["counts"] == {"sent": 2, COMPLETED: 2, ABORTED: 0, FAILED: 0, UNFINISHED: 0}
     assert summary["agreement"]["ours_vs_FLASHMLA"]["fraction"] == pytest.approx(5 / 6, abs=1e-4)
-    assert summary["agreement"]["FLASH_ATTN_MLA_vs_FLASHMLA"]["fraction"] == pytest.approx(5 / 6, abs=1e-4)
-    strict = hostile_report.summarize(_load_result(records), {"FLASHMLA": forced["FLASHMLA"],
-                                                              "X": {"status": "done", "argmax": {"0": [1, 2, 3, 4],
-                                                                                                 "1": [5, 0]}}})
-    assert strict["checks"]["teacher_forced_agreement"]["ok"] is False  # 5/6 against 6/6, margin 0.02
+    assert summary["agreement"]["FLASH_ATTN_MLA_vs_FLASHMLA"]["fraction"] == 1.0
+    # Half of every request's steps against all of them: no spread between requests, so the margin (0.02) rules.
+    halves = [_record(0, COMPLETED, [1, 0]), _record(1, COMPLETED, [5, 0])]
+    strict = hostile_report.summarize(_load_result(halves), ("FLASHMLA", {"status": "done", "argmax": {
+        "ours": {"0": [1, 2], "1": [5, 6]}, "baseline": {"0": [1, 2, 3, 4], "1": [5, 7]}}}), ("X", baseline))
+    assert strict["checks"]["teacher_forced_agreement"]["ok"] is False
+    assert "ours 0.5, built-in under the same load 1.0, allowed 0.02 less" in strict["checks"][
+        "teacher_forced_agreement"]["detail"]
+    # A reference or baseline that did not finish fails the comparison, whatever the shares.
+    unfinished = hostile_report.summarize(_load_result(records), reference,
+                                          ("FLASH_ATTN_MLA", {**baseline, "status": "failed"}), margin=0.2)
+    assert not unfinished["checks"]["teacher_forced_agreement"]["ok"]
     bad = records + [_record(3, FAILED, [1]), _record(4, COMPLETED, [1, 2], logprobs=1)]
-    summary = hostile_report.summarize(_load_result(bad, error_finishes=1), forced)
+    summary = hostile_report.summarize(_load_result(bad, error_finishes=1), reference)
     assert not summary["passed"]
     assert {k for k, c in summary["checks"].items() if not c["ok"]} == {
         "every_request_accounted", "finite_logprobs", "engine_error_counters_zero"}
     unreadable = _load_result(records)
     unreadable["engine_errors"]["readable"] = False
-    assert not hostile_report.summarize(unreadable, {})["checks"]["engine_error_counters_zero"]["ok"]
+    assert not hostile_report.summarize(unreadable)["checks"]["engine_error_counters_zero"]["ok"]
+
+
+def test_agreement_standard_error_treats_requests_as_clusters():
+    a = hostile_report.agreement({1: [1, 2], 2: [3, 4]}, {1: [1, 2], 2: [0, 0]})
+    assert a["fraction"] == 0.5 and a["standard_error"] == 0.5
+    assert hostile_report.agreement({1: [1, 2]}, {1: [1, 2]})["standard_error"] is None  # one request: unknown
+
+
+def test_forced_sequences_alternate_between_the_loads():
+    ours = [{"index": i, "output": [i]} for i in range(3)]
+    sequences = hostile.interleave({"ours": ours, "baseline": ours[:1]})
+    assert [(s["source"], s["index"]) for s in sequences] == [("ours", 0), ("baseline", 0), ("ours", 1), ("ours", 2)]
 
 
 def test_report_writes_json_and_a_markdown_table(tmp_path):
     records = [_record(0, COMPLETED, [1, 2])]
-    forced = {"flashmla": {"status": "done", "argmax": {"0": [1, 2]}},
-              "triton": {"status": "done", "argmax": {"0": [1, 2]}}}
+    reference = ("flashmla", {"status": "done", "argmax": {"ours": {"0": [1, 2]}, "baseline": {"0": [1, 2]}}})
     report = {"engine": "sglang", "engine_version": "0.5.17", "ours": "tilelang_mla", "load": load_to_dict(LOAD_),
-              "summary": hostile_report.summarize(_load_result(records), forced), "records": records}
+              "backends": ["tilelang_mla", "flashmla", "triton"],
+              "summary": hostile_report.summarize({**_load_result(records), "sent_s": 40.0}, reference,
+                                                  ("triton", _load_result(records))), "records": records}
     files = hostile_report.write_outputs(tmp_path, report)
     text = (tmp_path / "hostile.md").read_text()
-    assert len(files) == 2 and "| 1 | 1 | 0 | 0 | 0 | 12 | 4096 | 64 | yes |" in text
-    assert "| ours vs flashmla | 1 | 2 | 1.0 | 1 |" in text and "| triton vs flashmla |" in text
+    assert len(files) == 2 and "| tilelang_mla (ours) | 40.0 s | 1 | 1 | 0 | 0 | 0 | 12 | 4096 | 64 |" in text
+    assert "| triton (baseline) | - s | 1 | 1 |" in text and "Passed: yes" in text
+    assert "| ours vs flashmla | 1 | 2 | 1.0 | - | 1 |" in text and "| triton vs flashmla |" in text
     assert "tilelang_mla + MTP" in text
 
 
@@ -266,16 +291,18 @@ def test_serve_bench_hands_the_hostile_workload_to_its_driver(capsys):
     assert cli.main(["serve-bench", "--engine", "sglang", "--workloads", "hostile", "--duration", "60",
                      "--budget", "700", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "under load tilelang_mla; reference flashmla, triton" in out and "KV pool 24576 tokens" in out
-    assert "sending for up to 60 s; 60 s if the load engine takes the 300 s" in out
-    # Without --duration the sending lasts as long as the budget allows after the start; a cold start leaves 20 s.
+    assert "under load tilelang_mla (ours), then triton (baseline); forcing both: flashmla (reference)" in out
+    assert "KV pool 24576 tokens" in out
+    # Two loads share what the budget leaves: after a 300 s start (and the baseline's planned 150 s), 25 s each.
+    assert "sending for up to 60 s; 25 s if the load engine takes the 300 s" in out
+    # Without --duration each load sends as long as the budget allows after the starts; a cold start leaves 5 s.
     assert cli.main(["serve-bench", "--engine", "vllm", "--workloads", "hostile", "--budget", "480", "--dry-run"]) == 0
-    assert "sending for up to 200 s; 20 s if the load engine takes the 180 s" in capsys.readouterr().out
+    assert "sending for up to 95 s; 5 s if the load engine takes the 180 s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--workloads", "hostile,decode"], "hostile runs alone"),
-    (["--workloads", "hostile", "--duration", "300", "--budget", "200"], "give --budget >= 300 plus the start"),
+    (["--workloads", "hostile", "--duration", "300", "--budget", "200"], "give --budget >= 330 plus that start"),
     (["--workloads", "hostile", "--duration", "0"], "--duration 0.0: give a positive number"),
     (["--workloads", "hostile", "--backends", "a,b,c,d"], "1 to 3 backends"),
     (["--workloads", "hostile", "--kv-tokens", "1000"], "kv_tokens=1000 is not supported"),

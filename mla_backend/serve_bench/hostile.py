@@ -6,13 +6,14 @@
 Three engine processes, one after the other (hostile_vllm.py / hostile_sglang.py):
 
 1. **load**: the first backend (ours by default) serves the hostile load of hostile_load.py for ``--duration``
-   seconds (prefix caching, chunked prefill, a KV pool small enough to force preemption, aborts mid-decode, lengths
-   1 .. max context, changing concurrency, MTP), recording every request's outcome, tokens and logprobs and the
-   engine's own counters;
-2. **forced**: the second backend (a built-in) re-runs every surviving request's prompt + output as a prompt and
-   records its argmax at each output position (teacher forcing);
-3. **baseline**: the third backend (another built-in) does the same, so the report can say how often two built-ins
-   agree on these sequences.
+   seconds or what ``--budget`` leaves (prefix caching, chunked prefill, a KV pool small enough to force preemption,
+   aborts mid-decode, lengths 1 .. max context, changing concurrency, MTP), recording every request's outcome, tokens
+   and logprobs and the engine's own counters;
+2. **baseline load**: the third backend (a built-in) serves the same load for as long as ours sent, the same way;
+3. **forced**: the second backend (the reference, a built-in, eager) re-runs the survivors of both loads, prompt +
+   output as a prompt, and records its argmax at each output position (teacher forcing). Ours must agree with it as
+   often as the baseline does: both were served the same way, so what they share (CUDA graphs, compiled fusions,
+   MTP, near ties of random weights) cancels and what is left is the attention backend.
 
 The report (hostile_report.py) counts requests sent / completed / aborted / failed / unfinished, preemptions, the
 engine's error counters, non-finite logprobs and the agreement fractions, and writes hostile.json and hostile.md.
@@ -22,6 +23,8 @@ Exit status: 0 when every check passed, 1 when one failed, 2 when nothing ran (n
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import sys
 import tempfile
@@ -39,16 +42,19 @@ HOSTILE = "hostile"
 # load_start_s: from the command's start to the load engine's first request. vLLM: process start, torch.compile, CUDA
 # graphs, the MTP drafter and a warm-up request, 170 s. SGLang: the target's CUDA graphs up to batch 64 (the first
 # capture builds the MoE's Triton kernels: 100 s), then the EAGLE draft's: still capturing at 228 s.
-# forced_s: a forced engine's eager start and forcing (vLLM: 105 s for the first, which builds the MoE's Triton
-# kernels, 46 s for the second). The requests in flight when sending stops get the load's drain_s; an engine that
+# forced_s: the forced engine's eager start and forcing (vLLM: 105 s when it is the first to build the MoE's Triton
+# kernels for eager shapes, 46 s when they are cached; 47 s forcing 512 survivors with warm caches).
+# second_load_start_s: the baseline's load engine, which finds the caches the first one filled (vLLM: 55 s). The requests in flight when sending stops get the load's drain_s; an engine that
 # starts slower than planned sends for less (hostile_load.sending_window).
 ENGINES = {
     "vllm": {"runner": "mla_backend.serve_bench.hostile_vllm",
              "backends": (vllm_runner.ENGINE.ours, "FLASHMLA", "FLASH_ATTN_MLA"),
-             "kv": vllm_runner.ENGINE.kv_cache_dtypes, "load_start_s": 180.0, "forced_s": 110.0},
+             "kv": vllm_runner.ENGINE.kv_cache_dtypes, "load_start_s": 180.0,
+             "second_load_start_s": 90.0, "forced_s": 110.0},
     "sglang": {"runner": "mla_backend.serve_bench.hostile_sglang",
                "backends": (sglang_runner.ENGINE.ours, "flashmla", "triton"),
-               "kv": sglang_runner.ENGINE.kv_cache_dtypes, "load_start_s": 300.0, "forced_s": 110.0},
+               "kv": sglang_runner.ENGINE.kv_cache_dtypes, "load_start_s": 300.0,
+               "second_load_start_s": 150.0, "forced_s": 110.0},
 }
 KILL_GRACE_S = 30.0  # past its deadline a process gets this long to write its results
 MIN_SENDING_S = 20.0  # the least sending a --budget must leave after the load engine's start
@@ -71,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--engine", required=True, choices=sorted(ENGINES))
     p.add_argument("--workloads", required=True, help="hostile (alone)")
-    p.add_argument("--backends", help="OURS,REFERENCE[,BASELINE]; vLLM default " + ",".join(ENGINES["vllm"]["backends"])
+    p.add_argument("--backends", help="OURS,REFERENCE[,BASELINE] (REFERENCE forces, BASELINE serves the load too); "
+                   "vLLM default " + ",".join(ENGINES["vllm"]["backends"])
                    + ", SGLang " + ",".join(ENGINES["sglang"]["backends"]))
     p.add_argument("--duration", type=float, help="most seconds of sending (default: what --budget leaves)")
     p.add_argument("--budget", type=float, default=600.0, help="seconds for the whole command, every engine included")
@@ -87,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forced-requests", type=int, default=defaults.forced_requests,
                    help="most survivors re-run teacher-forced")
     p.add_argument("--agreement-margin", type=float, default=hostile_report.DEFAULT_AGREEMENT_MARGIN,
-                   help="ours may agree this much less than the two built-ins")
+                   help="ours may agree this much less than the baseline (or 3 standard errors, if more)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heads", type=int, default=16, help=f"query heads: {HEAD_CHOICES_DOC}")
     p.add_argument("--layers", type=int, default=8)
@@ -109,15 +116,17 @@ def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...], dic
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip()) if args.backends else engine["backends"]
     backends = tuple(b.upper() if args.engine == "vllm" else b.lower() for b in backends)
     if not 1 <= len(backends) <= 3:
-        raise ValueError(f"--backends {args.backends!r}: give 1 to 3 backends (under load, reference, baseline)")
+        raise ValueError(f"--backends {args.backends!r}: give 1 to 3 backends (ours, reference, baseline)")
     model_config = deepseek_v3_config(args.heads, args.layers)  # raises on impossible shapes
     # Sending ends at --duration or where the budget says (hostile_load.sending_window), whichever comes first, so
     # the budget only has to fit what follows the load engine's start; the default is all that the budget leaves.
-    most = args.budget - (reserve_s(args.engine, len(backends)) - ENGINES[args.engine]["load_start_s"])
+    loads = load_engines(len(backends))
+    besides = reserve_s(args.engine, len(backends)) - ENGINES[args.engine]["load_start_s"]
+    most = (args.budget - besides) / loads
     if most < MIN_SENDING_S:
-        raise ValueError(f"--budget {args.budget:.0f}: the reference engines, the drain and the grace need "
-                         f"{args.budget - most:.0f} s besides the load engine's start and its sending; give --budget "
-                         f">= {args.budget - most + MIN_SENDING_S:.0f} plus the start (planned: "
+        raise ValueError(f"--budget {args.budget:.0f}: the engines need {besides:.0f} s besides the first load "
+                         f"engine's start and {loads} x the sending; give --budget >= "
+                         f"{besides + loads * MIN_SENDING_S:.0f} plus that start (planned: "
                          f"{ENGINES[args.engine]['load_start_s']:.0f} s with every compile cache empty)")
     if args.duration is not None and not args.duration > 0:
         raise ValueError(f"--duration {args.duration}: give a positive number of seconds")
@@ -130,16 +139,23 @@ def resolve(args: argparse.Namespace) -> tuple[HostileLoad, tuple[str, ...], dic
     return load, backends, model_config
 
 
+def load_engines(backends: int) -> int:
+    """How many engines serve the load: ours, and with three backends the baseline too (the second only forces)."""
+    return 2 if backends == 3 else 1
+
+
 def reserve_s(engine: str, backends: int) -> float:
-    """Seconds of ``--budget`` that are not the load: the engines' starts, the forcing, the drain and the grace."""
-    plan = ENGINES[engine]
-    return plan["load_start_s"] + plan["forced_s"] * (backends - 1) + HostileLoad().drain_s + KILL_GRACE_S
+    """Seconds of ``--budget`` that are not sending: the engines' starts and drains, the forcing and the grace."""
+    plan, drain = ENGINES[engine], HostileLoad().drain_s
+    second = plan["second_load_start_s"] + drain if load_engines(backends) == 2 else 0.0
+    return plan["load_start_s"] + drain + second + plan["forced_s"] * (backends > 1) + KILL_GRACE_S
 
 
 def describe(load: HostileLoad, backends: tuple[str, ...], vocab_size: int, requests: int = 12) -> list[str]:
     prefixes = shared_prefixes(load, vocab_size)
     schedule = concurrency_schedule(load)
-    lines = [f"backends: under load {backends[0]}; reference {', '.join(backends[1:]) or 'none'}",
+    lines = [f"backends: under load {backends[0]} (ours){f', then {backends[2]} (baseline)' if len(backends) > 2 else ''}"
+             f"; forcing both: {backends[1] if len(backends) > 1 else 'none'} (reference)",
              f"load: up to {load.seconds:.0f} s of sending, max context {load.max_context}, KV pool {load.pool_tokens} tokens, "
              f"prefill chunk {load.chunk_tokens}, MTP {'on' if load.mtp else 'off'}, seed {load.seed}",
              f"shared prefixes: {[len(p) for p in prefixes]} tokens; concurrency every {load.phase_s:g} s: "
@@ -157,7 +173,7 @@ def _dash(value) -> str:
 
 
 def run_phase(engine: str, mode: str, backend: str, load: HostileLoad, args, model_dir: Path, vocab_size: int,
-              work: Path, out_dir: Path, deadline: float, sequences: Path | None = None) -> dict:
+              work: Path, out_dir: Path, deadline: float, sequences: Path | None = None, later_loads: int = 0) -> dict:
     """One engine process; returns its result file (or why there is none)."""
     from .driver import run_engine  # the serve-bench driver's process handling (process group, kill, result)
 
@@ -167,7 +183,8 @@ def run_phase(engine: str, mode: str, backend: str, load: HostileLoad, args, mod
                        result_path=str(work / f"{name}.result.json"), log_path=str(out_dir / f"hostile-{name}.log"),
                        kv_cache_dtype=ENGINES[engine]["kv"][args.kv_cache_dtype],
                        gpu_memory_fraction=args.gpu_memory_fraction,
-                       sequences_path=str(sequences) if sequences else "", deadline=deadline)
+                       sequences_path=str(sequences) if sequences else "", deadline=deadline,
+                       later_loads=later_loads, later_start_s=ENGINES[engine]["second_load_start_s"])
     print(f"[hostile] {mode} on {backend}: engine starting (log: {spec.log_path})", flush=True)
     result = run_engine(spec, ENGINES[engine]["runner"], work / f"{name}.spec.json",
                         deadline + KILL_GRACE_S - time.time())
@@ -177,37 +194,56 @@ def run_phase(engine: str, mode: str, backend: str, load: HostileLoad, args, mod
 
 
 def run(args, load: HostileLoad, backends: tuple[str, ...], model_config: dict, out_dir: Path) -> dict:
+    """Ours serves the load; with three backends the baseline serves it next, for as long as ours sent; the
+    reference then forces both engines' survivors (interleaved, so that a cut-off forcing keeps both)."""
     start = time.time()
     end = start + args.budget
-    forced_results: dict[str, dict] = {}
+    reference = backends[1] if len(backends) > 1 else None
+    baseline = backends[2] if len(backends) > 2 else None
     with tempfile.TemporaryDirectory(prefix="hostile_") as tmp:
         work = Path(tmp)
         model_dir = write_config_dir(work / "model", model_config)
         vocab_size = model_config["vocab_size"]
-        forced_s = ENGINES[args.engine]["forced_s"]
-        load_deadline = end - forced_s * (len(backends) - 1) - KILL_GRACE_S
-        load_result = run_phase(args.engine, LOAD, backends[0], load, args, model_dir, vocab_size, work, out_dir,
-                                load_deadline)
-        survivors = forced_selection(load_result.get("records", []), load.forced_requests)
-        sequences = work / "survivors.json"
-        sequences.write_text(json.dumps([{"index": r["index"], "output": r["output"]} for r in survivors]))
-        for i, backend in enumerate(backends[1:]):
-            if not survivors:
-                forced_results[backend] = {"status": "skipped", "error": "no completed request to force"}
-                continue
-            later = len(backends) - 2 - i  # forced engines still to come keep their planned time
-            deadline = end - KILL_GRACE_S - forced_s * later
-            forced_results[backend] = run_phase(args.engine, FORCED, backend, load, args, model_dir, vocab_size, work,
-                                                out_dir, deadline, sequences)
-    summary = hostile_report.summarize(load_result, forced_results, args.agreement_margin)
+        loads_deadline = end - KILL_GRACE_S - (ENGINES[args.engine]["forced_s"] if reference else 0.0)
+        phase = dict(args=args, model_dir=model_dir, vocab_size=vocab_size, work=work, out_dir=out_dir)
+        load_result = run_phase(args.engine, LOAD, backends[0], load, deadline=loads_deadline,
+                                later_loads=int(baseline is not None), **phase)
+        sources = {"ours": forced_selection(load_result.get("records", []), load.forced_requests)}
+        baseline_result = reference_result = None
+        if baseline:
+            sent = load_result.get("sent_s") or load.seconds
+            baseline_result = run_phase(args.engine, LOAD, baseline, dataclasses.replace(load, seconds=max(1.0, sent)),
+                                        deadline=loads_deadline, **phase)
+            sources["baseline"] = forced_selection(baseline_result.get("records", []), load.forced_requests)
+        if reference:
+            sequences = work / "survivors.json"
+            sequences.write_text(json.dumps(interleave(sources)))
+            reference_result = (run_phase(args.engine, FORCED, reference, load, deadline=end - KILL_GRACE_S,
+                                          sequences=sequences, **phase)
+                                if sources["ours"] else {"status": "skipped", "error": "no completed request to force"})
+    summary = hostile_report.summarize(load_result, reference and (reference, reference_result),
+                                       baseline and (baseline, baseline_result), args.agreement_margin)
     engine_info = load_result.get("engine_info", {})
     return {"engine": args.engine, "engine_version": engine_info.get(args.engine), "ours": backends[0],
             "backends": list(backends), "load": load_to_dict(load), "summary": summary,
-            "load_engine": {k: v for k, v in load_result.items() if k != "records"},
-            "forced_engines": {b: {k: v for k, v in r.items() if k != "argmax"} for b, r in forced_results.items()},
-            "records": load_result.get("records", []), "argmax": {b: r.get("argmax") for b, r in
-                                                                  forced_results.items()},
+            "load_engine": _without(load_result, "records"),
+            "baseline_engine": baseline_result and _without(baseline_result, "records"),
+            "forced_engine": reference_result and _without(reference_result, "argmax"),
+            "records": load_result.get("records", []),
+            "baseline_records": (baseline_result or {}).get("records", []),
+            "argmax": (reference_result or {}).get("argmax"),
             "wall_s": round(time.time() - start, 1), "command": "mla-backend serve-bench " + " ".join(sys.argv[2:])}
+
+
+def interleave(sources: dict[str, list[dict]]) -> list[dict]:
+    """The survivors of each source as forced-mode sequences, alternating between the sources."""
+    tagged = [[{"source": source, "index": r["index"], "output": r["output"]} for r in records]
+              for source, records in sources.items()]
+    return [s for group in itertools.zip_longest(*tagged) for s in group if s is not None]
+
+
+def _without(result: dict, key: str) -> dict:
+    return {k: v for k, v in result.items() if k != key}
 
 
 def main(argv: list[str]) -> int:
@@ -217,7 +253,7 @@ def main(argv: list[str]) -> int:
         load, backends, model_config = resolve(args)
     except ValueError as e:
         parser.error(str(e))
-    cold = min(load.seconds, args.budget - reserve_s(args.engine, len(backends)))
+    cold = min(load.seconds, (args.budget - reserve_s(args.engine, len(backends))) / load_engines(len(backends)))
     print(f"[hostile] sending for up to {load.seconds:.0f} s; {max(0.0, cold):.0f} s if the load engine takes the "
           f"{ENGINES[args.engine]['load_start_s']:.0f} s to start that it takes with every compile cache empty"
           + ("" if cold >= MIN_SENDING_S else " (warm the caches first: mla-backend compile, or one serve-bench run)"),

@@ -211,10 +211,12 @@ class RequestState:
     abort_sent: bool = False
 
 
-def sending_window(load: HostileLoad, deadline: float) -> float:
+def sending_window(load: HostileLoad, deadline: float, later_loads: int = 0, later_start_s: float = 0.0) -> float:
     """Seconds of sending that still leave the last requests ``drain_s`` before ``deadline`` (wall clock): an engine
-    that started slower than planned sends for less rather than leaving requests unfinished."""
-    return max(0.0, min(load.seconds, deadline - time.time() - load.drain_s))
+    that started slower than planned sends for less rather than leaving requests unfinished. ``later_loads`` engines
+    that run the same load after this one, before the same deadline, each starting in ``later_start_s``, get as long."""
+    room = deadline - time.time() - load.drain_s - later_loads * (later_start_s + load.drain_s)
+    return max(0.0, min(load.seconds, room / (1 + later_loads)))
 
 
 class LoadLedger:
@@ -347,10 +349,16 @@ class HostileSpec:
     gpu_memory_fraction: float = 0.85
     sequences_path: str = ""
     deadline: float = float("inf")  # epoch seconds: the process stops working here and writes what it has
+    later_loads: int = 0  # load engines still to come before ``deadline`` (they send as long as this one)
+    later_start_s: float = 0.0  # the start planned for each of them
 
     @property
     def hostile_load(self) -> HostileLoad:
         return load_from_dict(self.load)
+
+    def sending_s(self) -> float:
+        """How long this load engine sends, from now (see :func:`sending_window`)."""
+        return sending_window(self.hostile_load, self.deadline, self.later_loads, self.later_start_s)
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))

@@ -26,19 +26,20 @@ ForceBatch = Callable[[list[tuple[list[int], int]]], list[list[int]]]
 def force_survivors(spec: HostileSpec, result: dict, engine_info: dict, force_batch: ForceBatch) -> None:
     """Forced mode: every survivor listed in ``spec.sequences_path`` through ``force_batch``, ``FORCED_BATCH`` at a
     time, until the deadline (the first batch runs even past it, within the kill grace, so that a slow engine start
-    still yields an agreement); ``result["argmax"]`` maps request index -> argmax tokens."""
+    still yields an agreement); ``result["argmax"]`` maps each survivor's source (the load engine that produced it)
+    to {request index: argmax tokens}."""
     load = spec.hostile_load
     survivors = json.loads(Path(spec.sequences_path).read_text())
     result.update(status="running", engine_info=engine_info, argmax={})
     prefixes = shared_prefixes(load, spec.vocab_size)
     for start in range(0, len(survivors), FORCED_BATCH):
         if start and time.time() > spec.deadline:
-            result["stopped_early"] = f"time budget: {len(result['argmax'])} of {len(survivors)} requests forced"
+            result["stopped_early"] = f"time budget: {start} of {len(survivors)} requests forced"
             break
         batch = survivors[start:start + FORCED_BATCH]
         prompts = [forced_prompt(load, spec.vocab_size, s["index"], s["output"], prefixes) for s in batch]
         for survivor, tokens in zip(batch, force_batch(prompts)):
-            result["argmax"][survivor["index"]] = tokens
+            result["argmax"].setdefault(survivor["source"], {})[survivor["index"]] = tokens
         write_result(spec.result_path, result)
     result["status"] = "done"
 

@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 
-from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger, sending_window
+from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger
 from .hostile_process import PROGRESS_EVERY_S, force_survivors, process_main
 from .runner_common import log_tail, write_result
 from .sglang_runner import INIT_ENV, bench_engine_class, prepare_process, read_server_info
@@ -187,7 +187,7 @@ def run_load(spec: HostileSpec, result: dict) -> None:
     except Exception as e:  # noqa: BLE001 - the log still counts retractions
         before, note = {}, f"Prometheus unreadable ({type(e).__name__}: {e}); retractions from the log"
     log_offset = len(log_tail(spec.log_path, 10**9))
-    ledger = LoadLedger(load, spec.vocab_size, time.monotonic(), sending_window(load, spec.deadline))
+    ledger = LoadLedger(load, spec.vocab_size, time.monotonic(), spec.sending_s())
 
     def progress():
         result["records"] = ledger.records

@@ -18,7 +18,7 @@ import sys
 import time
 import traceback
 
-from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger, sending_window
+from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger
 from .hostile_process import PROGRESS_EVERY_S, force_survivors, process_main
 from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
 from .runner_common import write_result
@@ -170,7 +170,7 @@ def run_load(spec: HostileSpec, result: dict) -> None:
         before, readable, note = read_counters(llm), True, ""
     except Exception as e:  # noqa: BLE001 - reported as unreadable, which fails the counters check
         before, readable, note = {}, False, f"{type(e).__name__}: {e}"
-    ledger = LoadLedger(load, spec.vocab_size, time.monotonic(), sending_window(load, spec.deadline))
+    ledger = LoadLedger(load, spec.vocab_size, time.monotonic(), spec.sending_s())
 
     def progress():
         result["records"] = ledger.records
