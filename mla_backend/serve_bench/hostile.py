@@ -211,7 +211,8 @@ def run(args, load: HostileLoad, backends: tuple[str, ...], model_config: dict, 
         sources = {"ours": forced_selection(load_result.get("records", []), load.forced_requests)}
         baseline_result = reference_result = None
         if baseline:
-            sent = load_result.get("sent_s") or load.seconds
+            sent = load_result.get("sent_s")
+            sent = load.seconds if sent is None else sent  # no result file: as planned
             baseline_result = run_phase(args.engine, LOAD, baseline, dataclasses.replace(load, seconds=max(1.0, sent)),
                                         deadline=loads_deadline, **phase)
             sources["baseline"] = forced_selection(baseline_result.get("records", []), load.forced_requests)
