@@ -233,6 +233,7 @@ class LoadLedger:
         self.records: list[dict] = []
         self.next_index = 0
         self.peak_in_flight = 0
+        self.prefix_hit_tokens = 0  # prompt tokens the engine says it took from its prefix cache, where it says so
 
     @property
     def send_end(self) -> float:

@@ -31,6 +31,9 @@ MTP_ARGS = dict(speculative_algorithm="EAGLE", speculative_num_steps=1, speculat
                 speculative_num_draft_tokens=2, speculative_draft_attention_backend="triton")
 POLL_S = 0.005
 RETRACTED_LINE = re.compile(r"#retracted_reqs: (\d+)")
+# SGLang admits a request only when its KV (and a share of its remaining output) fits, so a small pool alone seldom
+# makes it retract; its own test switch also retracts running requests every this many forward passes.
+RETRACT_EVERY_FORWARDS = 100
 TRACEBACK_LINE = "Traceback (most recent call last)"
 # Prometheus samples read after the load (counters: the sample names carry the _total suffix).
 SAMPLES = ("sglang:num_retracted_requests_total", "sglang:num_aborted_requests_total", "sglang:cache_hit_rate",
@@ -47,10 +50,13 @@ def common_kwargs(spec: HostileSpec, load: HostileLoad) -> dict:
 
 def load_server_kwargs(spec: HostileSpec) -> dict:
     """The engine under the hostile load: radix cache on, ``pool_tokens`` of KV (retraction), CUDA graphs up to
-    the highest concurrency, metrics on (retraction and abort counters), EAGLE/MTP when the load asks for it."""
+    the highest concurrency, metrics on (retraction and abort counters), EAGLE/MTP when the load asks for it. The
+    context has a page of headroom: SGLang counts EAGLE's draft tokens against it and refuses a request that fills
+    ``max_context`` exactly (seen: "requested a total of 8194 tokens")."""
     load = spec.hostile_load
     kwargs = common_kwargs(spec, load)
-    kwargs.update(disable_radix_cache=False, context_length=load.max_context, max_total_tokens=load.pool_tokens,
+    kwargs.update(disable_radix_cache=False, context_length=load.max_context + PAGE_TOKENS,
+                  max_total_tokens=load.pool_tokens,
                   cuda_graph_max_bs_decode=load.max_concurrency, enable_metrics=True)
     if load.mtp:
         kwargs.update(MTP_ARGS)
@@ -65,8 +71,10 @@ def forced_server_kwargs(spec: HostileSpec) -> dict:
     return kwargs
 
 
-def start_engine(kwargs: dict):
+def start_engine(kwargs: dict, retract_every: int = 0):
     os.environ[INIT_ENV] = "scaled"  # read by prepare_process in every scheduler process
+    if retract_every:  # read by the scheduler process at import
+        os.environ.update(SGLANG_TEST_RETRACT="1", SGLANG_TEST_RETRACT_INTERVAL=str(retract_every))
     prepare_process()
     return bench_engine_class()(**kwargs)
 
@@ -95,6 +103,7 @@ async def stream_request(engine, ledger: LoadLedger, plan) -> None:
     try:
         chunks = await engine.async_generate(input_ids=plan.prompt, sampling_params=sampling(plan.max_tokens),
                                              return_logprob=True, stream=True, rid=plan.key)
+        meta: dict = {}
         async for chunk in chunks:
             meta = chunk.get("meta_info") or {}
             total = int(meta.get("completion_tokens") or 0)
@@ -102,6 +111,7 @@ async def stream_request(engine, ledger: LoadLedger, plan) -> None:
             logprobs = merge(logprobs, [entry[0] for entry in meta.get("output_token_logprobs") or []], total)
             ledger.set_tokens(plan.key, tokens, logprobs)
             finish = finish_type(meta.get("finish_reason")) or finish
+        ledger.prefix_hit_tokens += int(meta.get("cached_tokens") or 0)
         ledger.finish(plan.key, finish)
     except Exception as e:  # noqa: BLE001 - a request the engine failed is a result
         ledger.finish(plan.key, finish, error=f"{type(e).__name__}: {e}")
@@ -177,7 +187,7 @@ def engine_report(before: dict, after: dict, log_text: str, aborts_sent: int, no
 
 def run_load(spec: HostileSpec, result: dict) -> None:
     load = spec.hostile_load
-    engine = start_engine(load_server_kwargs(spec))
+    engine = start_engine(load_server_kwargs(spec), RETRACT_EVERY_FORWARDS)
     result.update(status="running", engine_info=introspect(engine))
     write_result(spec.result_path, result)
     engine.generate(input_ids=[[5] * 300], sampling_params=sampling(4))  # kernels built before the load
@@ -208,6 +218,8 @@ def run_load(spec: HostileSpec, result: dict) -> None:
     aborts_sent = sum(1 for r in ledger.records if r["outcome"] == "aborted")
     log_text = log_tail(spec.log_path, 10**9)[log_offset:]
     result.update(engine_report(before, after, log_text, aborts_sent, note))
+    result["prefix_cache"]["hit_tokens"] = ledger.prefix_hit_tokens  # meta_info cached_tokens, summed
+    result["retract_every_forwards"] = RETRACT_EVERY_FORWARDS
     result.update(records=ledger.records, peak_in_flight=ledger.peak_in_flight, sent_s=round(ledger.send_s, 1),
                   stopped_early=stopped,
                   status="failed" if stopped and stopped.startswith("engine error") else "done")
