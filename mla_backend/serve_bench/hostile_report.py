@@ -69,7 +69,8 @@ def load_checks(load_result: dict) -> dict:
     records = load_result.get("records", [])
     counts = outcome_counts(records)
     nonfinite = sum(r["nonfinite_logprobs"] for r in records)
-    missing_logprobs = sum(1 for r in records if r["outcome"] == COMPLETED and r["logprobs_seen"] != len(r["output"]))
+    # At least one per token: after a retraction SGLang's stream sends some again (seen: 2415 for 70 tokens).
+    missing_logprobs = sum(1 for r in records if r["outcome"] == COMPLETED and r["logprobs_seen"] < len(r["output"]))
     errors = load_result.get("engine_errors", {})
     return {
         "engine_ran": {"ok": load_result.get("status") == "done",
