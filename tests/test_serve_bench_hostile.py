@@ -213,6 +213,8 @@ def test_summary_passes_a_clean_run_and_names_what_failed():
     unfinished = hostile_report.summarize(_load_result(records), reference,
                                           ("FLASH_ATTN_MLA", {**baseline, "status": "failed"}), margin=0.2)
     assert not unfinished["checks"]["teacher_forced_agreement"]["ok"]
+    resent = records + [_record(5, COMPLETED, [1, 2], logprobs=40)]  # SGLang re-sends some after a retraction
+    assert hostile_report.summarize(_load_result(resent))["checks"]["finite_logprobs"]["ok"]
     bad = records + [_record(3, FAILED, [1]), _record(4, COMPLETED, [1, 2], logprobs=1)]
     summary = hostile_report.summarize(_load_result(bad, error_finishes=1), reference)
     assert not summary["passed"]
