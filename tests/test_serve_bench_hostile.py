@@ -291,20 +291,20 @@ def test_serve_bench_hands_the_hostile_workload_to_its_driver(capsys):
     assert hostile.selected(["--engine", "vllm", "--workloads", "decode,hostile"])
     assert hostile.selected(["--workloads=hostile"]) and not hostile.selected(["--workloads", "decode"])
     assert cli.main(["serve-bench", "--engine", "sglang", "--workloads", "hostile", "--duration", "60",
-                     "--budget", "700", "--dry-run"]) == 0
+                     "--budget", "800", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "under load tilelang_mla (ours), then triton (baseline); forcing both: flashmla (reference)" in out
     assert "KV pool 24576 tokens" in out
-    # Two loads share what the budget leaves: after a 300 s start (and the baseline's planned 150 s), 25 s each.
-    assert "sending for up to 60 s; 25 s if the load engine takes the 300 s" in out
-    # Without --duration each load sends as long as the budget allows after the starts; a cold start leaves 5 s.
-    assert cli.main(["serve-bench", "--engine", "vllm", "--workloads", "hostile", "--budget", "480", "--dry-run"]) == 0
-    assert "sending for up to 95 s; 5 s if the load engine takes the 180 s" in capsys.readouterr().out
+    # Two loads share what the budget leaves: after a 300 s start (and the baseline's planned 150 s), 45 s each.
+    assert "sending for up to 60 s; 45 s if the load engine takes the 300 s" in out
+    # Without --duration each load sends as long as the budget allows after the starts; a cold start leaves 20 s.
+    assert cli.main(["serve-bench", "--engine", "vllm", "--workloads", "hostile", "--budget", "530", "--dry-run"]) == 0
+    assert "sending for up to 110 s; 20 s if the load engine takes the 180 s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--workloads", "hostile,decode"], "hostile runs alone"),
-    (["--workloads", "hostile", "--duration", "300", "--budget", "200"], "give --budget >= 330 plus that start"),
+    (["--workloads", "hostile", "--duration", "300", "--budget", "200"], "give --budget >= 350 plus that start"),
     (["--workloads", "hostile", "--duration", "0"], "--duration 0.0: give a positive number"),
     (["--workloads", "hostile", "--backends", "a,b,c,d"], "1 to 3 backends"),
     (["--workloads", "hostile", "--kv-tokens", "1000"], "kv_tokens=1000 is not supported"),
