@@ -24,30 +24,31 @@ DEFAULT_AGREEMENT_MARGIN = 0.02
 
 def agreement(tokens: dict[int, list[int]], argmax: dict[int, list[int]]) -> dict:
     """Share of positions where ``tokens[i][j] == argmax[i][j]``, over the requests both have (position-wise, up to
-    the shorter of the two), with the number of requests that agree everywhere and the first disagreements."""
-    steps = agree = whole = 0
+    the shorter of the two), with its standard error, the number of requests that agree everywhere and the first
+    disagreements."""
+    sizes, agrees = [], []
     first_disagreements = []
     common = sorted(set(tokens) & set(argmax))
     for index in common:
         ours, ref = tokens[index], argmax[index]
         n = min(len(ours), len(ref))
         same = sum(1 for j in range(n) if ours[j] == ref[j])
-        steps += n
-        agree += same
-        whole += same == n
+        sizes.append(n)
+        agrees.append(same)
         if same < n and len(first_disagreements) < 8:
             first_disagreements.append({"request": index, "step": next(j for j in range(n) if ours[j] != ref[j])})
+    steps, agree = sum(sizes), sum(agrees)
     return {"requests": len(common), "steps": steps, "agree": agree,
             "fraction": round(agree / steps, 5) if steps else None,
-            "standard_error": _cluster_standard_error(tokens, argmax, common), "requests_agreeing_everywhere": whole,
+            "standard_error": _cluster_standard_error(sizes, agrees),
+            "requests_agreeing_everywhere": sum(a == n for a, n in zip(agrees, sizes)),
             "first_disagreements": first_disagreements}
 
 
-def _cluster_standard_error(tokens: dict, argmax: dict, common: list) -> float | None:
+def _cluster_standard_error(sizes: list[int], agrees: list[int]) -> float | None:
     """Standard error of the agreement share with each request a cluster (its steps are not independent: one near
-    tie decided differently changes the rest of its context)."""
-    sizes = [min(len(tokens[i]), len(argmax[i])) for i in common]
-    agrees = [sum(1 for a, b in zip(tokens[i], argmax[i]) if a == b) for i in common]
+    tie decided differently changes the rest of its context). ``sizes`` / ``agrees``: steps and agreeing steps per
+    request."""
     n, total = len(sizes), sum(sizes)
     if n < 2 or not total:
         return None
