@@ -30,15 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cli import nothing_ran
-from . import hostile, sglang_runner, vllm_runner
+from . import agreement, hostile, sglang_runner, vllm_runner
 from .model_config import (DEFAULT_MODEL, HEAD_CHOICES_DOC, MODEL_CHOICES, kv_bytes_per_token, parameter_counts,
                            write_config_dir)
 from .parallel import (MAX_SPECULATIVE_TOKENS, GpuInventory, ParallelOptions, check_parallel_options, detect_gpus,
                        resolve_model)
 from .runner_common import EngineChoice, EngineSpec, log_tail
 from .weight_memory import GIB, engine_budget_bytes, weight_bytes_per_gpu
-from .workloads import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, WORKLOAD_KINDS, MeasurePlan, build_workloads, context_label,
-                        kv_tokens_needed, longest_request, most_requests, workload_to_dict)
+from .workloads import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_WORKLOAD_KINDS, WORKLOAD_KINDS, MeasurePlan,
+                        build_workloads, context_label, kv_tokens_needed, longest_request, most_requests,
+                        workload_to_dict)
 
 KILL_GRACE_S = 60.0  # an engine process past the budget gets this long to write its results before it is killed
 GPU_RELEASE_S = 3.0  # pause between engines, so that the previous one's GPU memory is back
@@ -67,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", required=True, choices=sorted(ENGINES))
     p.add_argument("--backends", help="comma list, ours first by default; vLLM: "
                    + ",".join(vllm_runner.ENGINE.backends) + "; SGLang: " + ",".join(sglang_runner.ENGINE.backends))
-    p.add_argument("--workloads", default=",".join(WORKLOAD_KINDS), help="comma list of " + ",".join(WORKLOAD_KINDS))
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOAD_KINDS),
+                   help="comma list of " + ",".join(WORKLOAD_KINDS) + " (forced: teacher-forced agreement between the "
+                   "backends, agreement.py)")
     p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="decode batch sizes")
     p.add_argument("--contexts", default=",".join(context_label(c) for c in DEFAULT_CONTEXTS),
                    help="decode context lengths (k = 1024 tokens)")
@@ -344,7 +347,8 @@ def engine_problem(engine: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 0 when at least one workload was measured (or --dry-run), 2 when nothing was."""
+    """Exit status 0 when at least one workload was measured (or --dry-run), 1 when the forced check's agreement
+    failed, 2 when nothing was measured."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if hostile.selected(argv):  # its own flags and its own report (hostile.py)
         return hostile.main(argv)
@@ -378,4 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[serve-bench] wrote {', '.join(files)}")
     if not report.anything_measured(data):
         return nothing_ran("serve-bench", "no workload was measured on any backend (see the reasons above).")
+    failed = [w for w, verdict in agreement.compare(data).items() if verdict["passed"] is False]
+    if failed:
+        print(f"[serve-bench] teacher-forced agreement FAILED: {', '.join(failed)}", flush=True)
+        return 1
     return 0

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from .. import installed
+from . import agreement
 from .model_config import parameter_counts
 from .weight_memory import GIB, weight_bytes_per_gpu
 from .workloads import DECODE
@@ -259,6 +260,7 @@ def markdown(data: dict) -> str:
     for key, title, digits, smaller in METRICS:
         lines += metric_table(data, key, title, digits, smaller)
     lines += attention_share_table(data)
+    lines += agreement.markdown(data)
     lines += host_table(data)
     lines += engine_table(data)
     lines += ["Decode cells: TPOT of the whole batch, each repeat a window of decode steps after every request was "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
 from .profile_trace import host_ranges, kernel_breakdown, load_trace_events, newest_trace
-from .workloads import (MIN_PREFILL_CHUNK, DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, Workload,
+from .workloads import (MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, Workload,
                         decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed, token_prompts,
                         workload_from_dict, workload_to_dict)
 
@@ -236,6 +236,17 @@ def engine_process_main(session_class, argv: list[str] | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------- records both engines build
+def forced_record(load: ForcedDecode, argmax: list[list[int]], forcing_held: bool) -> dict:
+    """The forced check's record: per request, the model's own argmax at each step; whether every request emitted
+    its script (else the forcing did not hold and the argmax lists are not comparable)."""
+    status = "ok" if forcing_held and argmax else "error"
+    record = {"workload": load.name, "kind": load.kind, "params": workload_to_dict(load), "status": status,
+              "argmax": argmax, "forcing_held": forcing_held}
+    if not forcing_held:
+        record["error"] = "a request did not emit its scripted tokens: the forcing did not hold"
+    return record
+
+
 def decode_record(cell: DecodeCell, plan: MeasurePlan, series: dict[str, RequestSeries], base: dict[str, int],
                   profile: dict | None, prefill_s: float) -> dict:
     """A decode cell's record: one repeat per timed window (TPOT of the full batch and the batch's output rate)."""
@@ -296,6 +307,8 @@ class EngineSession:
             return self.decode_cell(workload, plan)
         if isinstance(workload, ThroughputLoad):
             return self.throughput(workload, plan)
+        if isinstance(workload, ForcedDecode):
+            return self.forced(workload, plan)
         return self.mixed(workload, plan)
 
     def decode_cell(self, cell: DecodeCell, plan: MeasurePlan) -> dict:
@@ -305,6 +318,9 @@ class EngineSession:
         raise NotImplementedError
 
     def mixed(self, load: MixedLoad, plan: MeasurePlan) -> dict:
+        raise NotImplementedError
+
+    def forced(self, load: ForcedDecode, plan: MeasurePlan) -> dict:
         raise NotImplementedError
 
     def decode_inputs(self, cell: DecodeCell, plan: MeasurePlan) -> tuple[list, int]:
@@ -322,6 +338,13 @@ class EngineSession:
         decoder_tokens = min(mixed_decoder_max_tokens(load, plan, self.prefill_chunk_tokens),
                              self.spec.max_model_len - load.decoder_context)
         return decoder_prompts, long_prompts, decoder_tokens
+
+    def forced_inputs(self, load: ForcedDecode, plan: MeasurePlan) -> tuple[list, list]:
+        """The forced check's prompts (ragged: prompt i has about (i + 1) / prompts of ``context`` tokens) and the
+        tokens each request is made to emit, one per step."""
+        prompts = token_prompts(load.prompts, load.context, self.spec.vocab_size, prompt_seed(load, plan, 0))
+        prompts = [p[: max(1, load.context * (i + 1) // load.prompts)] for i, p in enumerate(prompts)]
+        return prompts, token_prompts(load.prompts, load.steps, self.spec.vocab_size, prompt_seed(load, plan, 1))
 
     def shutdown(self) -> None:
         pass

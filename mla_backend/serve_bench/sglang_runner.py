@@ -20,14 +20,16 @@ import importlib.util
 import inspect
 import os
 import sys
+import tempfile
 import time
 
 from .measure import TokenTracker
 from .profile_trace import newest_trace
 from .random_weights import patch_sglang_dummy_weights
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
-                            engine_process_main, measurement, mixed_repeat, read_profile)
-from .workloads import DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed, token_prompts
+                            engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
+from .workloads import (FORCED, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
+                        token_prompts)
 
 #: Page 64 for every backend (FlashMLA's only size; SGLang does not pick one for an out-of-tree backend).
 ENGINE = EngineChoice("sglang", "mla_backend.serve_bench.sglang_runner",
@@ -80,12 +82,58 @@ def server_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
     """The ``sglang.Engine`` / ``ServerArgs`` arguments: dummy weights, token-id prompts, radix (prefix) cache off,
     fixed seed, the backend under test, CUDA graphs up to the largest batch, the parallel layout (``fields``: the
     ServerArgs arguments, default the installed SGLang's)."""
-    return dict(model_path=spec.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                attention_backend=spec.backend, page_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
-                disable_radix_cache=True, random_seed=spec.measure_plan.seed,
-                mem_fraction_static=spec.gpu_memory_fraction, context_length=spec.max_model_len,
-                max_running_requests=spec.max_num_seqs, cuda_graph_max_bs_decode=spec.max_num_seqs,
-                disable_shared_experts_fusion=True, log_level="warning", **parallel_kwargs(spec, fields))
+    kwargs = dict(model_path=spec.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                  attention_backend=spec.backend, page_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
+                  disable_radix_cache=True, random_seed=spec.measure_plan.seed,
+                  mem_fraction_static=spec.gpu_memory_fraction, context_length=spec.max_model_len,
+                  max_running_requests=spec.max_num_seqs, cuda_graph_max_bs_decode=spec.max_num_seqs,
+                  disable_shared_experts_fusion=True, log_level="warning", **parallel_kwargs(spec, fields))
+    if any(w["kind"] == FORCED for w in spec.workloads):
+        kwargs["enable_custom_logit_processor"] = True  # the forced check's (forced_tokens_processor)
+    return kwargs
+
+
+def forced_tokens_processor():
+    """A ``CustomLogitProcessor`` for teacher forcing (SGLang serialises it by value into its scheduler processes):
+    per request with ``custom_params`` ``{"forced": [...], "record_dir": d, "index": i}``, it appends "step argmax"
+    (the model's own choice) to ``d/<i>.txt``, then leaves only the scripted token. Each tensor-parallel rank writes
+    the same lines; :func:`read_forced_argmax` keeps one per step."""
+    from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+    class ForcedTokens(CustomLogitProcessor):
+        steps: dict = {}  # request id -> steps seen (per scheduler process)
+
+        def __call__(self, logits, custom_param_list=None):
+            import os as _os
+
+            best = logits.argmax(dim=-1).tolist()
+            for row, params in enumerate(custom_param_list or []):
+                rid = params["__req__"].rid
+                step = ForcedTokens.steps.get(rid, 0)
+                ForcedTokens.steps[rid] = step + 1
+                with open(_os.path.join(params["record_dir"], f"{params['index']}.txt"), "a") as f:
+                    f.write(f"{step} {best[row]}\n")
+                forced = params["forced"]
+                logits[row].fill_(float("-inf"))
+                logits[row, forced[min(step, len(forced) - 1)]] = 0.0
+            return logits
+
+    return ForcedTokens
+
+
+def read_forced_argmax(record_dir: str, requests: int) -> list[list[int]]:
+    """Per request, the argmax of each step as :func:`forced_tokens_processor` recorded it."""
+    argmax = []
+    for index in range(requests):
+        steps: dict[int, int] = {}
+        path = os.path.join(record_dir, f"{index}.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    step, token = line.split()
+                    steps[int(step)] = int(token)
+        argmax.append([steps[k] for k in sorted(steps)])
+    return argmax
 
 
 def prepare_process() -> None:
@@ -317,6 +365,18 @@ class SglangSession(EngineSession):
         finally:
             await self._abort(tasks)
         return mixed_repeat(tracker, decoders, longs, window_start, decoder_count=load.decoders)
+
+
+    def forced(self, load: ForcedDecode, plan: MeasurePlan) -> dict:
+        prompts, scripts = self.forced_inputs(load, plan)
+        record_dir = tempfile.mkdtemp(prefix="forced-", dir=os.path.dirname(os.path.abspath(self.spec.result_path)))
+        processor = forced_tokens_processor().to_str()
+        params = [dict(_sampling(load.steps), custom_params={"forced": script, "record_dir": record_dir, "index": i})
+                  for i, script in enumerate(scripts)]
+        outputs = self.engine.generate(input_ids=prompts, sampling_params=params,
+                                       custom_logit_processor=[processor] * len(prompts))
+        held = [list(o["output_ids"]) for o in outputs] == scripts
+        return forced_record(load, read_forced_argmax(record_dir, len(prompts)), held)
 
 
 def _sampling(max_new_tokens: int) -> dict:

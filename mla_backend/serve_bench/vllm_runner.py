@@ -21,8 +21,9 @@ from .measure import TokenTracker, median_or_none, request_tpots
 from .profile_trace import newest_trace
 from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
-                            engine_process_main, measurement, mixed_repeat, read_profile)
-from .workloads import DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed, token_prompts
+                            engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
+from .workloads import (FORCED, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
+                        token_prompts)
 
 #: Ours first, then the built-in MLA backends (FLASH_ATTN_MLA is vLLM 0.26's default on Hopper); page 64 for every
 #: backend: FlashMLA's only size, the one ours is fastest with.
@@ -107,6 +108,10 @@ def engine_kwargs(spec: EngineSpec) -> dict:
                   **parallel_kwargs(spec))
     if spec.measure_plan.profile_steps:
         kwargs["profiler_config"] = profiler_config(spec)
+    if any(w["kind"] == FORCED for w in spec.workloads):
+        from .vllm_forcing import FORCE_TOKENS
+
+        kwargs["logits_processors"] = [FORCE_TOKENS]  # a no-op for requests without a script
     return kwargs
 
 
@@ -304,6 +309,21 @@ class VllmSession(EngineSession):
                 self._finish(decoders + longs)
             repeats.append(mixed_repeat(tracker, decoders, longs, window_start))
         return measurement(load, repeats)
+
+
+    def forced(self, load: ForcedDecode, plan: MeasurePlan) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts, scripts = self.forced_inputs(load, plan)
+        params = [SamplingParams(temperature=0.0, max_tokens=load.steps, ignore_eos=True, detokenize=False, logprobs=1,
+                                 extra_args={"force_tokens": script}) for script in scripts]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        held = [list(o.outputs[0].token_ids) for o in outputs] == scripts
+        # rank 1 of the raw logprobs: the model's own choice (the forced token is returned beside it)
+        argmax = [[next(t for t, lp in step.items() if lp.rank == 1) for step in o.outputs[0].logprobs]
+                  for o in outputs]
+        return forced_record(load, argmax, held)
 
 
 def throughput_repeat(outputs, seconds: float, load: ThroughputLoad) -> dict:

@@ -1,5 +1,5 @@
-"""What serve-bench measures: decode cells, a decode-heavy throughput load and a mixed chunked-prefill load, and the
-settings that say how each is timed.
+"""What serve-bench measures: decode cells, a decode-heavy throughput load, a mixed chunked-prefill load and a
+teacher-forced agreement check, and the settings that say how each is timed.
 
 Every workload is a small frozen dataclass that travels to the engine process as JSON (:func:`workload_to_dict`,
 :func:`workload_from_dict`). Prompts are random token ids (no tokenizer), seeded, so every backend sees the same
@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-DECODE, THROUGHPUT, MIXED = "decode", "throughput", "mixed"
-WORKLOAD_KINDS = (DECODE, THROUGHPUT, MIXED)
+DECODE, THROUGHPUT, MIXED, FORCED = "decode", "throughput", "mixed", "forced"
+WORKLOAD_KINDS = (DECODE, THROUGHPUT, MIXED, FORCED)
+DEFAULT_WORKLOAD_KINDS = (DECODE, THROUGHPUT, MIXED)  # the speed workloads; FORCED on request
 DEFAULT_BATCHES = (1, 16, 64, 256)
 DEFAULT_CONTEXTS = (1024, 8192, 32768)
 FIRST_TOKEN_ID = 2  # ids 0 and 1 are the model's bos / eos
@@ -75,8 +76,22 @@ class MixedLoad(_Named):
     label: ClassVar[str] = "mixed {decoders}x{decoder_context} + {long_prompts}x{long_context}"
 
 
-Workload = DecodeCell | ThroughputLoad | MixedLoad
-_CLASSES = {DECODE: DecodeCell, THROUGHPUT: ThroughputLoad, MIXED: MixedLoad}
+@dataclass(frozen=True)
+class ForcedDecode(_Named):
+    """Teacher-forced agreement: ``prompts`` requests of ``context`` prompt tokens decode ``steps`` tokens each, every
+    step made to emit a scripted random token (the same script for every backend), in the engine's served decode path
+    (CUDA graphs included). What each step records is the model's own argmax before the forcing; the driver compares
+    these between backends (``agreement.py``). Not timed."""
+
+    prompts: int = 32
+    context: int = 1024
+    steps: int = 64
+    kind: str = FORCED
+    label: ClassVar[str] = "forced {prompts}x{context}/{steps}"
+
+
+Workload = DecodeCell | ThroughputLoad | MixedLoad | ForcedDecode
+_CLASSES = {DECODE: DecodeCell, THROUGHPUT: ThroughputLoad, MIXED: MixedLoad, FORCED: ForcedDecode}
 
 
 @dataclass(frozen=True)
@@ -129,6 +144,8 @@ def kv_tokens_needed(workload: Workload, plan: MeasurePlan, chunk_tokens: int = 
         return workload.batch * (workload.context + decode_max_tokens(workload, plan, chunk_tokens))
     if isinstance(workload, ThroughputLoad):
         return workload.prompts * (workload.input_len + workload.output_len)
+    if isinstance(workload, ForcedDecode):
+        return workload.prompts * (workload.context + workload.steps)
     decoders = workload.decoders * (workload.decoder_context + mixed_decoder_max_tokens(workload, plan, chunk_tokens))
     return decoders + workload.long_prompts * (workload.long_context + plan.long_prompt_tokens)
 
@@ -139,6 +156,8 @@ def longest_request(workload: Workload, plan: MeasurePlan) -> int:
         return workload.context + decode_max_tokens(workload, plan)
     if isinstance(workload, ThroughputLoad):
         return workload.input_len + workload.output_len
+    if isinstance(workload, ForcedDecode):
+        return workload.context + workload.steps
     return max(workload.decoder_context + mixed_decoder_max_tokens(workload, plan),
                workload.long_context + plan.long_prompt_tokens)
 
@@ -147,18 +166,22 @@ def most_requests(workload: Workload) -> int:
     """Requests the workload runs at once (what max_num_seqs must admit)."""
     if isinstance(workload, DecodeCell):
         return workload.batch
-    if isinstance(workload, ThroughputLoad):
+    if isinstance(workload, (ThroughputLoad, ForcedDecode)):
         return workload.prompts
     return workload.decoders + workload.long_prompts
 
 
-def build_workloads(kinds=WORKLOAD_KINDS, batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS,
-                    throughput: ThroughputLoad | None = None, mixed: MixedLoad | None = None) -> list[Workload]:
-    """The workloads in the order they run: decode cells by batch then context, then throughput, then mixed."""
+def build_workloads(kinds=DEFAULT_WORKLOAD_KINDS, batches=DEFAULT_BATCHES, contexts=DEFAULT_CONTEXTS,
+                    throughput: ThroughputLoad | None = None, mixed: MixedLoad | None = None,
+                    forced: ForcedDecode | None = None) -> list[Workload]:
+    """The workloads in the order they run: the forced check first (short, and what a correctness run needs), then
+    decode cells by batch then context, then throughput, then mixed."""
     unknown = [k for k in kinds if k not in WORKLOAD_KINDS]
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOAD_KINDS)}")
     workloads: list[Workload] = []
+    if FORCED in kinds:
+        workloads.append(forced or ForcedDecode())
     if DECODE in kinds:
         workloads += [DecodeCell(b, c) for b in sorted(set(batches)) for c in sorted(set(contexts))]
     if THROUGHPUT in kinds:

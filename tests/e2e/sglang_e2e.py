@@ -144,49 +144,13 @@ def _read_reports(report_dir):
     return reports
 
 
-def _forced_processor():
-    """A CustomLogitProcessor (serialised by value with dill into the scheduler process): appends
-    "step argmax" to record_dir/<prompt>.txt, then leaves only the scripted token."""
-    from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
-
-    class ForcedTokens(CustomLogitProcessor):
-        steps: dict = {}  # request id -> tokens sampled so far (per scheduler process)
-
-        def __call__(self, logits, custom_param_list=None):
-            import os as _os
-
-            best = logits.argmax(dim=-1).tolist()
-            for i, params in enumerate(custom_param_list or []):
-                rid = params["__req__"].rid
-                step = ForcedTokens.steps.get(rid, 0)
-                ForcedTokens.steps[rid] = step + 1
-                with open(_os.path.join(params["record_dir"], f"{params['prompt']}.txt"), "a") as f:
-                    f.write(f"{step} {best[i]}\n")
-                forced = params["forced"]
-                logits[i].fill_(float("-inf"))
-                logits[i, forced[min(step, len(forced) - 1)]] = 0.0
-            return logits
-
-    return ForcedTokens
-
-
-def _read_forced(record_dir: str, n_prompts: int) -> list[list[int]]:
-    argmax = []
-    for i in range(n_prompts):
-        steps = {}
-        with open(os.path.join(record_dir, f"{i}.txt")) as f:
-            for line in f:
-                k, tok = line.split()
-                steps[int(k)] = int(tok)
-        argmax.append([steps[k] for k in sorted(steps)])
-    return argmax
-
-
 def child_main(spec: dict) -> dict:
     report_dir = spec["report_dir"]
     os.environ["MLA_BACKEND_SGLANG_REPORT"] = report_dir
     _process_setup()
     from sglang.srt.entrypoints.engine import Engine
+
+    from mla_backend.serve_bench.sglang_runner import forced_tokens_processor, read_forced_argmax
 
     class E2EEngine(Engine):
         run_scheduler_process_func = staticmethod(_scheduler_entry)
@@ -223,8 +187,8 @@ def child_main(spec: dict) -> dict:
         if forced:
             record_dir = os.path.join(report_dir, "forced")
             os.makedirs(record_dir, exist_ok=True)
-            proc = _forced_processor().to_str()
-            params = [dict(sampling, custom_params={"forced": f, "record_dir": record_dir, "prompt": i})
+            proc = forced_tokens_processor().to_str()
+            params = [dict(sampling, custom_params={"forced": f, "record_dir": record_dir, "index": i})
                       for i, f in enumerate(forced)]
             outs = engine.generate(input_ids=spec["prompts"], sampling_params=params,
                                    custom_logit_processor=[proc] * len(forced))
@@ -235,7 +199,7 @@ def child_main(spec: dict) -> dict:
         engine.shutdown()
     result["output_ids"] = [o["output_ids"] for o in outs]
     if forced:
-        result["argmax"] = _read_forced(os.path.join(report_dir, "forced"), len(forced))
+        result["argmax"] = read_forced_argmax(os.path.join(report_dir, "forced"), len(forced))
         result["emitted_forced"] = result["output_ids"] == [f[: len(o)] for f, o in zip(forced, result["output_ids"])]
     metas = [o.get("meta_info", {}) for o in outs]
     keep = ("completion_tokens", "spec_accept_length", "spec_verify_ct", "e2e_latency")

@@ -157,33 +157,6 @@ def register_scaled_loader() -> None:
     register_vllm_scaled_loader(SCALED_LOAD_FORMAT)
 
 
-def force_tokens_processor():
-    """A vLLM logits processor that makes request r emit ``extra_args["force_tokens"]`` (teacher forcing).
-
-    Logprobs stay vLLM's default ``raw_logprobs`` (computed before logits processors), so the rank-1 token
-    of each step is the model's own greedy choice given the forced context."""
-    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
-
-    class ForceTokens(AdapterLogitsProcessor):
-        def is_argmax_invariant(self) -> bool:
-            return False
-
-        def new_req_logits_processor(self, params):
-            force = (params.extra_args or {}).get("force_tokens")
-            if not force:
-                return None
-
-            def lp(output_ids, logits):
-                token = force[min(len(output_ids), len(force) - 1)]
-                logits.fill_(float("-inf"))
-                logits[token] = 0.0
-                return logits
-
-            return lp
-
-    return ForceTokens
-
-
 def engine_kwargs(spec: dict, model_dir: str) -> dict:
     kw = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               load_format=SCALED_LOAD_FORMAT if spec["init"] == "scaled" else "dummy",
@@ -199,7 +172,9 @@ def engine_kwargs(spec: dict, model_dir: str) -> dict:
     if spec.get("eager"):
         kw["enforce_eager"] = True
     if spec.get("forced"):
-        kw["logits_processors"] = [force_tokens_processor()]
+        from mla_backend.serve_bench.vllm_forcing import FORCE_TOKENS
+
+        kw["logits_processors"] = [FORCE_TOKENS]
     return kw
 
 
