@@ -20,9 +20,9 @@ from pathlib import Path
 
 from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
 from .profile_trace import host_ranges, kernel_breakdown, load_trace_events, newest_trace
-from .workloads import (MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, Workload,
-                        decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed, token_prompts,
-                        workload_from_dict, workload_to_dict)
+from .workloads import (MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad,
+                        Workload, decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed,
+                        token_prompts, workload_from_dict, workload_to_dict)
 
 # A workload does not start with less than this left before the deadline (a decode cell takes 5-60 s).
 MIN_WORKLOAD_S = 30.0

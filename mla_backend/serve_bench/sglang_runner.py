@@ -366,7 +366,6 @@ class SglangSession(EngineSession):
             await self._abort(tasks)
         return mixed_repeat(tracker, decoders, longs, window_start, decoder_count=load.decoders)
 
-
     def forced(self, load: ForcedDecode, plan: MeasurePlan) -> dict:
         prompts, scripts = self.forced_inputs(load, plan)
         record_dir = tempfile.mkdtemp(prefix="forced-", dir=os.path.dirname(os.path.abspath(self.spec.result_path)))

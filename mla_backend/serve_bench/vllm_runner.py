@@ -310,7 +310,6 @@ class VllmSession(EngineSession):
             repeats.append(mixed_repeat(tracker, decoders, longs, window_start))
         return measurement(load, repeats)
 
-
     def forced(self, load: ForcedDecode, plan: MeasurePlan) -> dict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
