@@ -130,6 +130,9 @@ def test_vllm_loads_the_forcing_processor_by_name_and_it_forces_the_script(tmp_p
 
 @pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not importable (CI: PYTHONPATH=.ci/sglang-site)")
 def test_sglang_forcing_processor_records_the_models_argmax_and_forces_the_script(tmp_path):
+    from sglang_cpu_env import prepare_cpu_torchvision
+
+    prepare_cpu_torchvision()  # before the first sglang import (a CPU-only torch beside PyPI's torchvision)
     assert sglang_runner.server_kwargs(_spec(tmp_path, "sglang"), fields=set())["enable_custom_logit_processor"]
     processor_class = sglang_runner.forced_tokens_processor()
     processor = processor_class.from_str(processor_class().to_str())  # as SGLang ships it to its schedulers
