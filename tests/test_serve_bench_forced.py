@@ -120,12 +120,23 @@ def test_vllm_loads_the_forcing_processor_by_name_and_it_forces_the_script(tmp_p
     assert "logits_processors" not in vllm_runner.engine_kwargs(_spec(tmp_path, workloads=(DecodeCell(1, 1024),)))
     (loaded,) = _load_logitsprocs_by_fqcns([FORCE_TOKENS])
     assert loaded is ForceTokens and issubclass(loaded, LogitsProcessor)
-    processor = ForceTokens.__new__(ForceTokens)
-    assert processor.new_req_logits_processor(SamplingParams()) is None  # requests without a script: untouched
-    force = processor.new_req_logits_processor(SamplingParams(extra_args={"force_tokens": [5, 7]}))
-    for done, token in (([], 5), ([5], 7), ([5, 7], 7)):
-        logits = force(done, torch.randn(10))
-        assert int(logits.argmax()) == token and torch.isinf(logits).sum() == 9
+    # driven through vLLM's own batch-update bookkeeping: a request with a script emits it whatever the logits, one
+    # without is untouched
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    processor = ForceTokens(None, torch.device("cpu"), False)
+    assert not processor.is_argmax_invariant()
+    forced, out0, out1 = [5, 7, 9], [], []
+    processor.update_state(BatchUpdate(batch_size=2, removed=[], moved=[], added=[
+        (0, SamplingParams(extra_args={"force_tokens": forced}), [1, 2], out0), (1, SamplingParams(), [3], out1)]))
+    for step in range(3):
+        logits = torch.randn(2, 12)
+        free_choice = int(logits[1].argmax())
+        result = processor.apply(logits)
+        assert int(result[0].argmax()) == forced[step] and torch.isinf(result[0]).sum() == 11
+        assert int(result[1].argmax()) == free_choice
+        out0.append(int(result[0].argmax()))
+        out1.append(free_choice)
 
 
 @pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not importable (CI: PYTHONPATH=.ci/sglang-site)")
