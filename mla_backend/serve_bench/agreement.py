@@ -4,15 +4,15 @@ Every backend's engine decoded the same prompts under the same scripted tokens a
 model's own argmax. Two correct backends still differ where random weights leave a near tie that rounding decides
 either way, so ours is read against how often the built-ins agree with each other in the same run: it passes when its
 median agreement with the built-ins is at least the built-ins' median agreement between themselves, less
-``margin`` or three standard errors of the difference (each request a cluster), whichever is larger.
+``margin`` or three standard errors of the difference (each request a cluster), whichever is larger
+(``hostile_report.allowed_gap``, the hostile load's rule).
 """
 
 from __future__ import annotations
 
-import math
 from itertools import combinations
 
-from .hostile_report import DEFAULT_AGREEMENT_MARGIN, agreement
+from .hostile_report import DEFAULT_AGREEMENT_MARGIN, agreement, allowed_gap
 from .workloads import FORCED
 
 
@@ -48,8 +48,7 @@ def compare(data: dict, margin: float = DEFAULT_AGREEMENT_MARGIN) -> dict[str, d
         verdict = {"pairs": pairs, "passed": None}
         if with_ours and built_in:
             mine, theirs = _median_pair(with_ours), _median_pair(built_in)
-            spread = math.hypot(mine["standard_error"] or 0.0, theirs["standard_error"] or 0.0)
-            allowed = max(margin, 3 * spread)
+            allowed = allowed_gap(mine, theirs, margin)
             verdict.update(ours_median=mine["fraction"], built_in_median=theirs["fraction"], allowed=round(allowed, 5),
                            passed=mine["fraction"] >= theirs["fraction"] - allowed)
         verdicts[workload] = verdict

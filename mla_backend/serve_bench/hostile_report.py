@@ -45,6 +45,14 @@ def agreement(tokens: dict[int, list[int]], argmax: dict[int, list[int]]) -> dic
             "first_disagreements": first_disagreements}
 
 
+def allowed_gap(ours: dict, other: dict, margin: float = DEFAULT_AGREEMENT_MARGIN) -> float:
+    """How far ``ours``' agreement may fall below ``other``'s (two :func:`agreement` records): ``margin``, or three
+    standard errors of the difference where both have one and that is larger."""
+    if ours["standard_error"] is None or other["standard_error"] is None:
+        return margin
+    return max(margin, 3 * math.hypot(ours["standard_error"], other["standard_error"]))
+
+
 def _cluster_standard_error(sizes: list[int], agrees: list[int]) -> float | None:
     """Standard error of the agreement share with each request a cluster (its steps are not independent: one near
     tie decided differently changes the rest of its context). ``sizes`` / ``agrees``: steps and agreeing steps per
@@ -112,9 +120,7 @@ def summarize(load_result: dict, reference: tuple[str, dict] | None = None, base
             results[base_name] = base_result
             base = agreement(_completed(base_result), _argmax(ref_result, "baseline"))
             agreement_record[f"{base_name}_vs_{ref_name}"] = base
-        allowed = margin
-        if base is not None and ours["standard_error"] is not None and base["standard_error"] is not None:
-            allowed = max(margin, 3 * math.hypot(ours["standard_error"], base["standard_error"]))
+        allowed = allowed_gap(ours, base, margin) if base is not None else margin
         ok = ours["fraction"] is not None and (base is None or (base["fraction"] is not None
                                                                 and ours["fraction"] >= base["fraction"] - allowed))
         checks["teacher_forced_agreement"] = {

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
 from .profile_trace import host_ranges, kernel_breakdown, load_trace_events, newest_trace
-from .workloads import (MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad,
+from .workloads import (FORCED, MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad,
                         Workload, decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed,
                         token_prompts, workload_from_dict, workload_to_dict)
 
@@ -55,6 +55,11 @@ class EngineSpec:
     dp_attention: bool = False  # SGLang: attention data-parallel over the TP GPUs
     speculative_tokens: int = 0  # MTP draft tokens per step (0: no speculative decoding)
     decode_context_parallel_size: int = 1  # vLLM: GPUs each request's KV cache is spread over in decode
+
+    @property
+    def forces_tokens(self) -> bool:
+        """Whether a workload is the forced check (the engine then needs its forcing processor)."""
+        return any(w["kind"] == FORCED for w in self.workloads)
 
     @property
     def measure_plan(self) -> MeasurePlan:

@@ -28,7 +28,7 @@ from .profile_trace import newest_trace
 from .random_weights import patch_sglang_dummy_weights
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
                             engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
-from .workloads import (FORCED, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
+from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
 
 #: Page 64 for every backend (FlashMLA's only size; SGLang does not pick one for an out-of-tree backend).
@@ -88,7 +88,7 @@ def server_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
                   mem_fraction_static=spec.gpu_memory_fraction, context_length=spec.max_model_len,
                   max_running_requests=spec.max_num_seqs, cuda_graph_max_bs_decode=spec.max_num_seqs,
                   disable_shared_experts_fusion=True, log_level="warning", **parallel_kwargs(spec, fields))
-    if any(w["kind"] == FORCED for w in spec.workloads):
+    if spec.forces_tokens:
         kwargs["enable_custom_logit_processor"] = True  # the forced check's (forced_tokens_processor)
     return kwargs
 

@@ -22,7 +22,7 @@ from .profile_trace import newest_trace
 from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
                             engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
-from .workloads import (FORCED, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
+from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
 
 #: Ours first, then the built-in MLA backends (FLASH_ATTN_MLA is vLLM 0.26's default on Hopper); page 64 for every
@@ -108,7 +108,7 @@ def engine_kwargs(spec: EngineSpec) -> dict:
                   **parallel_kwargs(spec))
     if spec.measure_plan.profile_steps:
         kwargs["profiler_config"] = profiler_config(spec)
-    if any(w["kind"] == FORCED for w in spec.workloads):
+    if spec.forces_tokens:
         from .vllm_forcing import FORCE_TOKENS
 
         kwargs["logits_processors"] = [FORCE_TOKENS]  # a no-op for requests without a script
