@@ -17,6 +17,7 @@ import sys
 import time
 
 from .. import installed
+from .hostile_vllm import rank1_tokens
 from .measure import TokenTracker, median_or_none, request_tpots
 from .profile_trace import newest_trace
 from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
@@ -320,8 +321,7 @@ class VllmSession(EngineSession):
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         held = [list(o.outputs[0].token_ids) for o in outputs] == scripts
         # rank 1 of the raw logprobs: the model's own choice (the forced token is returned beside it)
-        argmax = [[next(t for t, lp in step.items() if lp.rank == 1) for step in o.outputs[0].logprobs]
-                  for o in outputs]
+        argmax = [rank1_tokens(o.outputs[0].logprobs, 0, len(o.outputs[0].logprobs)) for o in outputs]
         return forced_record(load, argmax, held)
 
 

@@ -188,6 +188,8 @@ def engine_main(spec_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from mla_backend.serve_bench.hostile_vllm import rank1_tokens
+
     if spec["init"] == "scaled":
         register_scaled_loader()
     if spec.get("verify"):
@@ -218,8 +220,7 @@ def engine_main(spec_path: str, result_path: str) -> None:
         result["forcing_held"] = tokens == forced
         result["forced_logprobs"] = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, f)]
                                      for o, f in zip(outputs, forced)]
-        tokens = [[next(t for t, lp in step.items() if lp.rank == 1) for step in o.outputs[0].logprobs]
-                  for o in outputs]
+        tokens = [rank1_tokens(o.outputs[0].logprobs, 0, len(o.outputs[0].logprobs)) for o in outputs]
     n_out = sum(len(t) for t in tokens)
     result.update(gen_s=round(gen_s, 3), output_tokens=n_out, output_tok_per_s=round(n_out / gen_s, 1),
                   total_tok_per_s=round((n_out + sum(len(p) for p in spec["prompts"])) / gen_s, 1))
