@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from mla_backend import cli
-from mla_backend.serve_bench import driver, report, sglang_runner, vllm_runner
+from mla_backend.serve_bench import driver, report, resume, sglang_runner, vllm_runner
 from mla_backend.serve_bench.measure import (TokenTracker, decode_window_tpots, full_batch_start, request_tpots,
                                              summarize, tpot_between)
 from mla_backend.serve_bench.model_config import (DEEPSEEK_V3_ATTENTION, deepseek_v3_config, kv_bytes_per_token,
@@ -468,15 +468,54 @@ def test_driver_kills_an_engine_at_the_budget_and_skips_what_would_not_fit(tmp_p
     # killed at the budget plus the grace period (shortened here), not after its 60 s
     assert results["SLOW"]["status"] == "failed" and "time budget" in results["SLOW"]["reason"]
     assert results["OURS"]["status"] == "skipped"
-    assert "mla-backend serve-bench --engine vllm --budget 2 --backends OURS" in results["OURS"]["reason"]
+    assert "mla-backend serve-bench --engine vllm --budget 2 --backends OURS --resume" in results["OURS"]["reason"]
     assert time.perf_counter() - t0 < driver.KILL_GRACE_S + 30
 
 
-def test_alone_command_replaces_the_backend_list():
+def test_alone_command_replaces_the_backend_list_and_resumes():
     assert driver.alone_command(["--engine", "sglang", "--backends", "a,b", "--heads", "32"], "b") == \
-        "mla-backend serve-bench --engine sglang --heads 32 --backends b"
-    assert driver.alone_command(["--engine", "vllm", "--backends=a"], "a") == \
-        "mla-backend serve-bench --engine vllm --backends a"
+        "mla-backend serve-bench --engine sglang --heads 32 --backends b --resume"
+    assert driver.alone_command(["--engine", "vllm", "--backends=a", "--resume"], "a") == \
+        "mla-backend serve-bench --engine vllm --resume --backends a"
+
+
+def _report_of(run, results, env):
+    return report.assemble(dict(env), run, results, wall_s=1.0)
+
+
+STUB_ENV = {"date": "2026-12-01T10:00:00+00:00", "command": "mla-backend serve-bench --engine vllm", "gpu": "H100",
+            "driver": "570.1", "torch": "2.11.0", "vllm": "0.26.0", "tilelang": "0.1.9", "git": "abc"}
+
+
+def test_resume_keeps_finished_backends_and_runs_only_the_rest(tmp_path, stub_engine):
+    out = tmp_path / "out"
+    first = _stub_run(stub_engine, ("OURS", "NOPE"), budget=600)
+    report.write_outputs(out.mkdir() or out, _report_of(first, driver.run_backends(first, tmp_path, tmp_path, out,
+                                                                                 ["--engine", "vllm"]), STUB_ENV))
+    second = _stub_run(stub_engine, ("NOPE", "OURS"), budget=600)
+    kept = resume.kept_backends(out, report.run_settings(second), second.model_config, dict(STUB_ENV, date="later"))
+    assert list(kept) == ["OURS"] and kept["OURS"]["from_run"]["date"] == STUB_ENV["date"]  # NOPE was refused
+    (out / "vllm-logs" / "OURS.log").unlink()
+    results = driver.run_backends(second, tmp_path, tmp_path, out, ["--engine", "vllm"], kept)
+    assert list(results) == ["NOPE", "OURS"] and results["OURS"] is kept["OURS"]
+    assert not (out / "vllm-logs" / "OURS.log").exists()  # no engine started for the kept backend
+    assert "kept from the run of 2026-12-01T10:00:00+00:00" in report.markdown(_report_of(second, results, STUB_ENV))
+    # a kept backend that is not asked for stays in the report
+    only_nope = _stub_run(stub_engine, ("NOPE",), budget=600)
+    assert list(driver.run_backends(only_nope, tmp_path, tmp_path, out, [], kept)) == ["NOPE", "OURS"]
+
+
+def test_resume_refuses_a_report_that_measured_something_else(tmp_path, stub_engine):
+    first = _stub_run(stub_engine, ("OURS",), budget=600)
+    report.write_outputs(tmp_path, _report_of(first, {"OURS": {"status": "done", "workloads": []}}, STUB_ENV))
+    args = driver.build_parser().parse_args(["--engine", "vllm", "--batches", "1", "--contexts", "1k",
+                                             "--workloads", "decode", "--heads", "32"])
+    other = driver.resolve(args)
+    with pytest.raises(ValueError, match=r"measured something else.*heads: 16 -> 32"):
+        resume.kept_backends(tmp_path, report.run_settings(other), other.model_config, STUB_ENV)
+    with pytest.raises(ValueError, match=r"gpu: 'H100' -> 'H200'"):
+        resume.kept_backends(tmp_path, report.run_settings(first), first.model_config, dict(STUB_ENV, gpu="H200"))
+    assert resume.kept_backends(tmp_path / "empty", report.run_settings(first), first.model_config, STUB_ENV) == {}
 
 
 # ----------------------------------------------------------------------------- command line

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cli import nothing_ran
-from . import agreement, hostile, sglang_runner, vllm_runner
+from . import agreement, hostile, resume, sglang_runner, vllm_runner
 from .model_config import (DEFAULT_MODEL, HEAD_CHOICES_DOC, MODEL_CHOICES, kv_bytes_per_token, parameter_counts,
                            write_config_dir)
 from .parallel import (MAX_SPECULATIVE_TOKENS, GpuInventory, ParallelOptions, check_parallel_options, detect_gpus,
@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=MeasurePlan.profile_steps,
                    help="decode steps profiled per decode cell for the attention share (0: none)")
     p.add_argument("--out-dir", default="serve_bench_results", help="serve_bench.{json,md,png}, logs and traces")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the backends that the report already in --out-dir measured with the same settings and "
+                        "start engines only for the others (one comparison over several invocations)")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
                    help="seconds for the whole run: backends that would not fit are skipped and listed")
     p.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S,
@@ -285,7 +288,7 @@ def engine_spec(run: RunSetup, backend: str, model_dir: Path, work: Path, out_di
 
 
 def alone_command(argv: list[str], backend: str) -> str:
-    """The command that runs one skipped backend on its own."""
+    """The command that runs one skipped backend on its own and adds it to this run's report (``--resume``)."""
     kept, skip = [], False
     for arg in argv:
         if skip:
@@ -296,24 +299,32 @@ def alone_command(argv: list[str], backend: str) -> str:
             continue
         if not arg.startswith("--backends="):
             kept.append(arg)
-    return "mla-backend serve-bench " + " ".join(kept + ["--backends", backend])
+    return "mla-backend serve-bench " + " ".join(kept + ["--backends", backend] + ([] if "--resume" in kept
+                                                                                  else ["--resume"]))
 
 
-def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv: list[str]) -> dict[str, dict]:
-    """Every backend in its own engine process, in order, within the budget."""
+def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv: list[str],
+                 kept: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Every backend in its own engine process, in order, within the budget; those in ``kept`` (``--resume``) are
+    taken as they are, and kept backends not asked for stay in the report after the others."""
+    kept = kept or {}
     (out_dir / f"{run.engine.name}-logs").mkdir(parents=True, exist_ok=True)
     in_process = run.engine.name == "vllm" and vllm_runner.needs_in_process(run.args.init)
     start = time.time()
     hard_deadline = start + run.args.budget
     results: dict[str, dict] = {}
     for backend in run.backends:
+        if backend in kept:
+            results[backend] = kept[backend]
+            print(f"[serve-bench] {backend}: kept from the run of {kept[backend]['from_run'].get('date')}", flush=True)
+            continue
         elapsed = time.time() - start
-        walls = [r["wall_s"] for r in results.values() if "wall_s" in r]
+        walls = [r["wall_s"] for r in {**kept, **results}.values() if "wall_s" in r]
         estimate = max(walls) if walls else run.engine.first_engine_estimate_s
-        if results and elapsed + estimate > run.args.budget:
+        if set(results) - set(kept) and elapsed + estimate > run.args.budget:  # the first engine always starts
             results[backend] = {"backend": backend, "status": "skipped", "workloads": [],
                                 "reason": f"time budget: {elapsed:.0f} of {run.args.budget:.0f} s used and an engine "
-                                          f"takes about {estimate:.0f} s; run it alone: "
+                                          f"takes about {estimate:.0f} s; add it to this report later: "
                                           f"{alone_command(argv, backend)}"}
             print(f"[serve-bench] {backend}: skipped ({results[backend]['reason']})", flush=True)
             continue
@@ -326,6 +337,7 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
         done = sum(1 for w in result.get("workloads", []) if w.get("status") == "ok")
         print(f"[serve-bench] {backend}: {result['status']} in {result['wall_s']:.0f} s, {done} workload(s) measured"
               + (f"; {result['reason']}" if result.get("reason") else ""), flush=True)
+    results.update((backend, result) for backend, result in kept.items() if backend not in results)
     return results
 
 
@@ -372,10 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     env = report.environment(argv, args.engine)
     print(f"[serve-bench] {env.get('gpu')}: {args.engine} {env.get(args.engine)}, backends {', '.join(run.backends)}; "
           f"{len(run.workloads)} workloads; budget {args.budget:.0f} s", flush=True)
+    try:
+        kept = resume.kept_backends(out_dir, report.run_settings(run), run.model_config, env) if args.resume else {}
+    except ValueError as e:
+        parser.error(str(e))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
         model_dir = write_config_dir(Path(tmp) / "model", run.model_config)
-        results = run_backends(run, model_dir, Path(tmp), out_dir, argv)
+        results = run_backends(run, model_dir, Path(tmp), out_dir, argv, kept)
     data = report.assemble(env, run, results, time.perf_counter() - t0)
     files = report.write_outputs(out_dir, data)
     print("\n" + report.markdown(data))

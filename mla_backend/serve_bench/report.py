@@ -71,31 +71,37 @@ def environment(argv: list[str], engine: str) -> dict:
     return env
 
 
+def run_settings(run) -> dict:
+    """What a run measured and how (everything but the backends' results and the wall time)."""
+    args, config, options = run.args, run.model_config, run.parallel
+    return {"engine": run.engine.name, "backends": list(run.backends), "ours": run.engine.ours,
+            "model": args.model, "heads": config["num_attention_heads"], "layers": config["num_hidden_layers"],
+            "gpus": options.tensor_parallel_size, "tensor_parallel_size": options.tensor_parallel_size,
+            "dp_attention": options.dp_attention,
+            "attention_data_parallel_size": options.attention_data_parallel_size,
+            "heads_per_gpu": options.heads_per_gpu(config["num_attention_heads"]),
+            "speculative_tokens": options.speculative_tokens,
+            "decode_context_parallel_size": options.decode_context_parallel_size,
+            "weight_gib_per_gpu": round(sum(weight_bytes_per_gpu(config, options.layout).values()) / GIB, 2),
+            "kv_cache_dtype": run.kv_cache_dtype,
+            "page_size": run.engine.page_size, "init": args.init, "prefix_caching": False,
+            "gpu_memory_fraction": args.gpu_memory_fraction, "max_model_len": run.max_model_len,
+            "max_num_seqs": run.max_num_seqs, "plan": dataclasses.asdict(run.plan), "budget_s": args.budget,
+            "workloads": [w.name for w in run.workloads],
+            "workload_kinds": {w.name: w.kind for w in run.workloads}}
+
+
 def assemble(env: dict, run, results: dict[str, dict], wall_s: float) -> dict:
-    """The whole report as one JSON-able dict (every raw repeat is inside ``backends``)."""
+    """The whole report as one JSON-able dict (every raw repeat is inside ``backends``; a backend kept from an
+    earlier run by ``--resume`` carries that run's date, command and commit under ``from_run``)."""
     for result in results.values():  # engines report their versions; fill what the metadata did not have
         for key in ("vllm", "sglang"):
             version = (result.get("engine_info") or {}).get(key)
             if version and not env.get(key):
                 env[key] = version
-    args, config, options = run.args, run.model_config, run.parallel
-    settings = {"engine": run.engine.name, "backends": list(run.backends), "ours": run.engine.ours,
-                "model": args.model, "heads": config["num_attention_heads"], "layers": config["num_hidden_layers"],
-                "gpus": options.tensor_parallel_size, "tensor_parallel_size": options.tensor_parallel_size,
-                "dp_attention": options.dp_attention,
-                "attention_data_parallel_size": options.attention_data_parallel_size,
-                "heads_per_gpu": options.heads_per_gpu(config["num_attention_heads"]),
-                "speculative_tokens": options.speculative_tokens,
-                "decode_context_parallel_size": options.decode_context_parallel_size,
-                "weight_gib_per_gpu": round(sum(weight_bytes_per_gpu(config, options.layout).values()) / GIB, 2),
-                "kv_cache_dtype": run.kv_cache_dtype,
-                "page_size": run.engine.page_size, "init": args.init, "prefix_caching": False,
-                "gpu_memory_fraction": args.gpu_memory_fraction, "max_model_len": run.max_model_len,
-                "max_num_seqs": run.max_num_seqs, "plan": dataclasses.asdict(run.plan), "budget_s": args.budget,
-                "workloads": [w.name for w in run.workloads],
-                "workload_kinds": {w.name: w.kind for w in run.workloads}, "wall_s": round(wall_s, 1)}
+    settings = dict(run_settings(run), backends=list(results), wall_s=round(wall_s, 1))
     return {"env": env, "settings": settings,
-            "model": {"config": config, "parameters": parameter_counts(config)},
+            "model": {"config": run.model_config, "parameters": parameter_counts(run.model_config)},
             "backends": results}
 
 
@@ -207,6 +213,10 @@ def engine_table(data: dict) -> list[str]:
     for backend, result in data["backends"].items():
         info = result.get("engine_info") or {}
         notes = [result.get("reason") or ""]
+        earlier = result.get("from_run")
+        if earlier:
+            notes.append(f"kept from the run of {earlier.get('date')} (commit {earlier.get('git')}): "
+                         f"`{earlier.get('command')}`")
         ran = str(info.get("attention_backend") or "")
         if ran and not ran.lower().endswith(backend.lower()):  # an engine may swap a backend it cannot run
             notes.append(f"the engine reports attention backend {ran}")
