@@ -17,6 +17,8 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -551,10 +553,6 @@ def test_vllm_engine_args_accept_the_runner_s_arguments(tmp_path, kv, init):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     model_dir = write_model_dir(tmp_path / "model", heads=32, layers=4)
-    if init == "scaled":
-        from mla_backend.serve_bench.random_weights import register_vllm_scaled_loader
-
-        register_vllm_scaled_loader()
     for backend in vllm_runner.ENGINE.backends:
         assert AttentionBackendEnum[backend].name == backend  # a name vLLM 0.26 knows
         spec = _engine_spec("vllm", backend, model_dir, tmp_path, kv, init)
@@ -569,6 +567,32 @@ def test_vllm_engine_args_accept_the_runner_s_arguments(tmp_path, kv, init):
     assert model.max_model_len == spec.max_model_len
     assert model.hf_config.kv_lora_rank == 512 and model.hf_config.qk_rope_head_dim == 64
     assert args.load_format == ("mla_scaled_dummy" if init == "scaled" else "dummy")
+    assert bool(args.worker_extension_cls) == (init == "scaled")
+
+
+WORKER_PROCESS = """
+import sys
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader import get_model_loader
+from vllm.utils.import_utils import resolve_obj_by_qualname
+extension = resolve_obj_by_qualname(sys.argv[1])  # what every vLLM worker does before it loads the model
+assert not [a for a in dir(extension) if not a.startswith("__")]  # nothing that could clash with the worker's own
+print(type(get_model_loader(LoadConfig(load_format=sys.argv[2]))).__name__)
+"""
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (CI installs it with .ci/install_vllm.sh)")
+def test_scaled_weights_load_format_is_known_in_a_fresh_worker_process():
+    """Spawned tensor-parallel workers share no registration with the benchmark's process: the worker extension's
+    import must make the load format known there."""
+    from mla_backend.serve_bench.vllm_scaled_weights import engine_kwargs
+
+    kwargs = engine_kwargs()
+    done = subprocess.run([sys.executable, "-c", WORKER_PROCESS, kwargs["worker_extension_cls"],
+                           kwargs["load_format"]], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ScaledDummyModelLoader"
 
 
 @pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not importable (CI: PYTHONPATH=.ci/sglang-site)")

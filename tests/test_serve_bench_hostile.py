@@ -338,9 +338,6 @@ def test_vllm_engine_args_accept_the_hostile_arguments(tmp_path, mtp):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from mla_backend.serve_bench.hostile_vllm import forced_engine_kwargs, load_engine_kwargs
-    from mla_backend.serve_bench.random_weights import register_vllm_scaled_loader
-
-    register_vllm_scaled_loader()
     for backend in hostile.ENGINES["vllm"]["backends"]:
         assert AttentionBackendEnum[backend].name == backend
     args = EngineArgs(**load_engine_kwargs(_spec(tmp_path, "vllm", LOAD, "CUSTOM", mtp=mtp)))

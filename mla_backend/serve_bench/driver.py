@@ -309,7 +309,7 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
     taken as they are, and kept backends not asked for stay in the report after the others."""
     kept = kept or {}
     (out_dir / f"{run.engine.name}-logs").mkdir(parents=True, exist_ok=True)
-    in_process = run.engine.name == "vllm" and vllm_runner.needs_in_process(run.args.init)
+    in_process = run.engine.name == "vllm" and vllm_runner.needs_in_process()
     start = time.time()
     hard_deadline = start + run.args.budget
     results: dict[str, dict] = {}

@@ -20,7 +20,7 @@ import traceback
 
 from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger
 from .hostile_process import PROGRESS_EVERY_S, force_survivors, process_main
-from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
+from .vllm_scaled_weights import engine_kwargs as scaled_weights
 from .runner_common import write_result
 
 MTP_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
@@ -32,10 +32,10 @@ COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_ca
 
 def common_kwargs(spec: HostileSpec, load: HostileLoad) -> dict:
     return dict(model=spec.model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=load.seed,
-                load_format=SCALED_LOAD_FORMAT, attention_backend=spec.backend, block_size=PAGE_TOKENS,
+                attention_backend=spec.backend, block_size=PAGE_TOKENS,
                 kv_cache_dtype=spec.kv_cache_dtype, gpu_memory_utilization=spec.gpu_memory_fraction,
                 enable_chunked_prefill=True, max_num_batched_tokens=load.chunk_tokens,
-                max_num_seqs=load.max_concurrency, disable_log_stats=False)
+                max_num_seqs=load.max_concurrency, disable_log_stats=False, **scaled_weights())
 
 
 def load_engine_kwargs(spec: HostileSpec) -> dict:
@@ -60,14 +60,13 @@ def forced_engine_kwargs(spec: HostileSpec) -> dict:
 
 
 def start_engine(kwargs: dict):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scaled load format is registered in this process only
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine's counters and our plugin live in this process
     os.environ["VLLM_COMPUTE_NANS_IN_LOGITS"] = "1"  # feeds vllm:corrupted_requests
     from vllm import LLM
 
     from mla_backend.vllm_plugin import register
 
     register()
-    register_vllm_scaled_loader()
     return LLM(**kwargs)
 
 

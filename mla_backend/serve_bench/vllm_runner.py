@@ -20,7 +20,6 @@ from .. import installed
 from .hostile_vllm import rank1_tokens
 from .measure import TokenTracker, median_or_none, request_tpots
 from .profile_trace import newest_trace
-from .random_weights import SCALED_LOAD_FORMAT, register_vllm_scaled_loader
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
                             engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
@@ -49,11 +48,11 @@ def entry_point_installed() -> bool:
     return any(ep.value == ENTRY_POINT for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
-def needs_in_process(init: str) -> bool:
-    """The engine core must run in the benchmark's process when the scaled weights' load format is registered here,
-    or when no entry point registers the plugin in a separate engine-core process. One mode for every backend of a
-    run, so that they are compared alike."""
-    return init == "scaled" or not entry_point_installed()
+def needs_in_process() -> bool:
+    """The engine core must run in the benchmark's process when no entry point registers the plugin in a separate
+    engine-core process (a source checkout that is not installed). One mode for every backend of a run, so that they
+    are compared alike."""
+    return not entry_point_installed()
 
 
 def profiler_config(spec: EngineSpec):
@@ -102,11 +101,14 @@ def engine_kwargs(spec: EngineSpec) -> dict:
     """The ``vllm.LLM`` / ``EngineArgs`` arguments: dummy weights, token-id prompts, prefix caching off, fixed seed,
     the backend under test, stats kept (the per-request step timestamps come from them), the parallel layout."""
     kwargs = dict(model=spec.model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=spec.measure_plan.seed,
-                  load_format=SCALED_LOAD_FORMAT if spec.init == "scaled" else "dummy",
-                  attention_backend=spec.backend, block_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
+                  load_format="dummy", attention_backend=spec.backend, block_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
                   enable_prefix_caching=False, gpu_memory_utilization=spec.gpu_memory_fraction,
                   max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs, disable_log_stats=False,
                   **parallel_kwargs(spec))
+    if spec.init == "scaled":
+        from .vllm_scaled_weights import engine_kwargs as scaled_weights
+
+        kwargs.update(scaled_weights())
     if spec.measure_plan.profile_steps:
         kwargs["profiler_config"] = profiler_config(spec)
     if spec.forces_tokens:
@@ -137,8 +139,6 @@ class VllmSession(EngineSession):
             from mla_backend.vllm_plugin import register
 
             register()  # without the entry point nothing else would (one process: this registration is seen)
-        if self.spec.init == "scaled":
-            register_vllm_scaled_loader()
         t0 = time.perf_counter()
         self.llm = LLM(**engine_kwargs(self.spec))
         self.engine = self.llm.llm_engine
