@@ -425,6 +425,11 @@ spec = EngineSpec.load(sys.argv[1])
 if spec.backend == "SLOW":
     write_result(spec.result_path, {"backend": spec.backend, "status": "running", "workloads": []})
     time.sleep(60)
+elif spec.backend == "DETACHED":  # a worker that left the engine's process group, as an engine's workers may
+    import subprocess
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    open(spec.result_path + ".worker", "w").write(str(worker.pid))
+    time.sleep(60)
 elif spec.backend == "NOPE":
     write_result(spec.result_path, {"backend": spec.backend, "status": "refused", "reason": "not on this GPU",
                                     "workloads": []})
@@ -472,6 +477,36 @@ def test_driver_kills_an_engine_at_the_budget_and_skips_what_would_not_fit(tmp_p
     assert results["OURS"]["status"] == "skipped"
     assert "mla-backend serve-bench --engine vllm --budget 2 --backends OURS --resume" in results["OURS"]["reason"]
     assert time.perf_counter() - t0 < driver.KILL_GRACE_S + 30
+
+
+def test_engines_use_no_nvlink_multicast_where_nccl_has_it_off(monkeypatch):
+    name, backend = driver.FLASHINFER_ALLREDUCE_WITHOUT_MULTICAST
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    assert name not in driver.child_env()
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    assert driver.child_env()[name] == backend == "trtllm"
+    monkeypatch.setenv(name, "mnnvl")  # the user's choice stands
+    assert driver.child_env()[name] == "mnnvl"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds an engine's processes through /proc")
+def test_driver_ends_an_engine_s_processes_that_left_its_group(tmp_path, stub_engine):
+    run = _stub_run(stub_engine, ("DETACHED",), budget=3)
+    driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", ["--engine", "vllm"])
+    worker = int(Path(str(tmp_path / "DETACHED.result.json") + ".worker").read_text())
+    deadline = time.monotonic() + 10
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(worker)
 
 
 def test_alone_command_replaces_the_backend_list_and_resumes():

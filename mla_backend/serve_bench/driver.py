@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--init", choices=("dummy", "scaled"), default="dummy",
                    help="weights: the engine's dummy init, or N(0, 1/fan_in) so that attention moves the logits and "
-                        "MoE routing spreads (vLLM then runs its engine core in the benchmark's process)")
+                        "MoE routing spreads")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.85,
                    help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
     p.add_argument("--window-steps", type=int, default=MeasurePlan.window_steps, help="decode steps per timed window")
@@ -221,24 +221,65 @@ def package_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
+#: vLLM 0.26 fuses the tensor-parallel all-reduce with RMSNorm through FlashInfer and picks FlashInfer's ``mnnvl``
+#: backend, which maps NVLink multicast memory. On a host that turned multicast off for NCCL (``NCCL_NVLS_ENABLE=0``)
+#: the workers then hit an illegal memory access while vLLM profiles its CUDA graphs, with every attention backend;
+#: ``trtllm`` is FlashInfer's backend without multicast. Only set where the user chose none.
+FLASHINFER_ALLREDUCE_WITHOUT_MULTICAST = ("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
+
+
 def child_env() -> dict:
-    """The engine process's environment: this package importable (a source checkout has no entry point)."""
+    """The engine process's environment: this package importable (a source checkout has no entry point), and no
+    NVLink multicast in FlashInfer's all-reduce where NCCL has it off."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    if env.get("NCCL_NVLS_ENABLE") == "0":
+        env.setdefault(*FLASHINFER_ALLREDUCE_WITHOUT_MULTICAST)
     return env
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc; empty elsewhere)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            todo += children
+    return found
+
+
 def stop_process_group(proc: subprocess.Popen) -> None:
-    """Ends the engine process and everything it started (engine core, scheduler, workers): the group it leads."""
+    """Ends the engine process and everything it started (engine core, scheduler, workers): the group it leads, and
+    any process below it that left the group (an engine's workers hold the GPU memory the next engine needs)."""
+    below = descendants(proc.pid)
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+        for pid in below:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
-            return
+            continue
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
+
+
+def _interrupt(signum, frame):  # noqa: ARG001 - signal handler's signature
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run_engine(spec: EngineSpec, runner: str, spec_path: Path, timeout_s: float) -> dict:
@@ -389,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     t0 = time.perf_counter()
+    signal.signal(signal.SIGTERM, _interrupt)  # a `timeout` or a scheduler's stop still ends the running engine
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
         model_dir = write_config_dir(Path(tmp) / "model", run.model_config)
         results = run_backends(run, model_dir, Path(tmp), out_dir, argv, kept)

@@ -138,8 +138,8 @@ def scaled_random_init(model) -> None:
 def register_vllm_scaled_loader(load_format: str = SCALED_LOAD_FORMAT) -> None:
     """Registers ``load_format`` in vLLM: its dummy loader with :func:`scaled_random_init` as the weights.
 
-    The registration lives in the calling process (and the processes forked from it), so the engine must load the
-    model there (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; tensor-parallel workers forked, see vllm_runner.py)."""
+    The registration lives in the calling process (and the processes forked from it); vllm_scaled_weights.py makes
+    it in every worker process."""
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 

@@ -129,8 +129,8 @@ class VllmSession(EngineSession):
         if self.spec.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             if self.spec.tensor_parallel_size > 1:
-                # the TP workers must inherit this process's registrations (our backend, the scaled loader): forked,
-                # vLLM's default, which it replaces by spawn only when CUDA is already initialised here
+                # the TP workers must inherit this process's registration of our backend: forked, vLLM's default,
+                # which it replaces by spawn only when CUDA is already initialised here
                 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
         import vllm
         from vllm import LLM
