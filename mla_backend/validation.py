@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .constants import HEAD_DIM, KV_LORA_RANK, MAX_Q_LEN, ROPE_DIM
+from .constants import HEAD_DIM, KV_LORA_RANK, ROPE_DIM
 from .metadata import INDEX_DTYPE, MLADecodeMetadata, MLAInputError, check_page_size, check_q_len
 
 __all__ = ["FP8_DTYPES", "HEAD_DIM", "KV_DTYPES", "KV_LORA_RANK", "MLAInputError", "Q_DTYPES", "ROPE_DIM",

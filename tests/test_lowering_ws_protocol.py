@@ -8,7 +8,6 @@ is read while being written or overwritten while read. Deliberately broken proto
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import dataclass, field
 
