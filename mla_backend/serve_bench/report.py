@@ -302,7 +302,7 @@ def plot(data: dict, path: str | Path) -> str | None:
         if names:
             series.append((names, key, label))
     if not series:
-        return "nothing was measured; no plot"
+        return "no speed was measured (TPOT, tokens per second); no plot"
     fig, axes = plt.subplots(len(series), 1, figsize=(max(8, 1.1 * max(len(s[0]) for s in series) + 3),
                                                       4.2 * len(series)), squeeze=False)
     for ax, (names, key, label) in zip(axes[:, 0], series):
