@@ -498,6 +498,31 @@ def _running(pid: int) -> bool:
         return False
 
 
+def test_a_stopped_driver_ends_its_engine_and_keeps_what_was_measured(tmp_path, stub_engine):
+    """``timeout`` sends SIGTERM: the running engine is ended, finished backends stay, the rest are listed."""
+    import signal
+    import threading
+
+    run = _stub_run(stub_engine, ("OURS", "SLOW", "NOPE"), budget=600)
+    previous = signal.signal(signal.SIGTERM, driver._interrupt)
+    try:
+        def stop_once_slow_runs():
+            deadline = time.monotonic() + 120
+            while not (tmp_path / "SLOW.result.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=stop_once_slow_runs, daemon=True).start()
+        t0 = time.perf_counter()
+        results = driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", ["--engine", "vllm"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert time.perf_counter() - t0 < 50  # not the stand-in's 60 s
+    assert results["OURS"]["status"] == "done"
+    assert results["SLOW"]["status"] == "failed" and "stopped (signal 15)" in results["SLOW"]["reason"]
+    assert results["NOPE"]["status"] == "skipped" and "--backends NOPE --resume" in results["NOPE"]["reason"]
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds an engine's processes through /proc")
 def test_driver_ends_an_engine_s_processes_that_left_its_group(tmp_path, stub_engine):
     run = _stub_run(stub_engine, ("DETACHED",), budget=3)

@@ -372,8 +372,18 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
         engine_deadline = min(hard_deadline, time.time() + run.args.engine_timeout)
         spec = engine_spec(run, backend, model_dir, work, out_dir, in_process, engine_deadline)
         print(f"[serve-bench] {backend}: engine starting (log: {spec.log_path})", flush=True)
-        result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
-                            engine_deadline + KILL_GRACE_S - time.time())
+        try:
+            result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
+                                engine_deadline + KILL_GRACE_S - time.time())
+        except KeyboardInterrupt as stop:  # SIGTERM or Ctrl-C: run_engine ended the engine; keep what was measured
+            stopped = f"serve-bench was stopped ({stop or 'interrupt'})"
+            results[backend] = {"backend": backend, "status": "failed", "workloads": [],
+                                "reason": f"{stopped} while this engine ran"}
+            results.update((b, {"backend": b, "status": "skipped", "workloads": [], "reason": f"{stopped}; "
+                                f"add it to this report later: {alone_command(argv, b)}"})
+                           for b in run.backends if b not in results and b not in kept)
+            print(f"[serve-bench] {stopped}: writing the report of what was measured", flush=True)
+            break
         results[backend] = result
         done = sum(1 for w in result.get("workloads", []) if w.get("status") == "ok")
         print(f"[serve-bench] {backend}: {result['status']} in {result['wall_s']:.0f} s, {done} workload(s) measured"
