@@ -641,13 +641,25 @@ print(type(get_model_loader(LoadConfig(load_format=sys.argv[2]))).__name__)
 """
 
 
+def test_importing_serve_bench_loads_no_engine():
+    """The worker extension registers the load format when imported; nothing else may import it (it loads vLLM's
+    model loaders, which SGLang-only environments cannot import)."""
+    code = ("import sys, mla_backend.serve_bench.driver, mla_backend.serve_bench.hostile_vllm; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang') "
+            "or m.endswith('vllm_scaled_weights')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (CI installs it with .ci/install_vllm.sh)")
 def test_scaled_weights_load_format_is_known_in_a_fresh_worker_process():
     """Spawned tensor-parallel workers share no registration with the benchmark's process: the worker extension's
     import must make the load format known there."""
-    from mla_backend.serve_bench.vllm_scaled_weights import engine_kwargs
+    from mla_backend.serve_bench.random_weights import vllm_scaled_weights_kwargs
 
-    kwargs = engine_kwargs()
+    kwargs = vllm_scaled_weights_kwargs()
     done = subprocess.run([sys.executable, "-c", WORKER_PROCESS, kwargs["worker_extension_cls"],
                            kwargs["load_format"]], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))

@@ -24,6 +24,8 @@ import zlib
 
 #: The load format :func:`register_vllm_scaled_loader` registers under by default.
 SCALED_LOAD_FORMAT = "mla_scaled_dummy"
+#: The vLLM worker extension whose import registers :data:`SCALED_LOAD_FORMAT` in each worker process.
+VLLM_WORKER_EXTENSION = "mla_backend.serve_bench.vllm_scaled_weights.ScaledWeights"
 #: Tensors filled this many elements at a time: the float32 draw of a whole expert stack (256 x 4096 x 7168) would
 #: need tens of GB beside the weights.
 CHUNK_ELEMENTS = 1 << 26
@@ -148,6 +150,12 @@ def register_vllm_scaled_loader(load_format: str = SCALED_LOAD_FORMAT) -> None:
             scaled_random_init(model)
 
     register_model_loader(load_format)(ScaledDummyModelLoader)
+
+
+def vllm_scaled_weights_kwargs() -> dict:
+    """The ``vllm.LLM`` / ``EngineArgs`` arguments that load the scaled random weights in every worker, spawned or
+    forked (vllm_scaled_weights.py)."""
+    return {"load_format": SCALED_LOAD_FORMAT, "worker_extension_cls": VLLM_WORKER_EXTENSION}
 
 
 def patch_sglang_dummy_weights(std: float | None) -> None:

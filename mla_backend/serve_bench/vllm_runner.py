@@ -20,6 +20,7 @@ from .. import installed
 from .hostile_vllm import rank1_tokens
 from .measure import TokenTracker, median_or_none, request_tpots
 from .profile_trace import newest_trace
+from .random_weights import vllm_scaled_weights_kwargs
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
                             engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
@@ -106,9 +107,7 @@ def engine_kwargs(spec: EngineSpec) -> dict:
                   max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs, disable_log_stats=False,
                   **parallel_kwargs(spec))
     if spec.init == "scaled":
-        from .vllm_scaled_weights import engine_kwargs as scaled_weights
-
-        kwargs.update(scaled_weights())
+        kwargs.update(vllm_scaled_weights_kwargs())
     if spec.measure_plan.profile_steps:
         kwargs["profiler_config"] = profiler_config(spec)
     if spec.forces_tokens:
