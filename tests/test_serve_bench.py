@@ -305,6 +305,10 @@ def _decode_record(name, tpots, share=None, kind="decode"):
     return record
 
 
+REPORT_ENV = {"date": "2026-12-01T10:00:00+00:00", "command": "mla-backend serve-bench --engine vllm", "gpu": "H100",
+              "driver": "570.1", "torch": "2.11.0", "vllm": "0.26.0", "tilelang": "0.1.9", "git": "abc"}
+
+
 def _synthetic_report():
     run = driver.resolve(driver.build_parser().parse_args(
         ["--engine", "vllm", "--backends", "CUSTOM,FLASHMLA,FLASH_ATTN_MLA,TRITON_MLA", "--batches", "16",
@@ -322,9 +326,7 @@ def _synthetic_report():
         "TRITON_MLA": {"status": "skipped", "reason": "time budget: run it alone: mla-backend serve-bench ...",
                        "workloads": []},
     }
-    env = {"date": "2026-12-01T10:00:00+00:00", "command": "mla-backend serve-bench --engine vllm", "gpu": "H100",
-           "torch": "2.11.0", "vllm": "0.26.0", "tilelang": "0.1.9", "driver": "570.1", "git": "abc"}
-    return report.assemble(env, run, backends, wall_s=321.0)
+    return report.assemble(dict(REPORT_ENV), run, backends, wall_s=321.0)
 
 
 def test_markdown_tables_show_median_spread_and_the_speedup_of_ours():
@@ -545,23 +547,19 @@ def _report_of(run, results, env):
     return report.assemble(dict(env), run, results, wall_s=1.0)
 
 
-STUB_ENV = {"date": "2026-12-01T10:00:00+00:00", "command": "mla-backend serve-bench --engine vllm", "gpu": "H100",
-            "driver": "570.1", "torch": "2.11.0", "vllm": "0.26.0", "tilelang": "0.1.9", "git": "abc"}
-
-
 def test_resume_keeps_finished_backends_and_runs_only_the_rest(tmp_path, stub_engine):
     out = tmp_path / "out"
     first = _stub_run(stub_engine, ("OURS", "NOPE"), budget=600)
     report.write_outputs(out.mkdir() or out, _report_of(first, driver.run_backends(first, tmp_path, tmp_path, out,
-                                                                                 ["--engine", "vllm"]), STUB_ENV))
+                                                                                 ["--engine", "vllm"]), REPORT_ENV))
     second = _stub_run(stub_engine, ("NOPE", "OURS"), budget=600)
-    kept = resume.kept_backends(out, report.run_settings(second), second.model_config, dict(STUB_ENV, date="later"))
-    assert list(kept) == ["OURS"] and kept["OURS"]["from_run"]["date"] == STUB_ENV["date"]  # NOPE was refused
+    kept = resume.kept_backends(out, report.run_settings(second), second.model_config, dict(REPORT_ENV, date="later"))
+    assert list(kept) == ["OURS"] and kept["OURS"]["from_run"]["date"] == REPORT_ENV["date"]  # NOPE was refused
     (out / "vllm-logs" / "OURS.log").unlink()
     results = driver.run_backends(second, tmp_path, tmp_path, out, ["--engine", "vllm"], kept)
     assert list(results) == ["NOPE", "OURS"] and results["OURS"] is kept["OURS"]
     assert not (out / "vllm-logs" / "OURS.log").exists()  # no engine started for the kept backend
-    assert "kept from the run of 2026-12-01T10:00:00+00:00" in report.markdown(_report_of(second, results, STUB_ENV))
+    assert "kept from the run of 2026-12-01T10:00:00+00:00" in report.markdown(_report_of(second, results, REPORT_ENV))
     # a kept backend that is not asked for stays in the report
     only_nope = _stub_run(stub_engine, ("NOPE",), budget=600)
     assert list(driver.run_backends(only_nope, tmp_path, tmp_path, out, [], kept)) == ["NOPE", "OURS"]
@@ -569,15 +567,15 @@ def test_resume_keeps_finished_backends_and_runs_only_the_rest(tmp_path, stub_en
 
 def test_resume_refuses_a_report_that_measured_something_else(tmp_path, stub_engine):
     first = _stub_run(stub_engine, ("OURS",), budget=600)
-    report.write_outputs(tmp_path, _report_of(first, {"OURS": {"status": "done", "workloads": []}}, STUB_ENV))
+    report.write_outputs(tmp_path, _report_of(first, {"OURS": {"status": "done", "workloads": []}}, REPORT_ENV))
     args = driver.build_parser().parse_args(["--engine", "vllm", "--batches", "1", "--contexts", "1k",
                                              "--workloads", "decode", "--heads", "32"])
     other = driver.resolve(args)
     with pytest.raises(ValueError, match=r"measured something else.*heads: 16 -> 32"):
-        resume.kept_backends(tmp_path, report.run_settings(other), other.model_config, STUB_ENV)
+        resume.kept_backends(tmp_path, report.run_settings(other), other.model_config, REPORT_ENV)
     with pytest.raises(ValueError, match=r"gpu: 'H100' -> 'H200'"):
-        resume.kept_backends(tmp_path, report.run_settings(first), first.model_config, dict(STUB_ENV, gpu="H200"))
-    assert resume.kept_backends(tmp_path / "empty", report.run_settings(first), first.model_config, STUB_ENV) == {}
+        resume.kept_backends(tmp_path, report.run_settings(first), first.model_config, dict(REPORT_ENV, gpu="H200"))
+    assert resume.kept_backends(tmp_path / "empty", report.run_settings(first), first.model_config, REPORT_ENV) == {}
 
 
 # ----------------------------------------------------------------------------- command line

@@ -102,7 +102,8 @@ def engine_kwargs(spec: EngineSpec) -> dict:
     """The ``vllm.LLM`` / ``EngineArgs`` arguments: dummy weights, token-id prompts, prefix caching off, fixed seed,
     the backend under test, stats kept (the per-request step timestamps come from them), the parallel layout."""
     kwargs = dict(model=spec.model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=spec.measure_plan.seed,
-                  load_format="dummy", attention_backend=spec.backend, block_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
+                  load_format="dummy", attention_backend=spec.backend, block_size=spec.page_size,
+                  kv_cache_dtype=spec.kv_cache_dtype,
                   enable_prefix_caching=False, gpu_memory_utilization=spec.gpu_memory_fraction,
                   max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs, disable_log_stats=False,
                   **parallel_kwargs(spec))

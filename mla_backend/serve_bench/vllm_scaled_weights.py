@@ -16,4 +16,3 @@ register_vllm_scaled_loader()
 
 class ScaledWeights:
     """Named in ``worker_extension_cls``; see the module docstring."""
-
