@@ -413,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status 0 when at least one workload was measured (or --dry-run), 1 when the forced check's agreement
     failed, 2 when nothing was measured."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # a `timeout` or a scheduler's stop still ends the running engine
     if hostile.selected(argv):  # its own flags and its own report (hostile.py)
         return hostile.main(argv)
     parser = build_parser()
@@ -440,7 +441,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     t0 = time.perf_counter()
-    signal.signal(signal.SIGTERM, _interrupt)  # a `timeout` or a scheduler's stop still ends the running engine
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
         model_dir = write_config_dir(Path(tmp) / "model", run.model_config)
         results = run_backends(run, model_dir, Path(tmp), out_dir, argv, kept)
