@@ -99,6 +99,20 @@ def test_ours_fails_when_it_agrees_less_than_the_built_ins_do():
     assert "**FAIL**" in table
 
 
+def test_a_verdict_on_built_ins_that_rarely_agree_is_marked_weak():
+    """Built-ins that agree on few steps (random weights at full width) still give a verdict, marked weak."""
+    truth = _truth(32)
+    # Each keeps 40% of the steps and draws the rest from its own tokens: about 16% agreement per pair.
+    data = _run({b: [[t if rng.random() < 0.4 else -rng.randrange(1, 1000) for t in row] for row in truth]
+                 for b, rng in (("CUSTOM", random.Random(1)), ("FLASHMLA", random.Random(2)),
+                                ("FLASH_ATTN_MLA", random.Random(3)))})
+    verdict = next(iter(agreement.compare(data).values()))
+    assert verdict["built_in_median"] < agreement.WEAK_BELOW and verdict["weak"] is True
+    assert "Weak verdict" in "\n".join(agreement.markdown(data))
+    strong, table = _verdict_with_ours_flipping(0.05)
+    assert strong["weak"] is False and "Weak verdict" not in table
+
+
 def test_no_verdict_without_two_built_ins():
     truth = _truth(8)
     data = _run({"CUSTOM": truth, "FLASHMLA": truth})
