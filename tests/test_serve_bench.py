@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from mla_backend import cli
-from mla_backend.serve_bench import driver, report, resume, sglang_runner, vllm_runner
+from mla_backend.serve_bench import driver, report, resume, sglang_runner, verification, vllm_runner
 from mla_backend.serve_bench.measure import (TokenTracker, decode_window_tpots, full_batch_start, request_tpots,
                                              summarize, tpot_between)
 from mla_backend.serve_bench.model_config import (DEEPSEEK_V3_ATTENTION, deepseek_v3_config, kv_bytes_per_token,
@@ -342,6 +342,29 @@ def test_markdown_tables_show_median_spread_and_the_speedup_of_ours():
     assert "Host time per call" not in text  # no profile held host ranges
 
 
+def test_verification_passes_only_when_every_rank_checked_calls_within_the_limits():
+    data = _synthetic_report()
+    assert verification.verdict(data) is None and verification.markdown(data) == []  # the run did not verify
+    data["settings"]["verify"] = True
+    rank = {"calls": 120, "max_rel_err": 3.1e-3, "max_lse_err": 2e-4, "calls_by_q_len": {"1": 120}}
+    data["backends"]["CUSTOM"]["verification"] = [dict(rank, rank=0), dict(rank, rank=1)]
+    checked = verification.verdict(data)
+    assert checked["passed"] is True and len(checked["ranks"]) == 2
+    text = report.markdown(data)
+    assert "| 1 | 120 (1: 120) | 3.10e-03 | 2.00e-04 |" in text and "**PASS**" in text
+    assert "Every engine eager" in text  # its speeds are eager ones
+    for broken in (dict(rank, rank=1, max_rel_err=0.2), dict(rank, rank=1, max_lse_err=float("nan")),
+                   dict(rank, rank=1, calls=0)):
+        data["backends"]["CUSTOM"]["verification"] = [dict(rank, rank=0), broken]
+        checked = verification.verdict(data)
+        assert checked["passed"] is False and checked["reason"] == "ranks [1] checked no call or were past the limits"
+        assert "**FAIL**" in report.markdown(data)
+    data["backends"]["CUSTOM"]["verification"] = []
+    assert "did not reach it" in verification.verdict(data)["reason"]
+    data["backends"]["CUSTOM"]["status"] = "failed"  # no verdict on an engine that did not finish
+    assert verification.verdict(data) is None
+
+
 def test_markdown_host_table_per_range_and_backend():
     data = _synthetic_report()
     data["backends"]["CUSTOM"]["workloads"][0]["profile"]["host"] = {
@@ -492,6 +515,12 @@ def test_engines_use_no_nvlink_multicast_where_nccl_has_it_off(monkeypatch):
     assert driver.child_env()[name] == "mnnvl"
 
 
+def test_verify_reaches_the_engine_processes_only_when_asked(monkeypatch):
+    monkeypatch.delenv("MLA_BACKEND_VERIFY", raising=False)
+    assert "MLA_BACKEND_VERIFY" not in driver.child_env()
+    assert driver.child_env(verify=True)["MLA_BACKEND_VERIFY"] == "1"
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -594,16 +623,18 @@ def test_dry_run_lists_the_workloads_without_a_gpu(capsys):
 
 # ----------------------------------------------------------------------------- the engines' own argument classes
 def _engine_spec(engine: str, backend: str, model_dir: Path, tmp_path: Path, kv: str = "auto",
-                 init: str = "dummy") -> EngineSpec:
-    args = driver.build_parser().parse_args(["--engine", engine, "--kv-cache-dtype", kv, "--init", init])
+                 init: str = "dummy", verify: bool = False) -> EngineSpec:
+    args = driver.build_parser().parse_args(["--engine", engine, "--kv-cache-dtype", kv, "--init", init]
+                                            + (["--verify"] if verify else []))
     run = driver.resolve(args)
     return driver.engine_spec(run, backend, model_dir, tmp_path, tmp_path / "out", in_process=False,
                               hard_deadline=time.time() + 60)
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (CI installs it with .ci/install_vllm.sh)")
-@pytest.mark.parametrize("kv,init", [("auto", "dummy"), ("fp8", "scaled")])
-def test_vllm_engine_args_accept_the_runner_s_arguments(tmp_path, kv, init):
+@pytest.mark.parametrize("kv,init,verify", [("auto", "dummy", False), ("fp8", "scaled", False),
+                                            ("auto", "dummy", True)])
+def test_vllm_engine_args_accept_the_runner_s_arguments(tmp_path, kv, init, verify):
     import typing
 
     from vllm.config.cache import CacheDType
@@ -613,8 +644,9 @@ def test_vllm_engine_args_accept_the_runner_s_arguments(tmp_path, kv, init):
     model_dir = write_model_dir(tmp_path / "model", heads=32, layers=4)
     for backend in vllm_runner.ENGINE.backends:
         assert AttentionBackendEnum[backend].name == backend  # a name vLLM 0.26 knows
-        spec = _engine_spec("vllm", backend, model_dir, tmp_path, kv, init)
+        spec = _engine_spec("vllm", backend, model_dir, tmp_path, kv, init, verify)
         args = EngineArgs(**vllm_runner.engine_kwargs(spec))
+        assert spec.verify == verify and args.enforce_eager == verify  # no CUDA graph hides a call from the check
         assert args.attention_backend == backend and args.enable_prefix_caching is False
         assert args.skip_tokenizer_init and args.disable_log_stats is False
         assert args.kv_cache_dtype == ("fp8" if kv == "fp8" else "auto") and args.block_size == 64
@@ -625,7 +657,7 @@ def test_vllm_engine_args_accept_the_runner_s_arguments(tmp_path, kv, init):
     assert model.max_model_len == spec.max_model_len
     assert model.hf_config.kv_lora_rank == 512 and model.hf_config.qk_rope_head_dim == 64
     assert args.load_format == ("mla_scaled_dummy" if init == "scaled" else "dummy")
-    assert bool(args.worker_extension_cls) == (init == "scaled")
+    assert bool(args.worker_extension_cls) == (init == "scaled" or verify)  # verify: the per-rank report RPC
 
 
 WORKER_PROCESS = """
@@ -634,7 +666,10 @@ from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader import get_model_loader
 from vllm.utils.import_utils import resolve_obj_by_qualname
 extension = resolve_obj_by_qualname(sys.argv[1])  # what every vLLM worker does before it loads the model
-assert not [a for a in dir(extension) if not a.startswith("__")]  # nothing that could clash with the worker's own
+public = [a for a in dir(extension) if not a.startswith("__")]
+assert public and all(a.startswith("mla_backend_") for a in public), public  # none clashes with the worker's own
+worker = type("Worker", (extension,), {"rank": 1})()  # vLLM adds the extension to its worker's bases
+print(worker.mla_backend_verification())
 print(type(get_model_loader(LoadConfig(load_format=sys.argv[2]))).__name__)
 """
 
@@ -644,7 +679,7 @@ def test_importing_serve_bench_loads_no_engine():
     model loaders, which SGLang-only environments cannot import)."""
     code = ("import sys, mla_backend.serve_bench.driver, mla_backend.serve_bench.hostile_vllm; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'sglang') "
-            "or m.endswith('vllm_scaled_weights')))")
+            "or m.endswith('vllm_worker_extension')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -652,22 +687,29 @@ def test_importing_serve_bench_loads_no_engine():
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (CI installs it with .ci/install_vllm.sh)")
-def test_scaled_weights_load_format_is_known_in_a_fresh_worker_process():
+@pytest.mark.parametrize("verify", [False, True])
+def test_scaled_weights_load_format_is_known_in_a_fresh_worker_process(verify):
     """Spawned tensor-parallel workers share no registration with the benchmark's process: the worker extension's
-    import must make the load format known there."""
-    from mla_backend.serve_bench.random_weights import vllm_scaled_weights_kwargs
+    import must make the load format known there. Its RPC gives the worker's verification report (None while off)."""
+    from mla_backend.serve_bench.random_weights import vllm_worker_kwargs
 
-    kwargs = vllm_scaled_weights_kwargs()
+    kwargs = vllm_worker_kwargs()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("MLA_BACKEND_VERIFY", None)
+    if verify:
+        env["MLA_BACKEND_VERIFY"] = "1"
     done = subprocess.run([sys.executable, "-c", WORKER_PROCESS, kwargs["worker_extension_cls"],
-                           kwargs["load_format"]], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+                           kwargs["load_format"]], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "ScaledDummyModelLoader"
+    report, loader = done.stdout.strip().splitlines()[-2:]
+    assert loader == "ScaledDummyModelLoader"
+    assert report == ("{'calls': 0, 'max_rel_err': 0.0, 'max_lse_err': 0.0, 'calls_by_q_len': {}, 'rank': 1}"
+                      if verify else "None")
 
 
 @pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not importable (CI: PYTHONPATH=.ci/sglang-site)")
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
-def test_sglang_server_args_accept_the_runner_s_arguments(tmp_path, kv):
+@pytest.mark.parametrize("kv,verify", [("auto", False), ("fp8", False), ("auto", True)])
+def test_sglang_server_args_accept_the_runner_s_arguments(tmp_path, kv, verify):
     import argparse
 
     from sglang_cpu_env import prepare_cpu_torchvision
@@ -684,7 +726,7 @@ def test_sglang_server_args_accept_the_runner_s_arguments(tmp_path, kv):
     choices = {a.dest: a.choices for a in cli._actions if a.choices}  # ServerArgs checks names, the CLI values
     model_dir = write_model_dir(tmp_path / "model", heads=16, layers=4)
     for backend in sglang_runner.ENGINE.backends:
-        spec = _engine_spec("sglang", backend, model_dir, tmp_path, kv)
+        spec = _engine_spec("sglang", backend, model_dir, tmp_path, kv, verify=verify)
         kwargs = sglang_runner.server_kwargs(spec)
         for key, value in kwargs.items():
             assert key not in choices or value in choices[key], (key, value, choices[key])
@@ -693,6 +735,7 @@ def test_sglang_server_args_accept_the_runner_s_arguments(tmp_path, kv):
         assert server_args.disable_radix_cache and server_args.skip_tokenizer_init
         assert server_args.kv_cache_dtype == ("fp8_e4m3" if kv == "fp8" else "auto")
         assert server_args.cuda_graph_max_bs_decode == spec.max_num_seqs == 256
+        assert server_args.disable_cuda_graph == verify  # no CUDA graph hides a call from the check
     model = ModelConfig.from_server_args(server_args)  # SGLang reads the generated config.json
     assert model.attention_arch == AttentionArch.MLA and model.num_attention_heads == 16
     assert model.kv_lora_rank == 512 and model.qk_rope_head_dim == 64 and model.context_len == spec.max_model_len

@@ -27,6 +27,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import os
 import sys
 
 import pytest
@@ -291,6 +292,23 @@ def test_constructs_on_cpu_with_reference_impl(kit_env, monkeypatch, tmp_path):
     assert md.kv_lens.tolist() == [6, 71] and md.plan is not None  # prefixes 5 and 70 plus the decoded token
     (report,) = [json.loads(f.read_text()) for f in tmp_path.glob("*.json")]
     assert report["decode"] == 1 and report["impl"] == "reference" and report["metadata_host_us_per_call"] > 0
+
+
+def test_serve_bench_reads_each_process_s_verification_report(kit_env, monkeypatch, tmp_path):
+    """Under MLA_BACKEND_VERIFY=1 the backend's report carries the process's verification counters, and serve-bench
+    --verify reads one report per process from what the backend wrote."""
+    import mla_backend.verify
+    from mla_backend.serve_bench.sglang_runner import read_verification
+
+    monkeypatch.setenv("MLA_BACKEND_SGLANG_REPORT", str(tmp_path))
+    monkeypatch.setattr(mla_backend.verify, "VERIFYING", True)
+    for _ in range(2):  # two backend objects of one process (the target and the MTP draft's): one rank
+        fixture = _build(page_size=64)
+        fixture.backend.init_forward_metadata_out_graph(fixture.forward_batch)
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    (rank,) = read_verification(str(tmp_path))
+    assert rank["pid"] == os.getpid() and rank["rank"] == 0
+    assert set(rank) >= {"calls", "max_rel_err", "max_lse_err", "calls_by_q_len"}
 
 
 @pytest.mark.parametrize("graph_metadata", [False, True])

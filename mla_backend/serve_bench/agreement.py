@@ -10,7 +10,7 @@ median agreement with the built-ins is at least the built-ins' median agreement 
 Where the built-ins agree with each other on fewer than ``WEAK_BELOW`` of the steps, rounding decides most argmaxes
 of the model (random weights at DeepSeek-V3's width and depth, with fp8 activations and expert routing that a
 rounding difference can flip) and a broken kernel could hide in that noise: the verdict is marked weak, and the
-in-engine fp32 check (``MLA_BACKEND_VERIFY=1``) is the one that holds each decode call to the reference.
+in-engine fp32 check (``--verify``, verification.py) is the one that holds each decode call to the reference.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def markdown(data: dict) -> list[str]:
             if verdict["weak"]:
                 lines += ["", f"Weak verdict: the built-ins agree on fewer than {WEAK_BELOW:.0%} of the steps, so "
                           "rounding decides most of this model's argmaxes and an error in a kernel could hide in that "
-                          "noise. `MLA_BACKEND_VERIFY=1` checks every decode call against the fp32 reference instead."]
+                          "noise. `--verify` checks every decode call against the fp32 reference on every rank "
+                          "instead."]
         lines.append("")
     return lines

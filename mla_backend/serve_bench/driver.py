@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cli import nothing_ran
-from . import agreement, hostile, resume, sglang_runner, vllm_runner
+from ..verify import ENV_VERIFY
+from . import agreement, hostile, resume, sglang_runner, verification, vllm_runner
 from .model_config import (DEFAULT_MODEL, HEAD_CHOICES_DOC, MODEL_CHOICES, kv_bytes_per_token, parameter_counts,
                            write_config_dir)
 from .parallel import (MAX_SPECULATIVE_TOKENS, GpuInventory, ParallelOptions, check_parallel_options, detect_gpus,
@@ -96,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", choices=("dummy", "scaled"), default="dummy",
                    help="weights: the engine's dummy init, or N(0, 1/fan_in) so that attention moves the logits and "
                         "MoE routing spreads")
+    p.add_argument("--verify", action="store_true",
+                   help="every decode call of ours recomputed by the fp32 reference in each engine process "
+                        "(MLA_BACKEND_VERIFY=1) and reported per rank; every engine runs eager, so speeds are eager "
+                        "ones; exit status 1 when a rank is past the limits")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.85,
                    help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
     p.add_argument("--window-steps", type=int, default=MeasurePlan.window_steps, help="decode steps per timed window")
@@ -228,10 +233,12 @@ def package_root() -> str:
 FLASHINFER_ALLREDUCE_WITHOUT_MULTICAST = ("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
 
 
-def child_env() -> dict:
-    """The engine process's environment: this package importable (a source checkout has no entry point), and no
-    NVLink multicast in FlashInfer's all-reduce where NCCL has it off."""
+def child_env(verify: bool = False) -> dict:
+    """The engine process's environment: this package importable (a source checkout has no entry point), no NVLink
+    multicast in FlashInfer's all-reduce where NCCL has it off, and with ``verify`` the fp32 check of our calls."""
     env = dict(os.environ)
+    if verify:
+        env[ENV_VERIFY] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     if env.get("NCCL_NVLS_ENABLE") == "0":
@@ -289,7 +296,7 @@ def run_engine(spec: EngineSpec, runner: str, spec_path: Path, timeout_s: float)
     timed_out = False
     with open(spec.log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", runner, str(spec_path)], stdout=log, stderr=subprocess.STDOUT,
-                                env=child_env(), start_new_session=True)
+                                env=child_env(spec.verify), start_new_session=True)
         try:
             proc.wait(timeout=max(timeout_s, 1.0))
         except subprocess.TimeoutExpired:
@@ -325,7 +332,7 @@ def engine_spec(run: RunSetup, backend: str, model_dir: Path, work: Path, out_di
                       max_num_seqs=run.max_num_seqs, in_process=in_process, deadline=hard_deadline,
                       hard_deadline=hard_deadline, tensor_parallel_size=run.parallel.tensor_parallel_size,
                       dp_attention=run.parallel.dp_attention, speculative_tokens=run.parallel.speculative_tokens,
-                      decode_context_parallel_size=run.parallel.decode_context_parallel_size)
+                      decode_context_parallel_size=run.parallel.decode_context_parallel_size, verify=run.args.verify)
 
 
 def alone_command(argv: list[str], backend: str) -> str:
@@ -410,8 +417,8 @@ def engine_problem(engine: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 0 when at least one workload was measured (or --dry-run), 1 when the forced check's agreement
-    failed, 2 when nothing was measured."""
+    """Exit status 0 when at least one workload was measured (or --dry-run), 1 when the forced check's agreement or
+    the fp32 verification (``--verify``) failed, 2 when nothing was measured."""
     argv = list(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, _interrupt)  # a `timeout` or a scheduler's stop still ends the running engine
     if hostile.selected(argv):  # its own flags and its own report (hostile.py)
@@ -453,5 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [w for w, verdict in agreement.compare(data).items() if verdict["passed"] is False]
     if failed:
         print(f"[serve-bench] teacher-forced agreement FAILED: {', '.join(failed)}", flush=True)
-        return 1
-    return 0
+    checked = verification.verdict(data)
+    if checked is not None and not checked["passed"]:
+        print(f"[serve-bench] fp32 verification FAILED: {checked['reason']}", flush=True)
+    return 1 if failed or (checked is not None and not checked["passed"]) else 0

@@ -20,7 +20,7 @@ import traceback
 
 from .hostile_load import PAGE_TOKENS, HostileLoad, HostileSpec, LoadLedger
 from .hostile_process import PROGRESS_EVERY_S, force_survivors, process_main
-from .random_weights import vllm_scaled_weights_kwargs
+from .random_weights import vllm_worker_kwargs
 from .runner_common import write_result
 
 MTP_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
@@ -35,7 +35,7 @@ def common_kwargs(spec: HostileSpec, load: HostileLoad) -> dict:
                 attention_backend=spec.backend, block_size=PAGE_TOKENS,
                 kv_cache_dtype=spec.kv_cache_dtype, gpu_memory_utilization=spec.gpu_memory_fraction,
                 enable_chunked_prefill=True, max_num_batched_tokens=load.chunk_tokens,
-                max_num_seqs=load.max_concurrency, disable_log_stats=False, **vllm_scaled_weights_kwargs())
+                max_num_seqs=load.max_concurrency, disable_log_stats=False, **vllm_worker_kwargs())
 
 
 def load_engine_kwargs(spec: HostileSpec) -> dict:

@@ -25,7 +25,7 @@ import zlib
 #: The load format :func:`register_vllm_scaled_loader` registers under by default.
 SCALED_LOAD_FORMAT = "mla_scaled_dummy"
 #: The vLLM worker extension whose import registers :data:`SCALED_LOAD_FORMAT` in each worker process.
-VLLM_WORKER_EXTENSION = "mla_backend.serve_bench.vllm_scaled_weights.ScaledWeights"
+VLLM_WORKER_EXTENSION = "mla_backend.serve_bench.vllm_worker_extension.WorkerExtension"
 #: Tensors filled this many elements at a time: the float32 draw of a whole expert stack (256 x 4096 x 7168) would
 #: need tens of GB beside the weights.
 CHUNK_ELEMENTS = 1 << 26
@@ -140,7 +140,7 @@ def scaled_random_init(model) -> None:
 def register_vllm_scaled_loader(load_format: str = SCALED_LOAD_FORMAT) -> None:
     """Registers ``load_format`` in vLLM: its dummy loader with :func:`scaled_random_init` as the weights.
 
-    The registration lives in the calling process (and the processes forked from it); vllm_scaled_weights.py makes
+    The registration lives in the calling process (and the processes forked from it); vllm_worker_extension.py makes
     it in every worker process."""
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
@@ -152,10 +152,13 @@ def register_vllm_scaled_loader(load_format: str = SCALED_LOAD_FORMAT) -> None:
     register_model_loader(load_format)(ScaledDummyModelLoader)
 
 
-def vllm_scaled_weights_kwargs() -> dict:
-    """The ``vllm.LLM`` / ``EngineArgs`` arguments that load the scaled random weights in every worker, spawned or
-    forked (vllm_scaled_weights.py)."""
-    return {"load_format": SCALED_LOAD_FORMAT, "worker_extension_cls": VLLM_WORKER_EXTENSION}
+def vllm_worker_kwargs(scaled: bool = True) -> dict:
+    """The ``vllm.LLM`` / ``EngineArgs`` arguments that extend every worker, spawned or forked, with
+    vllm_worker_extension.py, and with ``scaled`` load the scaled random weights there."""
+    kwargs = {"worker_extension_cls": VLLM_WORKER_EXTENSION}
+    if scaled:
+        kwargs["load_format"] = SCALED_LOAD_FORMAT
+    return kwargs
 
 
 def patch_sglang_dummy_weights(std: float | None) -> None:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .. import installed
-from . import agreement
+from . import agreement, verification
 from .model_config import parameter_counts
 from .weight_memory import GIB, weight_bytes_per_gpu
 from .workloads import DECODE
@@ -84,7 +84,7 @@ def run_settings(run) -> dict:
             "decode_context_parallel_size": options.decode_context_parallel_size,
             "weight_gib_per_gpu": round(sum(weight_bytes_per_gpu(config, options.layout).values()) / GIB, 2),
             "kv_cache_dtype": run.kv_cache_dtype,
-            "page_size": run.engine.page_size, "init": args.init, "prefix_caching": False,
+            "page_size": run.engine.page_size, "init": args.init, "verify": args.verify, "prefix_caching": False,
             "gpu_memory_fraction": args.gpu_memory_fraction, "max_model_len": run.max_model_len,
             "max_num_seqs": run.max_num_seqs, "plan": dataclasses.asdict(run.plan), "budget_s": args.budget,
             "workloads": [w.name for w in run.workloads],
@@ -258,7 +258,9 @@ def header(data: dict) -> list[str]:
             f"(top {config['num_experts_per_tok']}), vocabulary {config['vocab_size']}, {params / 1e9:.2f} B "
             f"parameters, {weight_description(config)}, {s['init']} weights. "
             f"KV cache {s['kv_cache_dtype']}, page {s['page_size']}, prefix caching off, {s['plan']['repeats']} "
-            f"repeats (decode: windows of {s['plan']['window_steps']} steps on one prefilled batch).", "",
+            f"repeats (decode: windows of {s['plan']['window_steps']} steps on one prefilled batch)."
+            + (" Every engine eager, ours checked against the fp32 reference (`--verify`): eager speeds, not served "
+               "ones." if s.get("verify") else ""), "",
             f"torch {env.get('torch')} (CUDA {env.get('cuda_runtime')}), vLLM {env.get('vllm')}, SGLang "
             f"{env.get('sglang')}, TileLang {env.get('tilelang')}, FlashInfer {env.get('flashinfer-python')}, "
             f"driver {env.get('driver')}, commit {env.get('git')}. Run took {s['wall_s']:.0f} s.", "",
@@ -271,6 +273,7 @@ def markdown(data: dict) -> str:
         lines += metric_table(data, key, title, digits, smaller)
     lines += attention_share_table(data)
     lines += agreement.markdown(data)
+    lines += verification.markdown(data)
     lines += host_table(data)
     lines += engine_table(data)
     lines += ["Decode cells: TPOT of the whole batch, each repeat a window of decode steps after every request was "

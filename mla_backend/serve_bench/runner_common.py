@@ -55,6 +55,7 @@ class EngineSpec:
     dp_attention: bool = False  # SGLang: attention data-parallel over the TP GPUs
     speculative_tokens: int = 0  # MTP draft tokens per step (0: no speculative decoding)
     decode_context_parallel_size: int = 1  # vLLM: GPUs each request's KV cache is spread over in decode
+    verify: bool = False  # eager engine, every decode call of ours recomputed by the fp32 reference (verify.py)
 
     @property
     def forces_tokens(self) -> bool:
@@ -220,6 +221,8 @@ def run_engine_process(spec: EngineSpec, session) -> dict:
     try:
         session.warmup()
         run_workloads(spec, session, result)
+        if spec.verify:
+            result["verification"] = session.verification()
         result["status"] = "done"
     except Exception as e:  # noqa: BLE001
         result.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
@@ -326,6 +329,11 @@ class EngineSession:
         raise NotImplementedError
 
     def forced(self, load: ForcedDecode, plan: MeasurePlan) -> dict:
+        raise NotImplementedError
+
+    def verification(self) -> list[dict]:
+        """Under ``spec.verify``: each engine process's (rank's) :func:`mla_backend.verify.verification_report`
+        with its ``rank``, after the workloads; empty where our backend never ran."""
         raise NotImplementedError
 
     def decode_inputs(self, cell: DecodeCell, plan: MeasurePlan) -> tuple[list, int]:

@@ -18,11 +18,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
+import json
 import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+from ..sglang_plugin import ENV_REPORT
 from .measure import TokenTracker
 from .profile_trace import newest_trace
 from .random_weights import patch_sglang_dummy_weights
@@ -90,7 +93,32 @@ def server_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
                   disable_shared_experts_fusion=True, log_level="warning", **parallel_kwargs(spec, fields))
     if spec.forces_tokens:
         kwargs["enable_custom_logit_processor"] = True  # the forced check's (forced_tokens_processor)
+    if spec.verify:
+        kwargs["disable_cuda_graph"] = True  # a call inside a CUDA graph cannot be checked (verify.py)
     return kwargs
+
+
+def backend_report_dir(spec: EngineSpec) -> str:
+    """Where our backend's processes write their reports (``MLA_BACKEND_SGLANG_REPORT``) under ``spec.verify``."""
+    return spec.result_path + ".backend-reports"
+
+
+def read_verification(report_dir: str) -> list[dict]:
+    """One verification report per process that ran our backend (each tensor-parallel rank's scheduler), from the
+    newest report file of that process (every backend object of a process, the MTP draft's included, reports the
+    process's one set of counters)."""
+    newest: dict[int, tuple[float, dict]] = {}
+    for path in Path(report_dir).glob("*.json"):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if "mla_backend_verify" in report:
+            mtime = path.stat().st_mtime
+            if report["pid"] not in newest or mtime > newest[report["pid"]][0]:
+                newest[report["pid"]] = (mtime, dict(report["mla_backend_verify"], pid=report["pid"]))
+    return [dict(report, rank=rank) for rank, (_, report) in enumerate(sorted(newest.values(),
+                                                                           key=lambda r: r[1]["pid"]))]
 
 
 def forced_tokens_processor():
@@ -195,6 +223,8 @@ class SglangSession(EngineSession):
     # ------------------------------------------------------------------------- start
     def start(self) -> dict:
         os.environ[INIT_ENV] = self.spec.init
+        if self.spec.verify:  # the scheduler processes inherit it
+            os.environ[ENV_REPORT] = backend_report_dir(self.spec)
         prepare_process()
         import sglang
 
@@ -226,6 +256,9 @@ class SglangSession(EngineSession):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+    def verification(self) -> list[dict]:
+        return read_verification(backend_report_dir(self.spec))
 
     # ------------------------------------------------------------------------- requests
     def _run(self, coroutine):

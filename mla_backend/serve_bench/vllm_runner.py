@@ -20,7 +20,7 @@ from .. import installed
 from .hostile_vllm import rank1_tokens
 from .measure import TokenTracker, median_or_none, request_tpots
 from .profile_trace import newest_trace
-from .random_weights import vllm_scaled_weights_kwargs
+from .random_weights import vllm_worker_kwargs
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
                             engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
@@ -107,8 +107,10 @@ def engine_kwargs(spec: EngineSpec) -> dict:
                   enable_prefix_caching=False, gpu_memory_utilization=spec.gpu_memory_fraction,
                   max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs, disable_log_stats=False,
                   **parallel_kwargs(spec))
-    if spec.init == "scaled":
-        kwargs.update(vllm_scaled_weights_kwargs())
+    if spec.init == "scaled" or spec.verify:
+        kwargs.update(vllm_worker_kwargs(scaled=spec.init == "scaled"))
+    if spec.verify:
+        kwargs["enforce_eager"] = True  # a call inside a CUDA graph cannot be checked (verify.py)
     if spec.measure_plan.profile_steps:
         kwargs["profiler_config"] = profiler_config(spec)
     if spec.forces_tokens:
@@ -186,6 +188,11 @@ class VllmSession(EngineSession):
 
     def shutdown(self) -> None:
         self.engine = self.llm = None
+
+    def verification(self) -> list[dict]:
+        from .vllm_worker_extension import VERIFICATION_RPC
+
+        return [r for r in self.llm.collective_rpc(VERIFICATION_RPC) if r is not None]
 
     # ------------------------------------------------------------------------- step loop
     def _submit(self, tracker: TokenTracker, prompts, max_tokens: int, tag: str) -> list[str]:

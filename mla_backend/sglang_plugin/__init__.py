@@ -25,6 +25,7 @@ import sys
 logger = logging.getLogger("mla_backend.sglang")
 
 BACKEND_NAME = "tilelang_mla"
+ENV_REPORT = "MLA_BACKEND_SGLANG_REPORT"  # directory: per-process JSON with config + step counters
 _DEEPSEEK_HANDLER_MODULE = "sglang.srt.models.deepseek_common.attention_backend_handler"
 
 _registered = False

@@ -41,7 +41,7 @@ from ..launcher import MLADecodeLauncher
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
 from ..verify import verification_report, verifying
 from ..planner import SplitPlanner
-from . import BACKEND_NAME
+from . import BACKEND_NAME, ENV_REPORT
 from .page_table import FillFn, fill_page_table_torch, max_pages_per_request, sglang_decode_metadata
 
 logger = logging.getLogger("mla_backend.sglang")
@@ -53,7 +53,6 @@ _EAGER_STATIC_TABLE_BYTES = 64 << 20
 
 ENV_WARMUP = "MLA_BACKEND_SGLANG_WARMUP"  # "0": do not compile the kernels at startup
 ENV_PAGE_TABLE = "MLA_BACKEND_SGLANG_PAGE_TABLE"  # auto (default) | triton | torch
-ENV_REPORT = "MLA_BACKEND_SGLANG_REPORT"  # directory: per-process JSON with config + step counters
 # "1": record the decode / verify metadata (page table, lengths, split plan) inside the captured CUDA graphs, so a
 # replay issues no metadata work from the host. Experimental: not yet run on a GPU (see docs/sglang.md).
 ENV_GRAPH_METADATA = "MLA_BACKEND_SGLANG_GRAPH_METADATA"

@@ -1,0 +1,30 @@
+"""serve-bench's extension of every vLLM worker (``worker_extension_cls``): the scaled random weights and the fp32
+verification report, in each tensor-parallel worker however the workers start.
+
+vLLM finds a load format in a registry of the process that loads the model. Its tensor-parallel workers may be
+spawned, so a registration made in the benchmark's process does not reach them. Every worker imports the class named
+in ``worker_extension_cls`` before it loads the model, so naming :class:`WorkerExtension` there runs this module's
+registration of the scaled weights (random_weights.py) in each of them. vLLM mixes the class into its worker, which
+makes its methods callable on every rank through ``LLM.collective_rpc``. Import it nowhere else: the import loads
+vLLM's model loaders. ``random_weights.vllm_worker_kwargs`` names it for an engine.
+"""
+
+from __future__ import annotations
+
+from .random_weights import register_vllm_scaled_loader
+
+register_vllm_scaled_loader()
+
+#: ``LLM.collective_rpc`` name of :meth:`WorkerExtension.mla_backend_verification`.
+VERIFICATION_RPC = "mla_backend_verification"
+
+
+class WorkerExtension:
+    """Mixed into each vLLM worker; every attribute is prefixed so that none shadows the worker's own."""
+
+    def mla_backend_verification(self) -> dict | None:
+        """This rank's ``MLA_BACKEND_VERIFY=1`` counters (calls, worst relative and LSE error), None while off."""
+        from mla_backend.verify import verification_report
+
+        report = verification_report()
+        return None if report is None else dict(report, rank=getattr(self, "rank", None))
