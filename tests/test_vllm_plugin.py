@@ -314,16 +314,23 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def _vllm_config(model_dir, hf_overrides=None, speculative_tokens=None):
-    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
+def _parallel(tp: int = 1, dcp: int = 1):
+    from vllm.config import ParallelConfig
+
+    return ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+
+
+def _vllm_config(model_dir, hf_overrides=None, speculative_tokens=None, tp=1, dcp=1):
+    from vllm.config import DeviceConfig, ModelConfig, SpeculativeConfig, VllmConfig
 
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
                         hf_overrides=hf_overrides or {})
     spec = None
     if speculative_tokens:
         spec = SpeculativeConfig(method="mtp", num_speculative_tokens=speculative_tokens, target_model_config=model,
-                                 target_parallel_config=ParallelConfig())
-    return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"), speculative_config=spec)
+                                 target_parallel_config=_parallel(tp, dcp))
+    return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"), speculative_config=spec,
+                      parallel_config=_parallel(tp, dcp))
 
 
 def test_tiny_config_is_deepseek_v3_mla(model_dir):
@@ -332,17 +339,21 @@ def test_tiny_config_is_deepseek_v3_mla(model_dir):
     assert cfg.model_config.architectures == ["DeepseekV3ForCausalLM"]
 
 
-@pytest.mark.parametrize("overrides,spec_tokens,expected", [
-    ({}, None, None),
-    ({}, 1, None),
-    ({}, 3, None),
-    ({}, 4, "decode query length 5"),
-    ({"num_attention_heads": 256, "num_key_value_heads": 256}, None, "256 query heads per GPU"),
+@pytest.mark.parametrize("overrides,spec_tokens,tp,dcp,expected", [
+    ({}, None, 1, 1, None),
+    ({}, 1, 1, 1, None),
+    ({}, 3, 1, 1, None),
+    ({}, 4, 1, 1, "decode query length 5"),
+    ({"num_attention_heads": 256, "num_key_value_heads": 256}, None, 1, 1, "256 query heads per GPU"),
+    ({}, 1, 2, 2, None),  # DCP: q_len 1 here (vLLM sends MTP rows to its prefill path), 8 x 2 heads per call
+    ({}, 4, 2, 2, None),
+    ({"num_attention_heads": 256, "num_key_value_heads": 256}, None, 2, 2,
+     "256 query heads per GPU x decode context parallel size 2"),
 ])
-def test_supports_combination_reads_engine_config(model_dir, overrides, spec_tokens, expected):
+def test_supports_combination_reads_engine_config(model_dir, overrides, spec_tokens, tp, dcp, expected):
     from vllm.config import set_current_vllm_config
 
-    cfg = _vllm_config(model_dir, overrides, spec_tokens)
+    cfg = _vllm_config(model_dir, overrides, spec_tokens, tp, dcp)
     with set_current_vllm_config(cfg):
         reasons = _strip_tilelang(_validate(_backend(), block_size=64))
     if expected is None:
@@ -404,10 +415,16 @@ def _naive_attention(q_nope, q_pe, cache, block_table, seq_lens, q_len, k_scale)
 
 
 def _impl(kv_cache_dtype: str, num_heads: int):
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return _impl_in(VllmConfig(device_config=DeviceConfig(device="cpu")), kv_cache_dtype, num_heads)
+
+
+def _impl_in(vllm_config, kv_cache_dtype: str, num_heads: int):
+    from vllm.config import set_current_vllm_config
 
     impl_cls = _backend().get_impl_cls()
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+    with set_current_vllm_config(vllm_config):
         return impl_cls(num_heads=num_heads, head_size=576, scale=SCALE, num_kv_heads=1, alibi_slopes=None,
                         sliding_window=None, kv_cache_dtype=kv_cache_dtype, logits_soft_cap=None, attn_type="decoder",
                         kv_sharing_target_layer_name=None, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -422,6 +439,22 @@ class _Layer:
         self._q_scale = torch.tensor(1.0, dtype=torch.float32)
 
 
+def _decode_metadata(heads, page_size, q_lens, block_table, seq_lens, qsl, batch, q_len, max_seq_len):
+    """What MLACommonMetadataBuilder.build hands forward_mqa for an all-decode batch: our _build_decode's metadata in
+    vLLM's MLA metadata (the decode rows' slices of the persistent block table, lengths and query offsets)."""
+    from mla_backend.vllm_plugin.backend import TileLangMLADecodeMetadata, TileLangMLAMetadata
+
+    num_tokens = batch * q_len
+    mla = DecodeMetadataBuilder(block_table.shape[0], heads, page_size, q_lens, "cpu").build(
+        block_table[:batch], seq_lens[:batch], qsl[: batch + 1], num_tokens, max_seq_len)
+    return TileLangMLAMetadata(
+        num_reqs=batch, max_query_len=q_len, max_seq_len=max_seq_len, num_actual_tokens=num_tokens,
+        query_start_loc=qsl[: batch + 1], slot_mapping=torch.zeros(num_tokens, dtype=torch.int64), num_decodes=batch,
+        num_decode_tokens=num_tokens, num_prefills=0, head_dim=576,
+        decode=TileLangMLADecodeMetadata(block_table=block_table[:batch], seq_lens=seq_lens[:batch],
+                                         dcp_tot_seq_lens=None, mla=mla))
+
+
 @pytest.mark.parametrize("q_len,page_size,kv_cache_dtype,num_pad", [
     (1, 16, "auto", 0),
     (1, 64, "auto", 3),
@@ -431,8 +464,6 @@ class _Layer:
     (2, 128, "fp8_e4m3", 0),
 ])
 def test_forward_mqa_matches_naive_attention(q_len, page_size, kv_cache_dtype, num_pad):
-    from mla_backend.vllm_plugin.backend import TileLangMLADecodeMetadata, TileLangMLAMetadata
-
     gen = torch.Generator().manual_seed(q_len * 1000 + page_size)
     heads, max_batch, max_blocks = 16, 8, 40
     seq_lens = [q_len, 7 + q_len, page_size + 1, 3 * page_size, 200 + q_len][: max_batch - num_pad]
@@ -453,16 +484,9 @@ def test_forward_mqa_matches_naive_attention(q_len, page_size, kv_cache_dtype, n
                                                                             require_uniform=True)
     assert (num_decodes, num_prefills, n_dec_tokens) == (batch, 0, num_decode_tokens)
 
-    builder = DecodeMetadataBuilder(max_batch, heads, page_size, range(1, threshold + 1), "cpu")
-    mla = builder.build(block_table[:num_decodes], seq_all[:num_decodes], qsl_all[: num_decodes + 1],
-                        n_dec_tokens, max(seq_lens))
-    assert mla.q_len == q_len and mla.page_table.data_ptr() == block_table.data_ptr()
-    metadata = TileLangMLAMetadata(
-        num_reqs=batch, max_query_len=q_len, max_seq_len=max(seq_lens), num_actual_tokens=num_decode_tokens,
-        query_start_loc=qsl_all[: batch + 1], slot_mapping=common.slot_mapping, num_decodes=num_decodes,
-        num_decode_tokens=n_dec_tokens, num_prefills=0, head_dim=576,
-        decode=TileLangMLADecodeMetadata(block_table=block_table[:num_decodes], seq_lens=seq_all[:num_decodes],
-                                         dcp_tot_seq_lens=None, mla=mla))
+    metadata = _decode_metadata(heads, page_size, range(1, threshold + 1), block_table, seq_all, qsl_all, batch,
+                                q_len, max(seq_lens))
+    assert metadata.decode.mla.q_len == q_len and metadata.decode.mla.page_table.data_ptr() == block_table.data_ptr()
 
     # q as MLAAttention.forward_impl hands it over: (ql_nope, q_pe), both non-contiguous views.
     ql_nope = torch.randn(heads, num_decode_tokens, 512, generator=gen).to(torch.bfloat16).transpose(0, 1)
@@ -476,6 +500,45 @@ def test_forward_mqa_matches_naive_attention(q_len, page_size, kv_cache_dtype, n
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
     if num_pad:  # CUDA-graph padding rows see no KV: zeros
         assert out[len(seq_lens) * q_len:].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("dcp,page_size", [(2, 16), (4, 64)])
+def test_decode_context_parallel_shards_merge_by_the_returned_lse(dcp, page_size):
+    """Under DCP each rank holds every dcp-th token of a request (vLLM's interleave size 1) in its own pages and
+    attends all of the group's heads over them, returning the natural-log LSE; merged by that LSE as vLLM's DCP
+    combine does, the ranks' outputs equal attention over the whole sequence, ranks that hold no token of a request
+    included (zeros, LSE -inf)."""
+    gen = torch.Generator().manual_seed(dcp * 100 + page_size)
+    heads, max_batch, max_blocks = 32, 8, 40  # 16 heads per GPU x DCP 2, or 8 x 4
+    seq_lens = [1, dcp + 1, page_size + 1, 3 * page_size - 1, 5 * page_size + 3]
+    full_table, full_seq, qsl, full_cache, batch = _paged_batch(seq_lens, 1, page_size, 0, max_batch, max_blocks,
+                                                                torch.bfloat16, gen)
+    ql_nope = torch.randn(heads, batch, 512, generator=gen).to(torch.bfloat16).transpose(0, 1)
+    q_pe = torch.randn(batch, heads, 192, generator=gen).to(torch.bfloat16)[..., 128:]
+    want = _naive_attention(ql_nope, q_pe, full_cache, full_table, full_seq[:batch], 1, 1.0)
+    impl = _impl("auto", heads)
+    impl.need_to_return_lse_for_decode = True  # what vLLM sets on every rank of a DCP group
+    outs, lses = [], []
+    for rank in range(dcp):
+        local_lens = [len(range(rank, n, dcp)) for n in seq_lens]
+        table, seq, local_qsl, cache, _ = _paged_batch(local_lens, 1, page_size, 0, max_batch, max_blocks,
+                                                       torch.bfloat16, gen)
+        for r, n in enumerate(seq_lens):  # this rank's tokens of request r, into its own (randomly placed) pages
+            rows = full_cache[full_table[r, : -(-n // page_size)].long()].reshape(-1, 576)[:n][rank::dcp]
+            pages = table[r, : -(-len(rows) // page_size)].long()
+            local = cache[pages].reshape(-1, 576)
+            local[: len(rows)] = rows
+            cache[pages] = local.view(-1, page_size, 576)
+        metadata = _decode_metadata(heads, page_size, (1,), table, seq, local_qsl, batch, 1, max(local_lens))
+        out, lse = impl.forward_mqa((ql_nope, q_pe), cache, metadata, _Layer(1.0))
+        assert out.shape == (batch, heads, 512) and lse.shape == (batch, heads) and lse.dtype == torch.float32
+        outs.append(out.double())
+        lses.append(lse.double())
+    lse = torch.stack(lses)  # [dcp, tokens, heads]
+    assert torch.isneginf(lse[1:, 0]).all() and outs[1][0].abs().max() == 0  # request 0's one token is on rank 0
+    weights = torch.exp(lse - lse.max(dim=0).values)
+    merged = (weights.unsqueeze(-1) * torch.stack(outs)).sum(0) / weights.sum(0).unsqueeze(-1)
+    torch.testing.assert_close(merged, want, atol=2e-2, rtol=2e-2)
 
 
 def test_translation_matches_core_from_block_table():
@@ -576,7 +639,7 @@ class _LayerStandIn:
 LAYER = "model.layers.0.self_attn.attn"
 
 
-def _builder(model_dir, num_spec=None, block_size=64, max_num_seqs=8, kv_cache_dtype="auto"):
+def _builder(model_dir, num_spec=None, block_size=64, max_num_seqs=8, kv_cache_dtype="auto", tp=1, dcp=1):
     """vLLM's MLACommonMetadataBuilder machinery with our subclass, constructed on CPU as the model runner
     does (kernel-size MLAAttentionSpec, layer names, VllmConfig, device)."""
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig,
@@ -587,8 +650,9 @@ def _builder(model_dir, num_spec=None, block_size=64, max_num_seqs=8, kv_cache_d
     spec = None
     if num_spec:
         spec = SpeculativeConfig(method="mtp", num_speculative_tokens=num_spec, target_model_config=model,
-                                 target_parallel_config=ParallelConfig())
+                                 target_parallel_config=_parallel(tp, dcp))
     cfg = VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"), speculative_config=spec,
+                     parallel_config=_parallel(tp, dcp),
                      cache_config=CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype),
                      scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=4096,
                                                       is_encoder_decoder=False))
@@ -605,6 +669,15 @@ def test_builder_reorder_threshold_follows_speculation(model_dir, num_spec, thre
     assert builder.reorder_batch_threshold == threshold
     assert builder._decode.q_lens == tuple(range(1, threshold + 1))
     assert builder.page_size == 64 and builder.num_heads == 16
+
+
+def test_builder_under_decode_context_parallelism_plans_the_group_s_heads_for_one_query(model_dir):
+    """DCP 2 at TP 2: vLLM all-gathers q over the DCP group, so each call has 8 x 2 heads, and keeps MTP rows out of
+    the decode path (this backend does not declare DCP with several queries): one query per request."""
+    builder, cfg = _builder(model_dir, num_spec=1, tp=2, dcp=2)
+    assert builder.num_heads == 8 and builder._decode.num_heads == 16
+    assert builder.reorder_batch_threshold == 1 and builder._decode.q_lens == (1,)
+    assert _impl_in(cfg, "auto", 8)._q_lens == (1,)
 
 
 def test_builder_refuses_too_many_drafts(model_dir):

@@ -48,25 +48,44 @@ def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype
     return _KV_DTYPE_NAMES.get(kv_cache_dtype, model_dtype)
 
 
+def dcp_size(vllm_config: VllmConfig) -> int:
+    """vLLM's decode context parallel size (1 where this release has none)."""
+    return int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+
+
+def decode_heads(vllm_config: VllmConfig) -> int:
+    """Query heads of one decode call: the GPU's heads, times the DCP size under decode context parallelism (vLLM
+    all-gathers q over the DCP group, so each rank attends every head of the group over its share of the tokens and
+    merges the ranks' outputs by the LSE this backend returns)."""
+    return vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config) * dcp_size(vllm_config)
+
+
+def decode_q_lens(vllm_config: VllmConfig) -> tuple[int, ...]:
+    """The decode query lengths vLLM can route to this backend: 1 + drafts with MTP; only 1 under DCP (vLLM then
+    sends longer rows to its prefill path, this backend not handling DCP with several queries)."""
+    spec = vllm_config.speculative_config
+    if dcp_size(vllm_config) > 1 or spec is None or not spec.num_speculative_tokens:
+        return (1,)
+    limit = decode_q_len_limit(spec.num_speculative_tokens, bool(getattr(spec, "parallel_drafting", False)))
+    return tuple(range(1, limit + 1))
+
+
 def config_problems(vllm_config: VllmConfig | None) -> list[str]:
-    """Engine settings this backend cannot serve (heads, spec-decode depth, context parallelism)."""
+    """Engine settings this backend cannot serve (heads per call, spec-decode depth, prefill context parallelism)."""
     if vllm_config is None or vllm_config.model_config is None:
         return []
     problems = []
-    parallel = vllm_config.parallel_config
-    heads = vllm_config.model_config.get_num_attention_heads(parallel)
+    heads, dcp = decode_heads(vllm_config), dcp_size(vllm_config)
     if heads > MAX_HEADS:
-        problems.append(f"{heads} query heads per GPU (the TileLang kernels take <= {MAX_HEADS}; raise "
+        where = f"query heads per GPU x decode context parallel size {dcp}" if dcp > 1 else "query heads per GPU"
+        problems.append(f"{heads} {where} (the TileLang kernels take <= {MAX_HEADS}; raise "
                         f"--tensor-parallel-size)")
-    spec = vllm_config.speculative_config
-    if spec is not None and spec.num_speculative_tokens:
-        q_len = decode_q_len_limit(spec.num_speculative_tokens, bool(getattr(spec, "parallel_drafting", False)))
-        if q_len > MAX_Q_LEN:
-            problems.append(f"decode query length {q_len} (1 + drafts from num_speculative_tokens="
-                            f"{spec.num_speculative_tokens}); the TileLang kernels take <= {MAX_Q_LEN}")
-    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
-        problems.append("decode context parallelism (DCP) is not supported")
-    if getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+    q_len = max(decode_q_lens(vllm_config))
+    if q_len > MAX_Q_LEN:
+        spec = vllm_config.speculative_config
+        problems.append(f"decode query length {q_len} (1 + drafts from num_speculative_tokens="
+                        f"{spec.num_speculative_tokens}); the TileLang kernels take <= {MAX_Q_LEN}")
+    if getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1:
         problems.append("prefill context parallelism (PCP) is not supported")
     return problems
 
@@ -181,12 +200,13 @@ class TileLangMLAMetadataBuilder(MLACommonMetadataBuilder[TileLangMLAMetadata]):
         if problems:
             raise ValueError("mla_backend (CUSTOM): " + "; ".join(problems))
         q_lens = range(1, self.reorder_batch_threshold + 1)
-        self._decode = DecodeMetadataBuilder(vllm_config.scheduler_config.max_num_seqs, self.num_heads,
-                                             self.page_size, q_lens, device)
+        heads = decode_heads(vllm_config)  # the heads forward_mqa sees (DCP: the group's, all-gathered)
+        self._decode = DecodeMetadataBuilder(vllm_config.scheduler_config.max_num_seqs, heads, self.page_size, q_lens,
+                                             device)
         model_dtype = self.model_config.dtype
         kv_dtype = kv_torch_dtype(vllm_config.cache_config.cache_dtype, model_dtype)
-        warm_up_kernels(torch.device(device), model_dtype, kv_dtype, self.num_heads, self.page_size,
-                        self._decode.q_lens, self._decode.plan_buffer_bytes())
+        warm_up_kernels(torch.device(device), model_dtype, kv_dtype, heads, self.page_size, self._decode.q_lens,
+                        self._decode.plan_buffer_bytes())
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor, max_seq_len: int,
                       query_start_loc_cpu: torch.Tensor, query_start_loc_device: torch.Tensor,
@@ -231,10 +251,7 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
         self.supports_quant_query_input = False
         # The decode query lengths the metadata builder plans for (its reorder threshold), compiled at the launcher's
         # build; built at this layer's first decode (vLLM's warm-up runs eagerly before it captures graphs).
-        spec = get_current_vllm_config().speculative_config
-        limit = decode_q_len_limit(spec.num_speculative_tokens, bool(getattr(spec, "parallel_drafting", False))
-                                   ) if spec is not None else 1
-        self._q_lens = tuple(range(1, min(limit, MAX_Q_LEN) + 1))
+        self._q_lens = decode_q_lens(get_current_vllm_config())
         self._launch: MLADecodeLauncher | None = None
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
