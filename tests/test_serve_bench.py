@@ -252,14 +252,14 @@ def test_host_ranges_read_the_plugins_ranges_from_a_real_profiler_trace(tmp_path
             with host_range("vllm.forward_mqa"):
                 x = x @ x / 64
         with host_range("vllm.build_decode"):
-            pass
+            y = x[:8]  # aten::slice: the host-speed probe every backend's step code runs
     path = tmp_path / "t.json"
     prof.export_chrome_trace(str(path))
     events = load_trace_events(path) + [{"ph": "X", "cat": "cpu_op", "name": "vllm::unified_mla_attention_with_output",
                                          "dur": 40.0, "ts": 0}]
     ranges = host_ranges(events)
     assert set(ranges) == {"mla_backend.vllm.forward_mqa", "mla_backend.vllm.build_decode",
-                           "vllm::unified_mla_attention_with_output"}
+                           "vllm::unified_mla_attention_with_output", "aten::slice"} and y.shape == (8, 64)
     forward = ranges["mla_backend.vllm.forward_mqa"]
     assert forward["calls"] == 5 and ranges["mla_backend.vllm.build_decode"]["calls"] == 1
     assert 0 < forward["p50_us"] <= forward["p99_us"] <= forward["max_us"]
@@ -372,6 +372,7 @@ def test_markdown_host_table_per_range_and_backend():
     text = report.markdown(data)
     assert "#### Host time per call in the profiled steps, µs p50 / p99 (calls)" in text
     assert "| decode b16 8k | `mla_backend.vllm.build_decode` | 21.0 / 35.0 (5) | – | – | – |" in text
+    assert "`aten::slice`: a torch op the engine's own step code calls alike" in text
 
 
 def test_outputs_hold_every_raw_repeat(tmp_path, capsys):

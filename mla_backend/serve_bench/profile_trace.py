@@ -73,10 +73,14 @@ def kernel_breakdown(events: list[dict], steps: int | None = None) -> dict:
     return result
 
 
-# Host ranges: the plugins' own (mla_backend.host_trace: metadata build per step, decode call per layer) and the
+# Host ranges: the plugins' own (mla_backend.host_trace: metadata build per step, decode call per layer), the
 # engines' attention op, which every backend's layer calls from Python outside FULL CUDA graphs (vLLM's piecewise
-# steps). torch.profiler writes record_function ranges as user_annotation, torch ops as cpu_op.
-HOST_RANGE_PATTERN = re.compile(r"^mla_backend\.|unified_(mla_)?attention", re.I)
+# steps), and HOST_PROBE_OP. torch.profiler writes record_function ranges as user_annotation, torch ops as cpu_op.
+#: A torch op that the engine's own step code calls alike whatever the backend: its time per call tells how fast this
+#: engine process's host ran (engines of one backend have differed 1.8x in it, from where their processes ran), to
+#: read a host-bound step's TPOT against.
+HOST_PROBE_OP = "aten::slice"
+HOST_RANGE_PATTERN = re.compile(r"^mla_backend\.|unified_(mla_)?attention|^" + re.escape(HOST_PROBE_OP) + "$", re.I)
 HOST_CATEGORIES = ("user_annotation", "cpu_op")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from .. import installed
 from . import agreement, verification
 from .model_config import parameter_counts
+from .profile_trace import HOST_PROBE_OP
 from .weight_memory import GIB, weight_bytes_per_gpu
 from .workloads import DECODE
 
@@ -204,7 +205,9 @@ def host_table(data: dict) -> list[str]:
     if not rows:
         return []
     return ["#### Host time per call in the profiled steps, µs p50 / p99 (calls)", "",
-            "| workload | range | " + " | ".join(backends) + " |", "|---" * (len(backends) + 2) + "|", *rows, ""]
+            "| workload | range | " + " | ".join(backends) + " |", "|---" * (len(backends) + 2) + "|", *rows, "",
+            f"`{HOST_PROBE_OP}`: a torch op the engine's own step code calls alike for every backend; its time shows "
+            "how fast that engine's host ran, which sets a host-bound step's TPOT.", ""]
 
 
 def engine_table(data: dict) -> list[str]:
