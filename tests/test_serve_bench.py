@@ -619,7 +619,9 @@ def test_dry_run_lists_the_workloads_without_a_gpu(capsys):
     assert cli.main(["serve-bench", "--engine", "sglang", "--heads", "32", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "tilelang_mla, flashmla, fa3, triton, flashinfer" in out and "32 heads, 8 layers" in out
-    assert "decode b256 32k" in out and "mixed 64x1k + 8x16k" in out
+    assert "decode b256 32k" in out and "mixed 64x1k + 8x16k" in out and "--verify" not in out
+    assert cli.main(["serve-bench", "--engine", "vllm", "--verify", "--dry-run"]) == 0
+    assert "every engine eager, each decode call of ours checked by the fp32 reference" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- the engines' own argument classes

@@ -193,7 +193,9 @@ def describe_run(run: RunSetup) -> list[str]:
     budget = (f"of {engine_budget_bytes(memory, run.args.gpu_memory_fraction) / GIB:.1f} GiB the engine may use"
               if memory else "(GPU memory unknown: not checked)")
     lines = [f"engine {run.engine.name}; backends {', '.join(run.backends)}; page size {run.engine.page_size}; "
-             f"KV cache {run.kv_cache_dtype}; weights {run.args.init}",
+             f"KV cache {run.kv_cache_dtype}; weights {run.args.init}"
+             + ("; every engine eager, each decode call of ours checked by the fp32 reference (--verify)"
+                if run.args.verify else ""),
              f"model {run.args.model}: DeepSeek-V3 attention with {config['num_attention_heads']} heads, "
              f"{config['num_hidden_layers']} layers, MoE {config['n_routed_experts']} x "
              f"{config['moe_intermediate_size']} top-{config['num_experts_per_tok']}, "
