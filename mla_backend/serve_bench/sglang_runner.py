@@ -106,7 +106,7 @@ def backend_report_dir(spec: EngineSpec) -> str:
 def read_verification(report_dir: str) -> list[dict]:
     """One verification report per process that ran our backend (each tensor-parallel rank's scheduler), from the
     newest report file of that process (every backend object of a process, the MTP draft's included, reports the
-    process's one set of counters)."""
+    process's one set of counters), with the process's TP rank as ``rank``."""
     newest: dict[int, tuple[float, dict]] = {}
     for path in Path(report_dir).glob("*.json"):
         try:
@@ -116,9 +116,9 @@ def read_verification(report_dir: str) -> list[dict]:
         if "mla_backend_verify" in report:
             mtime = path.stat().st_mtime
             if report["pid"] not in newest or mtime > newest[report["pid"]][0]:
-                newest[report["pid"]] = (mtime, dict(report["mla_backend_verify"], pid=report["pid"]))
-    return [dict(report, rank=rank) for rank, (_, report) in enumerate(sorted(newest.values(),
-                                                                           key=lambda r: r[1]["pid"]))]
+                newest[report["pid"]] = (mtime, dict(report["mla_backend_verify"], pid=report["pid"],
+                                                     rank=report.get("tp_rank")))
+    return sorted((report for _, report in newest.values()), key=lambda r: (r["rank"] is None, r["rank"], r["pid"]))
 
 
 def forced_tokens_processor():

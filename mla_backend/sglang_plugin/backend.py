@@ -314,6 +314,7 @@ class TileLangMLABackend(AttentionBackend):
         # each step or graph replay; reported per call, to weigh against the engine's step time
         self._stats = {"decode": 0, "verify": 0, "extend": 0, "graph_state": None, "metadata_host_s": 0.0}
         self._report_name = f"{BACKEND_NAME}-{os.getpid()}-{id(self):x}.json"
+        self._tp_rank = getattr(model_runner, "tp_rank", None)  # names the process in the report
         if cfg.impl != REFERENCE and os.environ.get(ENV_WARMUP, "1") != "0":
             self._warmup()
         logger.info("mla_backend: %s backend ready (heads=%d page=%d dtype=%s kv=%s q_lens=%s impl=%s)",
@@ -351,7 +352,7 @@ class TileLangMLABackend(AttentionBackend):
             return
         try:
             os.makedirs(self._report_dir, exist_ok=True)
-            info = {"backend": BACKEND_NAME, "pid": os.getpid(), "impl": self.config.impl,
+            info = {"backend": BACKEND_NAME, "pid": os.getpid(), "tp_rank": self._tp_rank, "impl": self.config.impl,
                     "heads": self.num_heads, "page_size": self.page_size, "dtype": str(self.config.dtype),
                     "kv_dtype": str(self.config.kv_dtype), "q_lens": list(self.config.q_lens),
                     "spec_algorithm": self.config.spec_algorithm, "num_draft_tokens": self.num_draft_tokens,
