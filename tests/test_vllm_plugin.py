@@ -642,7 +642,7 @@ LAYER = "model.layers.0.self_attn.attn"
 def _builder(model_dir, num_spec=None, block_size=64, max_num_seqs=8, kv_cache_dtype="auto", tp=1, dcp=1):
     """vLLM's MLACommonMetadataBuilder machinery with our subclass, constructed on CPU as the model runner
     does (kernel-size MLAAttentionSpec, layer names, VllmConfig, device)."""
-    from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig,
                              SpeculativeConfig, VllmConfig, set_current_vllm_config)
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
