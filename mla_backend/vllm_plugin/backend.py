@@ -251,7 +251,7 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
         self.supports_quant_query_input = False
         # The decode query lengths the metadata builder plans for (its reorder threshold), compiled at the launcher's
         # build; built at this layer's first decode (vLLM's warm-up runs eagerly before it captures graphs).
-        self._q_lens = decode_q_lens(get_current_vllm_config())
+        self._q_lens = tuple(q for q in decode_q_lens(get_current_vllm_config()) if q <= MAX_Q_LEN)
         self._launch: MLADecodeLauncher | None = None
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
