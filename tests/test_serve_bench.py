@@ -429,6 +429,16 @@ def test_engine_process_loop_records_every_workload_and_keeps_going(tmp_path):
     assert by_name["mixed 64x1k + 8x16k"]["status"] == "error"  # the stand-in has no mixed load
 
 
+def test_engine_process_loop_collects_each_rank_s_verification_only_under_verify(tmp_path):
+    class Verifying(StubSession):
+        def verification(self):
+            return [{"rank": 0, "calls": 7, "max_rel_err": 1e-3, "max_lse_err": 1e-4}]
+
+    assert "verification" not in run_engine_process(_spec(tmp_path, [DecodeCell(1, 1024)]), Verifying())
+    result = run_engine_process(_spec(tmp_path, [DecodeCell(1, 1024)], verify=True), Verifying())
+    assert result["status"] == "done" and result["verification"][0]["calls"] == 7
+
+
 def test_engine_process_loop_reports_a_refusal_and_the_time_budget(tmp_path):
     class Refusing(StubSession):
         def start(self):
@@ -445,7 +455,7 @@ def test_engine_process_loop_reports_a_refusal_and_the_time_budget(tmp_path):
 
 # ----------------------------------------------------------------------------- the driver's orchestration
 STUB_RUNNER = '''
-import json, sys, time
+import json, os, sys, time
 from mla_backend.serve_bench.runner_common import EngineSpec, write_result
 spec = EngineSpec.load(sys.argv[1])
 if spec.backend == "SLOW":
@@ -460,9 +470,14 @@ elif spec.backend == "NOPE":
     write_result(spec.result_path, {"backend": spec.backend, "status": "refused", "reason": "not on this GPU",
                                     "workloads": []})
 else:
-    write_result(spec.result_path, {"backend": spec.backend, "status": "done", "engine_info": {"start_s": 0.1},
-                                    "workloads": [{"workload": "decode b1 1k", "status": "ok",
-                                                   "tpot_ms": {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}}]})
+    result = {"backend": spec.backend, "status": "done", "engine_info": {"start_s": 0.1},
+              "workloads": [{"workload": "decode b1 1k", "status": "ok",
+                             "tpot_ms": {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}}]}
+    if spec.verify:  # each rank checks calls only where the driver turned the check on in its environment
+        checked = int(os.environ.get("MLA_BACKEND_VERIFY") == "1")
+        result["verification"] = [{"rank": r, "calls": checked, "max_rel_err": 1e-3, "max_lse_err": 1e-4}
+                                  for r in range(2)]
+    write_result(spec.result_path, result)
 '''
 
 
@@ -476,9 +491,9 @@ def stub_engine(tmp_path, monkeypatch):
     return driver.EngineChoice("vllm", "stub_runner", ("OURS", "NOPE", "SLOW"), {"auto": "auto"}, 64, 5.0)
 
 
-def _stub_run(stub_engine, backends, budget):
+def _stub_run(stub_engine, backends, budget, *extra):
     args = driver.build_parser().parse_args(["--engine", "vllm", "--batches", "1", "--contexts", "1k",
-                                             "--workloads", "decode", "--budget", str(budget)])
+                                             "--workloads", "decode", "--budget", str(budget), *extra])
     run = driver.resolve(args)
     run.engine, run.backends = stub_engine, backends
     return run
@@ -491,6 +506,16 @@ def test_driver_runs_each_backend_in_its_own_process(tmp_path, stub_engine):
     assert results["OURS"]["status"] == "done" and results["OURS"]["exit_code"] == 0
     assert results["NOPE"] == {**results["NOPE"], "status": "refused", "reason": "not on this GPU"}
     assert (tmp_path / "out" / "vllm-logs" / "OURS.log").exists()
+
+
+def test_driver_verify_turns_the_check_on_in_every_engine_process(tmp_path, stub_engine, monkeypatch):
+    monkeypatch.delenv("MLA_BACKEND_VERIFY", raising=False)
+    run = _stub_run(stub_engine, ("OURS",), 600, "--verify")
+    results = driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", ["--engine", "vllm", "--verify"])
+    data = report.assemble(dict(REPORT_ENV), run, results, wall_s=1.0)
+    data["settings"]["ours"] = "OURS"
+    checked = verification.verdict(data)
+    assert checked["passed"] is True and [r["calls"] for r in checked["ranks"]] == [1, 1]
 
 
 def test_driver_kills_an_engine_at_the_budget_and_skips_what_would_not_fit(tmp_path, stub_engine):
