@@ -450,8 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     t0 = time.perf_counter()
+    # The model's directory stays in --out-dir: vLLM keys its torch.compile cache by the model's path as well as its
+    # config, so a fixed path lets a backend that runs again with the same settings load its compiled graphs.
+    model_dir = write_config_dir(out_dir / "model", run.model_config)
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
-        model_dir = write_config_dir(Path(tmp) / "model", run.model_config)
         results = run_backends(run, model_dir, Path(tmp), out_dir, argv, kept)
     data = report.assemble(env, run, results, time.perf_counter() - t0)
     files = report.write_outputs(out_dir, data)
