@@ -266,6 +266,28 @@ def test_host_ranges_read_the_plugins_ranges_from_a_real_profiler_trace(tmp_path
     assert ranges["vllm::unified_mla_attention_with_output"]["p50_us"] == 40.0
 
 
+HOST_TIMERS_PROCESS = """
+import torch
+from mla_backend.host_trace import host_range, host_timings
+for _ in range(5):
+    with host_range("vllm.build_decode"):
+        pass
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+    with host_range("vllm.build_decode"):  # a profiler records it instead of the timer
+        pass
+first = host_timings(reset=True)
+print(first["mla_backend.vllm.build_decode"]["calls"] if first is not None else None, host_timings())
+"""
+
+
+@pytest.mark.parametrize("env,expected", [("1", "5 {}"), ("0", "None None")])
+def test_host_timers_time_the_ranges_outside_a_profiler_only_when_turned_on(env, expected):
+    done = subprocess.run([sys.executable, "-c", HOST_TIMERS_PROCESS], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, MLA_BACKEND_HOST_TIMERS=env, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == expected
+
+
 @pytest.mark.parametrize("name,category", [
     ("flash_fwd_splitkv_mla_kernel", "attention"), ("flash::FlashAttnFwdSm90<...>", "attention"),
     ("_fwd_grouped_kernel_stage1", "attention"), ("_fwd_kernel_stage2", "attention"),
@@ -375,6 +397,17 @@ def test_markdown_host_table_per_range_and_backend():
     assert "`aten::slice`: a torch op the engine's own step code calls alike" in text
 
 
+def test_markdown_host_timer_table_shows_the_slowest_rank():
+    data = _synthetic_report()
+    ranges = lambda p50, p99: {"mla_backend.vllm.build_decode": {"calls": 100, "p50_us": p50, "p99_us": p99,  # noqa
+                                                                 "max_us": p99}}
+    data["backends"]["CUSTOM"]["workloads"][0]["host_timers"] = [{"rank": 0, "ranges": ranges(18.5, 40.0)},
+                                                                  {"rank": 1, "ranges": ranges(21.0, 35.0)}]
+    text = report.markdown(data)
+    assert "#### Host time per call without a profiler, µs p50 / p99 (calls), slowest rank" in text
+    assert "| decode b16 8k | `mla_backend.vllm.build_decode` | 21.0 / 40.0 (200) | – | – | – |" in text
+
+
 def test_outputs_hold_every_raw_repeat(tmp_path, capsys):
     data = _synthetic_report()
     files = report.write_outputs(tmp_path, data)
@@ -427,6 +460,23 @@ def test_engine_process_loop_records_every_workload_and_keeps_going(tmp_path):
     assert too_big["status"] == "skipped" and "KV-cache tokens" in too_big["reason"]
     assert failing["status"] == "error" and "out of memory" in failing["error"]
     assert by_name["mixed 64x1k + 8x16k"]["status"] == "error"  # the stand-in has no mixed load
+
+
+def test_engine_process_loop_reads_each_workload_s_host_timers(tmp_path):
+    class Timed(StubSession):
+        reads = 0
+
+        def host_timings(self):  # one interval per workload: read (and reset) before and after it
+            self.reads += 1
+            return [{"rank": 0, "ranges": {"mla_backend.vllm.build_decode": {"calls": self.reads, "p50_us": 20.0,
+                                                                             "p99_us": 30.0, "max_us": 31.0}}}]
+
+    result = run_engine_process(_spec(tmp_path, [DecodeCell(1, 1024), DecodeCell(2, 1024)]), Timed())
+    first, second = result["workloads"]
+    assert first["host_timers"][0]["ranges"]["mla_backend.vllm.build_decode"]["calls"] == 2
+    assert second["host_timers"][0]["ranges"]["mla_backend.vllm.build_decode"]["calls"] == 4
+    assert "host_timers" not in run_engine_process(_spec(tmp_path, [DecodeCell(1, 1024)]),
+                                                   StubSession())["workloads"][0]
 
 
 def test_engine_process_loop_collects_each_rank_s_verification_only_under_verify(tmp_path):
@@ -545,6 +595,13 @@ def test_verify_reaches_the_engine_processes_only_when_asked(monkeypatch):
     monkeypatch.delenv("MLA_BACKEND_VERIFY", raising=False)
     assert "MLA_BACKEND_VERIFY" not in driver.child_env()
     assert driver.child_env(verify=True)["MLA_BACKEND_VERIFY"] == "1"
+
+
+def test_host_timers_are_on_in_the_engine_processes_unless_the_user_turned_them_off(monkeypatch):
+    monkeypatch.delenv("MLA_BACKEND_HOST_TIMERS", raising=False)
+    assert driver.child_env()["MLA_BACKEND_HOST_TIMERS"] == "1"
+    monkeypatch.setenv("MLA_BACKEND_HOST_TIMERS", "0")
+    assert driver.child_env()["MLA_BACKEND_HOST_TIMERS"] == "0"
 
 
 def _running(pid: int) -> bool:
@@ -685,7 +742,7 @@ def test_vllm_engine_args_accept_the_runner_s_arguments(tmp_path, kv, init, veri
     assert model.max_model_len == spec.max_model_len
     assert model.hf_config.kv_lora_rank == 512 and model.hf_config.qk_rope_head_dim == 64
     assert args.load_format == ("mla_scaled_dummy" if init == "scaled" else "dummy")
-    assert bool(args.worker_extension_cls) == (init == "scaled" or verify)  # verify: the per-rank report RPC
+    assert args.worker_extension_cls  # every engine: the per-rank reports (verification, host timers)
 
 
 WORKER_PROCESS = """
@@ -697,7 +754,7 @@ extension = resolve_obj_by_qualname(sys.argv[1])  # what every vLLM worker does 
 public = [a for a in dir(extension) if not a.startswith("__")]
 assert public and all(a.startswith("mla_backend_") for a in public), public  # none clashes with the worker's own
 worker = type("Worker", (extension,), {"rank": 1})()  # vLLM adds the extension to its worker's bases
-print(worker.mla_backend_verification())
+print(worker.mla_backend_verification(), worker.mla_backend_host_timings())
 print(type(get_model_loader(LoadConfig(load_format=sys.argv[2]))).__name__)
 """
 
@@ -724,15 +781,16 @@ def test_scaled_weights_load_format_is_known_in_a_fresh_worker_process(verify):
     kwargs = vllm_worker_kwargs()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     env.pop("MLA_BACKEND_VERIFY", None)
+    env.pop("MLA_BACKEND_HOST_TIMERS", None)
     if verify:
-        env["MLA_BACKEND_VERIFY"] = "1"
+        env.update(MLA_BACKEND_VERIFY="1", MLA_BACKEND_HOST_TIMERS="1")
     done = subprocess.run([sys.executable, "-c", WORKER_PROCESS, kwargs["worker_extension_cls"],
                            kwargs["load_format"]], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     report, loader = done.stdout.strip().splitlines()[-2:]
     assert loader == "ScaledDummyModelLoader"
-    assert report == ("{'calls': 0, 'max_rel_err': 0.0, 'max_lse_err': 0.0, 'calls_by_q_len': {}, 'rank': 1}"
-                      if verify else "None")
+    assert report == ("{'calls': 0, 'max_rel_err': 0.0, 'max_lse_err': 0.0, 'calls_by_q_len': {}, 'rank': 1} "
+                      "{'rank': 1, 'ranges': {}}" if verify else "None None")
 
 
 @pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not importable (CI: PYTHONPATH=.ci/sglang-site)")

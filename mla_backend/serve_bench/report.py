@@ -191,23 +191,50 @@ def attention_share_table(data: dict) -> list[str]:
             "| workload | " + " | ".join(backends) + " |", "|---" * (len(backends) + 1) + "|", *rows, ""]
 
 
-def host_table(data: dict) -> list[str]:
-    """Host time per call of the named ranges in the profiled steps (profile_trace.host_ranges), per backend."""
+def _range_table(data: dict, title: str, ranges_of, footer: str) -> list[str]:
+    """A table of per-call host times (p50 / p99 (calls)) by workload and range name, one column per backend;
+    ``ranges_of(record)`` gives a workload record's {range name: timing}."""
     backends = list(data["backends"])
     rows = []
     for workload in workload_names(data):
-        per_backend = [((records_by_workload(data["backends"][b]).get(workload) or {}).get("profile") or {})
-                       .get("host") or {} for b in backends]
+        per_backend = [ranges_of(records_by_workload(data["backends"][b]).get(workload) or {}) for b in backends]
         for name in sorted(set().union(*per_backend)):
-            cells = [f"{h[name]['p50_us']:.1f} / {h[name]['p99_us']:.1f} ({h[name]['calls']})" if name in h else "–"
-                     for h in per_backend]
+            cells = [f"{t[name]['p50_us']:.1f} / {t[name]['p99_us']:.1f} ({t[name]['calls']})" if name in t else "–"
+                     for t in per_backend]
             rows.append(f"| {workload} | `{name}` | " + " | ".join(cells) + " |")
     if not rows:
         return []
-    return ["#### Host time per call in the profiled steps, µs p50 / p99 (calls)", "",
-            "| workload | range | " + " | ".join(backends) + " |", "|---" * (len(backends) + 2) + "|", *rows, "",
-            f"`{HOST_PROBE_OP}`: a torch op the engine's own step code calls alike for every backend; its time shows "
-            "how fast that engine's host ran, which sets a host-bound step's TPOT.", ""]
+    return [f"#### {title}", "", "| workload | range | " + " | ".join(backends) + " |",
+            "|---" * (len(backends) + 2) + "|", *rows, "", footer, ""]
+
+
+def host_table(data: dict) -> list[str]:
+    """Host time per call of the named ranges in the profiled steps (profile_trace.host_ranges), per backend."""
+    return _range_table(data, "Host time per call in the profiled steps, µs p50 / p99 (calls)",
+                        lambda record: (record.get("profile") or {}).get("host") or {},
+                        f"`{HOST_PROBE_OP}`: a torch op the engine's own step code calls alike for every backend; its "
+                        "time shows how fast that engine's host ran, which sets a host-bound step's TPOT.")
+
+
+def worst_rank_timings(ranks: list[dict]) -> dict[str, dict]:
+    """Per range, the largest p50 and p99 over the ranks and their calls together (a step waits for its slowest
+    rank)."""
+    merged: dict[str, dict] = {}
+    for rank in ranks:
+        for name, t in rank.get("ranges", {}).items():
+            m = merged.setdefault(name, {"calls": 0, "p50_us": 0.0, "p99_us": 0.0})
+            m["calls"] += t["calls"]
+            m["p50_us"], m["p99_us"] = max(m["p50_us"], t["p50_us"]), max(m["p99_us"], t["p99_us"])
+    return merged
+
+
+def host_timer_table(data: dict) -> list[str]:
+    """Host time per call of our ranges without a profiler (host_trace's timers, read per workload on every rank)."""
+    return _range_table(data, "Host time per call without a profiler, µs p50 / p99 (calls), slowest rank",
+                        lambda record: worst_rank_timings(record.get("host_timers") or []),
+                        "`perf_counter` around each call (`MLA_BACKEND_HOST_TIMERS=1`, which serve-bench sets), over "
+                        "the whole workload, profiled steps excepted. Under FULL CUDA graphs the per-layer call runs "
+                        "inside the graph and only the per-step build is timed.")
 
 
 def engine_table(data: dict) -> list[str]:
@@ -278,6 +305,7 @@ def markdown(data: dict) -> str:
     lines += agreement.markdown(data)
     lines += verification.markdown(data)
     lines += host_table(data)
+    lines += host_timer_table(data)
     lines += engine_table(data)
     lines += ["Decode cells: TPOT of the whole batch, each repeat a window of decode steps after every request was "
               "prefilled; output tokens per second = batch / TPOT. Throughput: output tokens over the wall time of "

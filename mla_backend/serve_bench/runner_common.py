@@ -194,7 +194,11 @@ def run_workloads(spec: EngineSpec, session, result: dict) -> None:
         print(f"[serve-bench] {spec.backend}: {workload.name}", flush=True)
         t0 = time.perf_counter()
         try:
+            session.host_timings()  # starts this workload's interval
             record = session.run(workload, plan)
+            timings = session.host_timings()
+            if timings:
+                record["host_timers"] = timings
         except Exception as e:  # noqa: BLE001 - one failed workload must not lose the others
             record = {"workload": workload.name, "kind": workload.kind, "params": workload_to_dict(workload),
                       "status": "error", "error": f"{type(e).__name__}: {e}",
@@ -335,6 +339,11 @@ class EngineSession:
         """Under ``spec.verify``: each engine process's (rank's) :func:`mla_backend.verify.verification_report`
         with its ``rank``, after the workloads; empty where our backend never ran."""
         raise NotImplementedError
+
+    def host_timings(self) -> list[dict] | None:
+        """Each rank's host timers since the last call (``{"rank", "ranges"}``, host_trace.host_timings), resetting
+        them; None where the engine has no way to read them."""
+        return None
 
     def decode_inputs(self, cell: DecodeCell, plan: MeasurePlan) -> tuple[list, int]:
         """A decode cell's prompts and the tokens each request generates (its windows, within the model length)."""

@@ -107,8 +107,8 @@ def engine_kwargs(spec: EngineSpec) -> dict:
                   enable_prefix_caching=False, gpu_memory_utilization=spec.gpu_memory_fraction,
                   max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs, disable_log_stats=False,
                   **parallel_kwargs(spec))
-    if spec.init == "scaled" or spec.verify:
-        kwargs.update(vllm_worker_kwargs(scaled=spec.init == "scaled"))
+    # every worker extended: the scaled weights where asked, and the per-rank reports (verification, host timers)
+    kwargs.update(vllm_worker_kwargs(scaled=spec.init == "scaled"))
     if spec.verify:
         kwargs["enforce_eager"] = True  # a call inside a CUDA graph cannot be checked (verify.py)
     if spec.measure_plan.profile_steps:
@@ -193,6 +193,12 @@ class VllmSession(EngineSession):
         from .vllm_worker_extension import VERIFICATION_RPC
 
         return [r for r in self.llm.collective_rpc(VERIFICATION_RPC) if r is not None]
+
+    def host_timings(self) -> list[dict] | None:
+        from .vllm_worker_extension import HOST_TIMINGS_RPC
+
+        ranks = [r for r in self.llm.collective_rpc(HOST_TIMINGS_RPC, kwargs={"reset": True}) if r is not None]
+        return ranks or None
 
     # ------------------------------------------------------------------------- step loop
     def _submit(self, tracker: TokenTracker, prompts, max_tokens: int, tag: str) -> list[str]:

@@ -1,5 +1,5 @@
-"""serve-bench's extension of every vLLM worker (``worker_extension_cls``): the scaled random weights and the fp32
-verification report, in each tensor-parallel worker however the workers start.
+"""serve-bench's extension of every vLLM worker (``worker_extension_cls``): the scaled random weights, the fp32
+verification report and the host timers, in each tensor-parallel worker however the workers start.
 
 vLLM finds a load format in a registry of the process that loads the model. Its tensor-parallel workers may be
 spawned, so a registration made in the benchmark's process does not reach them. Every worker imports the class named
@@ -15,8 +15,10 @@ from .random_weights import register_vllm_scaled_loader
 
 register_vllm_scaled_loader()
 
-#: ``LLM.collective_rpc`` name of :meth:`WorkerExtension.mla_backend_verification`.
+#: ``LLM.collective_rpc`` names of :meth:`WorkerExtension.mla_backend_verification` and
+#: :meth:`WorkerExtension.mla_backend_host_timings`.
 VERIFICATION_RPC = "mla_backend_verification"
+HOST_TIMINGS_RPC = "mla_backend_host_timings"
 
 
 class WorkerExtension:
@@ -28,3 +30,11 @@ class WorkerExtension:
 
         report = verification_report()
         return None if report is None else dict(report, rank=getattr(self, "rank", None))
+
+    def mla_backend_host_timings(self, reset: bool = True) -> dict | None:
+        """This rank's host timers (``MLA_BACKEND_HOST_TIMERS=1``, host_trace.py) since the last reset, None while
+        off; ``reset`` starts the next interval."""
+        from mla_backend.host_trace import host_timings
+
+        ranges = host_timings(reset=reset)
+        return None if ranges is None else {"rank": getattr(self, "rank", None), "ranges": ranges}
