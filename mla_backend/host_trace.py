@@ -71,14 +71,20 @@ def host_timings(reset: bool = False) -> dict[str, dict] | None:
         return None
     result = {}
     for name, timer in sorted(_TIMERS.items()):
-        values = sorted(timer.samples)
-        if values:
-            pick = lambda q: values[min(len(values) - 1, int(q * len(values)))] / 1e3  # noqa: E731 - nearest rank
-            result[PREFIX + name] = {"calls": len(values) + timer.dropped, "p50_us": round(pick(0.5), 1),
-                                     "p99_us": round(pick(0.99), 1), "max_us": round(values[-1] / 1e3, 1)}
+        if timer.samples:
+            result[PREFIX + name] = call_percentiles([ns / 1e3 for ns in timer.samples], dropped=timer.dropped)
         if reset:
             timer.samples, timer.dropped = [], 0
     return result
 
 
-__all__ = ["ENV_HOST_TIMERS", "PREFIX", "host_range", "host_timings"]
+def call_percentiles(durations_us: list[float], dropped: int = 0) -> dict:
+    """``calls`` (the durations and ``dropped`` calls that were counted but not kept) and nearest-rank p50 / p99 /
+    max of ``durations_us`` (not empty), in µs to 0.1: the timing record of one range, in traces and timers alike."""
+    values = sorted(durations_us)
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731 - nearest rank
+    return {"calls": len(values) + dropped, "p50_us": round(pick(0.5), 1), "p99_us": round(pick(0.99), 1),
+            "max_us": round(values[-1], 1)}
+
+
+__all__ = ["ENV_HOST_TIMERS", "PREFIX", "call_percentiles", "host_range", "host_timings"]

@@ -468,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"[serve-bench] teacher-forced agreement FAILED: {', '.join(failed)}", flush=True)
     checked = verification.verdict(data)
-    if checked is not None and not checked["passed"]:
+    verify_failed = checked is not None and not checked["passed"]
+    if verify_failed:
         print(f"[serve-bench] fp32 verification FAILED: {checked['reason']}", flush=True)
-    return 1 if failed or (checked is not None and not checked["passed"]) else 0
+    return 1 if failed or verify_failed else 0

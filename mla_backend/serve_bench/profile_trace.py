@@ -15,6 +15,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from ..host_trace import call_percentiles
+
 # First match wins: the KV-cache write before attention, since its kernel names mention MLA too.
 CATEGORY_PATTERNS = (
     ("kv_cache_write", re.compile(r"concat_and_cache|reshape_and_cache|set_mla_kv|set_kv_buffer|store_kv", re.I)),
@@ -90,13 +92,7 @@ def host_ranges(events: list[dict]) -> dict:
     for e in events:
         if e.get("cat") in HOST_CATEGORIES and e.get("ph", "X") == "X" and HOST_RANGE_PATTERN.search(e.get("name", "")):
             durations[e["name"]].append(float(e.get("dur", 0.0)))
-    result = {}
-    for name, values in sorted(durations.items()):
-        values.sort()
-        pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731 - nearest rank
-        result[name] = {"calls": len(values), "p50_us": round(pick(0.5), 1), "p99_us": round(pick(0.99), 1),
-                        "max_us": round(values[-1], 1)}
-    return result
+    return {name: call_percentiles(values) for name, values in sorted(durations.items())}
 
 
 def newest_trace(directory: str | Path, since: float, pattern: str = "*.json*") -> Path | None:

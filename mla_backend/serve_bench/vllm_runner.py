@@ -189,16 +189,19 @@ class VllmSession(EngineSession):
     def shutdown(self) -> None:
         self.engine = self.llm = None
 
+    def _per_rank(self, method: str, **kwargs) -> list[dict]:
+        """Every worker's answer to one of the worker extension's methods, those that have one."""
+        return [r for r in self.llm.collective_rpc(method, kwargs=kwargs) if r is not None]
+
     def verification(self) -> list[dict]:
         from .vllm_worker_extension import VERIFICATION_RPC
 
-        return [r for r in self.llm.collective_rpc(VERIFICATION_RPC) if r is not None]
+        return self._per_rank(VERIFICATION_RPC)
 
     def host_timings(self) -> list[dict] | None:
         from .vllm_worker_extension import HOST_TIMINGS_RPC
 
-        ranks = [r for r in self.llm.collective_rpc(HOST_TIMINGS_RPC, kwargs={"reset": True}) if r is not None]
-        return ranks or None
+        return self._per_rank(HOST_TIMINGS_RPC, reset=True) or None
 
     # ------------------------------------------------------------------------- step loop
     def _submit(self, tracker: TokenTracker, prompts, max_tokens: int, tag: str) -> list[str]:
