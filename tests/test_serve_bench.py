@@ -35,7 +35,7 @@ from mla_backend.serve_bench.model_config import (DEEPSEEK_V3_ATTENTION, deepsee
                                                   parameter_counts, write_model_dir)
 from mla_backend.host_trace import host_range
 from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, kernel_breakdown, load_trace_events,
-                                                  newest_trace)
+                                                  newest_trace, range_children)
 from mla_backend.serve_bench.runner_common import (EngineSession, EngineSpec, decode_record, kv_capacity_problem,
                                                    measurement, mixed_repeat, refusal_reason, run_engine_process)
 from mla_backend.serve_bench.workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, build_workloads,
@@ -266,6 +266,35 @@ def test_host_ranges_read_the_plugins_ranges_from_a_real_profiler_trace(tmp_path
     assert ranges["vllm::unified_mla_attention_with_output"]["p50_us"] == 40.0
 
 
+def test_range_children_split_a_range_into_its_direct_children():
+    """Synthetic thread: a range of 100 µs holding A (20 µs, with a nested op of its own) and B (50 µs); another
+    thread's op at the same time is not inside it."""
+    def event(name, ts, dur, cat="cpu_op", tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+    events = [event("mla_backend.vllm.build_decode", 0, 100, "user_annotation"), event("aten::as_strided", 10, 20),
+              event("aten::empty", 12, 8), event("cudaLaunchKernelExC", 40, 50, "cuda_runtime"),
+              event("aten::mm", 5, 90, tid=2), event("mla_backend.vllm.build_decode", 200, 10, "user_annotation")]
+    children = range_children(events)["mla_backend.vllm.build_decode"]
+    assert children["calls"] == 2 and children["us_per_call"] == 55.0
+    assert children["children"] == {"cudaLaunchKernelExC": 25.0, "aten::as_strided": 10.0, "(self)": 20.0}
+
+
+def test_range_children_read_a_real_profiler_trace(tmp_path):
+    x = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            with host_range("vllm.forward_mqa"):
+                x = torch.matmul(x, x) / 64
+    path = tmp_path / "t.json"
+    prof.export_chrome_trace(str(path))
+    forward = range_children(load_trace_events(path))["mla_backend.vllm.forward_mqa"]
+    assert forward["calls"] == 3 and forward["us_per_call"] > 0
+    assert "aten::matmul" in forward["children"] and "aten::div" in forward["children"]
+    assert "aten::mm" not in forward["children"]  # inside aten::matmul, not a direct child
+    assert forward["children"]["(self)"] >= 0
+    assert sum(forward["children"].values()) == pytest.approx(forward["us_per_call"], abs=0.5)
+
+
 HOST_TIMERS_PROCESS = """
 import torch
 from mla_backend.host_trace import host_range, host_timings
@@ -293,7 +322,16 @@ def test_host_timers_time_the_ranges_outside_a_profiler_only_when_turned_on(env,
     ("_fwd_grouped_kernel_stage1", "attention"), ("_fwd_kernel_stage2", "attention"),
     ("BatchMLAPagedAttentionKernel", "attention"), ("create_flashmla_kv_indices_triton", "attention"),
     ("concat_and_cache_mla_kernel", "kv_cache_write"), ("grouped_topk_kernel", "moe"),
-    ("sm90_xmma_gemm_bf16bf16", "gemm"), ("act_and_mul_kernel", "other")])
+    ("sm90_xmma_gemm_bf16bf16", "gemm"), ("act_and_mul_kernel", "other"),
+    # FlashInfer's collectives and rope kernels carry its name; neither is attention
+    ("void flashinfer::trtllm_allreduce_fusion::allreduce_fusion_kernel_oneshot_lamport<(flashinfer::"
+     "trtllm_allreduce_fusion::AllReduceFusionPattern)1, __nv_bfloat16, 2, true, true>", "communication"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("vllm::cross_device_reduce_1stage<__nv_bfloat16, 2>", "communication"),
+    ("void flashinfer::BatchQKApplyRotaryPosIdsCosSinCacheHeadParallelismKernel<true, 64u, 8u, 8u, __nv_bfloat16>",
+     "rope"),
+    ("mla_decode_split_kernel", "attention"), ("mla_plan_kernel", "attention"),
+    ("smxx::decode::get_mla_metadata_kernel(GetDecodeSchedMetaParams)", "attention")])
 def test_kernel_names_fall_in_their_category(name, category):
     assert categorize(name) == category
 
@@ -395,6 +433,19 @@ def test_markdown_host_table_per_range_and_backend():
     assert "#### Host time per call in the profiled steps, µs p50 / p99 (calls)" in text
     assert "| decode b16 8k | `mla_backend.vllm.build_decode` | 21.0 / 35.0 (5) | – | – | – |" in text
     assert "`aten::slice`: a torch op the engine's own step code calls alike" in text
+
+
+def test_markdown_host_children_table_lists_each_range_s_children():
+    data = _synthetic_report()
+    assert "Inside our host ranges" not in report.markdown(data)  # no trace read: no table
+    data["backends"]["CUSTOM"]["workloads"][0]["profile"]["host_children"] = {
+        "mla_backend.vllm.build_decode": {"calls": 5, "us_per_call": 120.0,
+                                          "children": {"cudaLaunchKernelExC": 70.0, "aten::as_strided": 10.0,
+                                                       "(self)": 40.0}}}
+    text = report.markdown(data)
+    assert "#### Inside our host ranges in the profiled steps, µs per call" in text
+    assert ("| decode b16 8k | CUSTOM | `mla_backend.vllm.build_decode` | 120.0 (5) | `cudaLaunchKernelExC` 70.0, "
+            "`aten::as_strided` 10.0, `(self)` 40.0 |") in text
 
 
 def test_markdown_host_timer_table_shows_the_slowest_rank():

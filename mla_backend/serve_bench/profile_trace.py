@@ -17,9 +17,15 @@ from pathlib import Path
 
 from ..host_trace import call_percentiles
 
-# First match wins: the KV-cache write before attention, since its kernel names mention MLA too.
+# First match wins: the KV-cache write before attention, since its kernel names mention MLA too; collectives and
+# rotary embeddings before it too, since FlashInfer's (trtllm all-reduce, BatchQKApplyRotary...) carry its name. A
+# one-shot all-reduce spins until its peers arrive, so under tensor parallelism its time is mostly the wait for the
+# slowest rank: counted as attention, it would swamp the attention kernels.
 CATEGORY_PATTERNS = (
+    ("communication", re.compile(r"all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|nccl|lamport|cross_device"
+                                 r"|one_?shot|two_?shot", re.I)),
     ("kv_cache_write", re.compile(r"concat_and_cache|reshape_and_cache|set_mla_kv|set_kv_buffer|store_kv", re.I)),
+    ("rope", re.compile(r"rotary|(?<![a-z])rope", re.I)),
     ("attention", re.compile(
         r"mla_decode|mla_plan"  # ours (TileLang: split, combine, planner)
         r"|mla"  # FlashMLA (splitkv_mla, mla_combine, metadata), FlashInfer (BatchMLAPagedAttention), SGLang's indices
@@ -93,6 +99,49 @@ def host_ranges(events: list[dict]) -> dict:
         if e.get("cat") in HOST_CATEGORIES and e.get("ph", "X") == "X" and HOST_RANGE_PATTERN.search(e.get("name", "")):
             durations[e["name"]].append(float(e.get("dur", 0.0)))
     return {name: call_percentiles(values) for name, values in sorted(durations.items())}
+
+
+#: Children kept per range by :func:`range_children`.
+TOP_CHILDREN = 6
+
+
+def range_children(events: list[dict], prefix: str = "mla_backend.", top: int = TOP_CHILDREN) -> dict:
+    """Where the host time of each range named ``prefix``* goes: per range name, ``calls``, ``us_per_call`` and its
+    heaviest direct children (host events of the same thread inside it, not inside another such child; torch ops,
+    CUDA runtime calls) as {name: µs per call}, with ``(self)`` for the time no child covers."""
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("ph", "X") == "X" and "dur" in e and e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    totals: dict[str, dict] = {}
+    for thread_events in by_thread.values():
+        thread_events.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        for i, outer in enumerate(thread_events):
+            name = outer.get("name", "")
+            if outer.get("cat") != "user_annotation" or not name.startswith(prefix):
+                continue
+            start, end = float(outer["ts"]), float(outer["ts"]) + float(outer["dur"])
+            record = totals.setdefault(name, {"calls": 0, "us": 0.0, "children": defaultdict(float)})
+            record["calls"] += 1
+            record["us"] += end - start
+            covered_to = start
+            for inner in thread_events[i + 1:]:
+                inner_start = float(inner["ts"])
+                if inner_start >= end:
+                    break
+                if inner_start < covered_to:  # inside a direct child already counted
+                    continue
+                inner_end = min(end, inner_start + float(inner["dur"]))
+                record["children"][inner.get("name", "?")] += inner_end - inner_start
+                covered_to = inner_end
+    result = {}
+    for name, record in sorted(totals.items()):
+        calls = record["calls"]
+        children = sorted(record["children"].items(), key=lambda kv: -kv[1])
+        kept = {child: round(us / calls, 1) for child, us in children[:top]}
+        kept["(self)"] = round((record["us"] - sum(record["children"].values())) / calls, 1)
+        result[name] = {"calls": calls, "us_per_call": round(record["us"] / calls, 1), "children": kept}
+    return result
 
 
 def newest_trace(directory: str | Path, since: float, pattern: str = "*.json*") -> Path | None:

@@ -216,6 +216,25 @@ def host_table(data: dict) -> list[str]:
                         "time shows how fast that engine's host ran, which sets a host-bound step's TPOT.")
 
 
+def host_children_table(data: dict) -> list[str]:
+    """Where our host ranges' time goes in the profiled steps (profile_trace.range_children): one row per workload,
+    backend and range, its heaviest direct children in µs per call."""
+    rows = []
+    for workload in workload_names(data):
+        for backend, result in data["backends"].items():
+            record = records_by_workload(result).get(workload) or {}
+            for name, r in ((record.get("profile") or {}).get("host_children") or {}).items():
+                children = ", ".join(f"`{child}` {us:.1f}" for child, us in r["children"].items())
+                rows.append(f"| {workload} | {backend} | `{name}` | {r['us_per_call']:.1f} ({r['calls']}) | {children} |")
+    if not rows:
+        return []
+    return ["#### Inside our host ranges in the profiled steps, µs per call", "",
+            "| workload | backend | range | µs per call (calls) | heaviest direct children, µs per call |",
+            "|---|---|---|---|---|", *rows, "",
+            "Host events of the same thread inside each range (torch ops, CUDA runtime calls), not inside another of "
+            "them; `(self)`: the time no child covers (Python). The profiler inflates every op.", ""]
+
+
 def worst_rank_timings(ranks: list[dict]) -> dict[str, dict]:
     """Per range, the largest p50 and p99 over the ranks and their calls together (a step waits for its slowest
     rank)."""
@@ -305,6 +324,7 @@ def markdown(data: dict) -> str:
     lines += agreement.markdown(data)
     lines += verification.markdown(data)
     lines += host_table(data)
+    lines += host_children_table(data)
     lines += host_timer_table(data)
     lines += engine_table(data)
     lines += ["Decode cells: TPOT of the whole batch, each repeat a window of decode steps after every request was "

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
-from .profile_trace import host_ranges, kernel_breakdown, load_trace_events, newest_trace
+from .profile_trace import host_ranges, kernel_breakdown, load_trace_events, newest_trace, range_children
 from .workloads import (FORCED, MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad,
                         Workload, decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed,
                         token_prompts, workload_from_dict, workload_to_dict)
@@ -166,6 +166,7 @@ def read_profile(directory: str | Path, since: float, steps: int, pattern: str =
             events = load_trace_events(path)
             breakdown = kernel_breakdown(events, steps)
             breakdown["host"] = host_ranges(events)
+            breakdown["host_children"] = range_children(events)
         except (OSError, ValueError, EOFError):  # still being written
             time.sleep(0.5 * (attempt + 1))
             continue
