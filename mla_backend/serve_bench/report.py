@@ -252,8 +252,10 @@ def host_timer_table(data: dict) -> list[str]:
     return _range_table(data, "Host time per call without a profiler, µs p50 / p99 (calls), slowest rank",
                         lambda record: worst_rank_timings(record.get("host_timers") or []),
                         "`perf_counter` around each call (`MLA_BACKEND_HOST_TIMERS=1`, which serve-bench sets), over "
-                        "the whole workload, profiled steps excepted. Under FULL CUDA graphs the per-layer call runs "
-                        "inside the graph and only the per-step build is timed.")
+                        "the whole workload, profiled steps excepted. `mla_backend.vllm.metadata_build`: vLLM's whole "
+                        "per-step MLA metadata build, the same method for every backend (ours includes "
+                        "`mla_backend.vllm.build_decode`). Under FULL CUDA graphs the per-layer call runs inside the "
+                        "graph and only the per-step build is timed.")
 
 
 def engine_table(data: dict) -> list[str]:

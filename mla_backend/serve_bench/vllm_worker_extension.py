@@ -4,16 +4,50 @@ verification report and the host timers, in each tensor-parallel worker however 
 vLLM finds a load format in a registry of the process that loads the model. Its tensor-parallel workers may be
 spawned, so a registration made in the benchmark's process does not reach them. Every worker imports the class named
 in ``worker_extension_cls`` before it loads the model, so naming :class:`WorkerExtension` there runs this module's
-registration of the scaled weights (random_weights.py) in each of them. vLLM mixes the class into its worker, which
-makes its methods callable on every rank through ``LLM.collective_rpc``. Import it nowhere else: the import loads
+registration of the scaled weights (random_weights.py) in each of them, and, with the host timers on, the timing of
+every MLA backend's per-step metadata build. vLLM mixes the class into its worker, which makes its methods callable
+on every rank through ``LLM.collective_rpc``. Import it nowhere else: the import loads
 vLLM's model loaders. ``random_weights.vllm_worker_kwargs`` names it for an engine.
 """
 
 from __future__ import annotations
 
+import functools
+
+from mla_backend.host_trace import TIMING, host_range
+
 from .random_weights import register_vllm_scaled_loader
 
+#: Host range around vLLM's whole per-step MLA metadata build (``MLACommonMetadataBuilder.build``): the common part and
+#: the backend's ``_build_decode``, for ours and every built-in alike.
+METADATA_BUILD_RANGE = "vllm.metadata_build"
+
+
+def time_mla_metadata_builds() -> bool:
+    """Under ``MLA_BACKEND_HOST_TIMERS=1``, wrap vLLM's ``MLACommonMetadataBuilder.build`` in
+    ``host_range(METADATA_BUILD_RANGE)``. Every MLA backend's builder (CUSTOM, FLASHMLA, FLASH_ATTN_MLA, TRITON_MLA)
+    inherits that method, so the timers and traces compare their per-step host time in the same engine conditions,
+    which a microbenchmark's hot loop does not reproduce. Returns whether the method is timed."""
+    if not TIMING:
+        return False
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+
+    build = MLACommonMetadataBuilder.build
+    if getattr(build, "mla_backend_timed", False):
+        return True
+
+    @functools.wraps(build)
+    def timed_build(self, *args, **kwargs):
+        with host_range(METADATA_BUILD_RANGE):
+            return build(self, *args, **kwargs)
+
+    timed_build.mla_backend_timed = True
+    MLACommonMetadataBuilder.build = timed_build
+    return True
+
+
 register_vllm_scaled_loader()
+time_mla_metadata_builds()
 
 #: ``LLM.collective_rpc`` names of :meth:`WorkerExtension.mla_backend_verification` and
 #: :meth:`WorkerExtension.mla_backend_host_timings`.
