@@ -3,7 +3,7 @@
 * the generated model config (DeepSeek-V3's attention fields, heads and layers, parameter counts);
 * workload construction, token prompts and the KV-cache sizing;
 * timing from token arrivals (staggered prefill, coalesced samples), the mixed-load window and the summaries;
-* the profiler-trace breakdown and the reason an engine gives for refusing a backend;
+* the reason an engine gives for refusing a backend (the profiler-trace reader: test_serve_bench_traces.py);
 * the report (markdown tables, JSON, plot) from a synthetic run;
 * the engine-process loop and the driver's orchestration (budget, refusals, a killed process) with stand-in engines
   written here (no engine runs; nothing of vLLM or SGLang is replaced);
@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import json
 import os
@@ -33,9 +32,6 @@ from mla_backend.serve_bench.measure import (TokenTracker, decode_window_tpots, 
                                              summarize, tpot_between)
 from mla_backend.serve_bench.model_config import (DEEPSEEK_V3_ATTENTION, deepseek_v3_config, kv_bytes_per_token,
                                                   parameter_counts, write_model_dir)
-from mla_backend.host_trace import host_range
-from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, kernel_breakdown, load_trace_events,
-                                                  newest_trace, range_children)
 from mla_backend.serve_bench.runner_common import (EngineSession, EngineSpec, decode_record, kv_capacity_problem,
                                                    measurement, mixed_repeat, refusal_reason, run_engine_process)
 from mla_backend.serve_bench.workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, build_workloads,
@@ -216,126 +212,7 @@ def test_decode_record_converts_windows_to_tpot_and_rate():
     assert record["output_tok_per_s"]["median"] == pytest.approx(4 / 0.005)
 
 
-# ----------------------------------------------------------------------------- profiles and refusals
-def _trace(path: Path, kernels: dict[str, float]) -> Path:
-    events = [{"ph": "X", "cat": "kernel", "name": name, "dur": us, "ts": i}
-              for i, (name, us) in enumerate(kernels.items())]
-    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 1e6, "ts": 0})  # not GPU time
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    return path
-
-
-def test_kernel_breakdown_gives_the_attention_share(tmp_path):
-    kernels = {"mla_decode_split_kernel": 300.0, "mla_decode_combine_kernel": 50.0, "mla_plan_kernel": 10.0,
-               "void flash::flash_fwd_splitkv_mla_kernel<...>": 0.0,
-               "concat_and_cache_mla_kernel": 20.0, "fused_moe_kernel": 200.0, "nvjet_hsh_128x256": 300.0,
-               "rms_norm_kernel": 120.0}
-    path = _trace(tmp_path / "w.pt.trace.json.gz", kernels)
-    breakdown = kernel_breakdown(load_trace_events(path), steps=4)
-    assert breakdown["total_kernel_us"] == 1000.0
-    assert breakdown["attention_share"] == pytest.approx(0.36)
-    assert breakdown["attention_us_per_step"] == 90.0 and breakdown["kernel_us_per_step"] == 250.0
-    assert breakdown["categories"]["kv_cache_write"]["us"] == 20.0
-    assert set(breakdown["categories"]) == {"attention", "kv_cache_write", "moe", "gemm", "other"}
-    assert newest_trace(tmp_path, since=0) == path and newest_trace(tmp_path, since=time.time() + 60) is None
-
-
-def test_host_ranges_read_the_plugins_ranges_from_a_real_profiler_trace(tmp_path):
-    """host_range records a named range only under a profiler; host_ranges reads its calls and percentiles back from
-    the Chrome trace torch writes, beside the engines' attention op (a cpu_op)."""
-    assert host_range("vllm.forward_mqa") is host_range("vllm.build_decode")  # the shared no-op
-    x = torch.randn(64, 64)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
-            with host_range("vllm.forward_mqa"):
-                x = x @ x / 64
-        with host_range("vllm.build_decode"):
-            y = x[:8]  # aten::slice: the host-speed probe every backend's step code runs
-    path = tmp_path / "t.json"
-    prof.export_chrome_trace(str(path))
-    events = load_trace_events(path) + [{"ph": "X", "cat": "cpu_op", "name": "vllm::unified_mla_attention_with_output",
-                                         "dur": 40.0, "ts": 0}]
-    ranges = host_ranges(events)
-    assert set(ranges) == {"mla_backend.vllm.forward_mqa", "mla_backend.vllm.build_decode",
-                           "vllm::unified_mla_attention_with_output", "aten::slice"} and y.shape == (8, 64)
-    forward = ranges["mla_backend.vllm.forward_mqa"]
-    assert forward["calls"] == 5 and ranges["mla_backend.vllm.build_decode"]["calls"] == 1
-    assert 0 < forward["p50_us"] <= forward["p99_us"] <= forward["max_us"]
-    assert ranges["vllm::unified_mla_attention_with_output"]["p50_us"] == 40.0
-
-
-def test_range_children_split_a_range_into_its_direct_children():
-    """Synthetic thread: a range of 100 µs holding A (20 µs, with a nested op of its own) and B (50 µs); another
-    thread's op at the same time is not inside it."""
-    def event(name, ts, dur, cat="cpu_op", tid=1):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
-    events = [event("mla_backend.vllm.build_decode", 0, 100, "user_annotation"), event("aten::as_strided", 10, 20),
-              event("aten::empty", 12, 8), event("cudaLaunchKernelExC", 40, 50, "cuda_runtime"),
-              event("aten::mm", 5, 90, tid=2), event("mla_backend.vllm.build_decode", 200, 10, "user_annotation")]
-    children = range_children(events)["mla_backend.vllm.build_decode"]
-    assert children["calls"] == 2 and children["us_per_call"] == 55.0
-    assert children["children"] == {"cudaLaunchKernelExC": 25.0, "aten::as_strided": 10.0, "(self)": 20.0}
-
-
-def test_range_children_read_a_real_profiler_trace(tmp_path):
-    x = torch.randn(64, 64)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(3):
-            with host_range("vllm.forward_mqa"):
-                x = torch.matmul(x, x) / 64
-    path = tmp_path / "t.json"
-    prof.export_chrome_trace(str(path))
-    forward = range_children(load_trace_events(path))["mla_backend.vllm.forward_mqa"]
-    assert forward["calls"] == 3 and forward["us_per_call"] > 0
-    assert "aten::matmul" in forward["children"] and "aten::div" in forward["children"]
-    assert "aten::mm" not in forward["children"]  # inside aten::matmul, not a direct child
-    assert forward["children"]["(self)"] >= 0
-    assert sum(forward["children"].values()) == pytest.approx(forward["us_per_call"], abs=0.5)
-
-
-HOST_TIMERS_PROCESS = """
-import torch
-from mla_backend.host_trace import host_range, host_timings
-for _ in range(5):
-    with host_range("vllm.build_decode"):
-        pass
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-    with host_range("vllm.build_decode"):  # a profiler records it instead of the timer
-        pass
-first = host_timings(reset=True)
-print(first["mla_backend.vllm.build_decode"]["calls"] if first is not None else None, host_timings())
-"""
-
-
-@pytest.mark.parametrize("env,expected", [("1", "5 {}"), ("0", "None None")])
-def test_host_timers_time_the_ranges_outside_a_profiler_only_when_turned_on(env, expected):
-    done = subprocess.run([sys.executable, "-c", HOST_TIMERS_PROCESS], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, MLA_BACKEND_HOST_TIMERS=env, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == expected
-
-
-@pytest.mark.parametrize("name,category", [
-    ("flash_fwd_splitkv_mla_kernel", "attention"), ("flash::FlashAttnFwdSm90<...>", "attention"),
-    ("_fwd_grouped_kernel_stage1", "attention"), ("_fwd_kernel_stage2", "attention"),
-    ("BatchMLAPagedAttentionKernel", "attention"), ("create_flashmla_kv_indices_triton", "attention"),
-    ("concat_and_cache_mla_kernel", "kv_cache_write"), ("grouped_topk_kernel", "moe"),
-    ("sm90_xmma_gemm_bf16bf16", "gemm"), ("act_and_mul_kernel", "other"),
-    # FlashInfer's collectives and rope kernels carry its name; neither is attention
-    ("void flashinfer::trtllm_allreduce_fusion::allreduce_fusion_kernel_oneshot_lamport<(flashinfer::"
-     "trtllm_allreduce_fusion::AllReduceFusionPattern)1, __nv_bfloat16, 2, true, true>", "communication"),
-    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
-    ("vllm::cross_device_reduce_1stage<__nv_bfloat16, 2>", "communication"),
-    ("void flashinfer::BatchQKApplyRotaryPosIdsCosSinCacheHeadParallelismKernel<true, 64u, 8u, 8u, __nv_bfloat16>",
-     "rope"),
-    ("mla_decode_split_kernel", "attention"), ("mla_plan_kernel", "attention"),
-    ("smxx::decode::get_mla_metadata_kernel(GetDecodeSchedMetaParams)", "attention")])
-def test_kernel_names_fall_in_their_category(name, category):
-    assert categorize(name) == category
-
-
+# ----------------------------------------------------------------------------- refusals
 def test_refusal_reason_prefers_the_engine_s_own_words():
     selection = ("ValueError: Selected backend FLASH_ATTN_MLA is not valid for this configuration. Reason: "
                  "['kv_cache_dtype not supported']")
