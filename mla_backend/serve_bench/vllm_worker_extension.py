@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from mla_backend.host_trace import TIMING, host_range
+from ..host_trace import TIMING, host_range
 
 from .random_weights import register_vllm_scaled_loader
 
