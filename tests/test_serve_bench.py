@@ -277,6 +277,9 @@ def test_markdown_tables_show_median_spread_and_the_speedup_of_ours():
     assert "| TRITON_MLA | skipped |" in text and "run it alone" in text
     assert "Command: `mla-backend serve-bench --engine vllm`" in text and "16 heads, 8 layers" in text
     assert "Host time per call" not in text  # no profile held host ranges
+    data = _synthetic_report()
+    data["backends"]["CUSTOM"]["workloads"][0]["profile"]["communication_us_per_step"] = 537.0
+    assert "| decode b16 8k | 41% (1234 µs; communication 537 µs) | 48% (1234 µs) | – | – |" in report.markdown(data)
 
 
 def test_verification_passes_only_when_every_rank_checked_calls_within_the_limits():

@@ -33,14 +33,19 @@ def test_kernel_breakdown_gives_the_attention_share(tmp_path):
     kernels = {"mla_decode_split_kernel": 300.0, "mla_decode_combine_kernel": 50.0, "mla_plan_kernel": 10.0,
                "void flash::flash_fwd_splitkv_mla_kernel<...>": 0.0,
                "concat_and_cache_mla_kernel": 20.0, "fused_moe_kernel": 200.0, "nvjet_hsh_128x256": 300.0,
-               "rms_norm_kernel": 120.0}
+               "rms_norm_kernel": 120.0,
+               # FlashInfer's names, neither of them attention
+               "void flashinfer::trtllm_allreduce_fusion::allreduce_fusion_kernel_oneshot_lamport<...>": 160.0,
+               "void flashinfer::BatchQKApplyRotaryPosIdsCosSinCacheHeadParallelismKernel<...>": 40.0}
     path = _trace(tmp_path / "w.pt.trace.json.gz", kernels)
     breakdown = kernel_breakdown(load_trace_events(path), steps=4)
-    assert breakdown["total_kernel_us"] == 1000.0
-    assert breakdown["attention_share"] == pytest.approx(0.36)
-    assert breakdown["attention_us_per_step"] == 90.0 and breakdown["kernel_us_per_step"] == 250.0
-    assert breakdown["categories"]["kv_cache_write"]["us"] == 20.0
-    assert set(breakdown["categories"]) == {"attention", "kv_cache_write", "moe", "gemm", "other"}
+    assert breakdown["total_kernel_us"] == 1200.0
+    assert breakdown["attention_share"] == pytest.approx(0.3)
+    assert breakdown["attention_us_per_step"] == 90.0 and breakdown["kernel_us_per_step"] == 300.0
+    assert breakdown["communication_us_per_step"] == 40.0
+    assert breakdown["categories"]["kv_cache_write"]["us"] == 20.0 and breakdown["categories"]["rope"]["us"] == 40.0
+    assert set(breakdown["categories"]) == {"attention", "communication", "kv_cache_write", "rope", "moe", "gemm",
+                                            "other"}
     assert newest_trace(tmp_path, since=0) == path and newest_trace(tmp_path, since=time.time() + 60) is None
 
 

@@ -56,7 +56,7 @@ def categorize(kernel_name: str) -> str:
 
 def kernel_breakdown(events: list[dict], steps: int | None = None) -> dict:
     """GPU kernel time by category: total microseconds, the attention share, per-category totals and top kernels,
-    and, given the number of profiled ``steps``, attention and total microseconds per step."""
+    and, given the number of profiled ``steps``, attention, communication and total microseconds per step."""
     per_kernel: dict[str, float] = defaultdict(float)
     for e in events:
         if e.get("cat") == "kernel" and e.get("ph", "X") == "X":
@@ -76,7 +76,9 @@ def kernel_breakdown(events: list[dict], steps: int | None = None) -> dict:
     result = {"total_kernel_us": round(total, 1), "attention_share": round(attention / total, 4) if total else None,
               "categories": categories, "kernel_names": len(per_kernel)}
     if steps:
+        communication = categories.get("communication", {}).get("us", 0.0)
         result.update(steps=steps, attention_us_per_step=round(attention / steps, 1),
+                      communication_us_per_step=round(communication / steps, 1),
                       kernel_us_per_step=round(total / steps, 1))
     return result
 

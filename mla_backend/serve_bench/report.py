@@ -180,7 +180,10 @@ def attention_share_table(data: dict) -> list[str]:
             profile = record.get("profile") or {}
             share = profile.get("attention_share")
             per_step = profile.get("attention_us_per_step")
-            shares.append("–" if share is None else f"{share:.0%}" + (f" ({per_step:.0f} µs)" if per_step else ""))
+            communication = profile.get("communication_us_per_step")
+            brackets = ([f"{per_step:.0f} µs"] if per_step else []) + (
+                [f"communication {communication:.0f} µs"] if communication else [])
+            shares.append("–" if share is None else f"{share:.0%}" + (f" ({'; '.join(brackets)})" if brackets else ""))
         if any(s != "–" for s in shares):
             rows.append(f"| {workload} | " + " | ".join(shares) + " |")
     if not rows:
@@ -188,7 +191,9 @@ def attention_share_table(data: dict) -> list[str]:
     plan = data["settings"]["plan"]
     return [f"#### Attention share of a decode step's GPU kernel time (torch.profiler, {plan['profile_steps']} "
             "steps; attention kernel µs per step in brackets)", "",
-            "| workload | " + " | ".join(backends) + " |", "|---" * (len(backends) + 1) + "|", *rows, ""]
+            "| workload | " + " | ".join(backends) + " |", "|---" * (len(backends) + 1) + "|", *rows, "",
+            "Communication: the collectives' kernels per step, where the engine runs on several GPUs. A one-shot "
+            "all-reduce spins until every rank arrives, so its time is mostly the wait for the slowest rank's host.", ""]
 
 
 def _range_table(data: dict, title: str, ranges_of, footer: str) -> list[str]:
