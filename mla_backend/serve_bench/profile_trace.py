@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from ..host_trace import call_percentiles
+from ..host_trace import PREFIX, call_percentiles
 
 # First match wins: the KV-cache write before attention, since its kernel names mention MLA too; collectives and
 # rotary embeddings before it too, since FlashInfer's (trtllm all-reduce, BatchQKApplyRotary...) carry its name. A
@@ -90,7 +90,8 @@ def kernel_breakdown(events: list[dict], steps: int | None = None) -> dict:
 #: engine process's host ran (engines of one backend have differed 1.8x in it, from where their processes ran), to
 #: read a host-bound step's TPOT against.
 HOST_PROBE_OP = "aten::slice"
-HOST_RANGE_PATTERN = re.compile(r"^mla_backend\.|unified_(mla_)?attention|^" + re.escape(HOST_PROBE_OP) + "$", re.I)
+HOST_RANGE_PATTERN = re.compile("^" + re.escape(PREFIX) + r"|unified_(mla_)?attention|^" + re.escape(HOST_PROBE_OP) + "$",
+                                re.I)
 HOST_CATEGORIES = ("user_annotation", "cpu_op")
 
 
@@ -107,7 +108,7 @@ def host_ranges(events: list[dict]) -> dict:
 TOP_CHILDREN = 6
 
 
-def range_children(events: list[dict], prefix: str = "mla_backend.", top: int = TOP_CHILDREN) -> dict:
+def range_children(events: list[dict], prefix: str = PREFIX, top: int = TOP_CHILDREN) -> dict:
     """Where the host time of each range named ``prefix``* goes: per range name, ``calls``, ``us_per_call`` and its
     heaviest direct children (host events of the same thread inside it, not inside another such child; torch ops,
     CUDA runtime calls) as {name: µs per call}, with ``(self)`` for the time no child covers."""
