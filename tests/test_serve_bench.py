@@ -690,6 +690,15 @@ try:  # every MLA backend's per-step build, timed (under MLA_BACKEND_HOST_TIMERS
     MLACommonMetadataBuilder.build(object(), common_prefix_len=0, common_attn_metadata=None)
 except AttributeError:
     pass
+from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl
+class Impl(MLACommonBaseImpl):  # a backend's impl: its own forward_mqa, wrapped when its first layer is built
+    def forward_mqa(self, *args):
+        return "decoded"
+try:
+    Impl()
+except TypeError:  # the base's required arguments
+    pass
+assert Impl.forward_mqa(None) == "decoded"
 timings = worker.mla_backend_host_timings()
 timed = {name: t["calls"] for name, t in timings["ranges"].items()} if timings else None
 print(worker.mla_backend_verification(), timed)
@@ -713,7 +722,8 @@ def test_importing_serve_bench_loads_no_engine():
 @pytest.mark.parametrize("verify", [False, True])
 def test_scaled_weights_load_format_is_known_in_a_fresh_worker_process(verify):
     """Spawned tensor-parallel workers share no registration with the benchmark's process: the worker extension's
-    import must make the load format known there. Its RPC gives the worker's verification report (None while off)."""
+    import must make the load format known there. Its RPC gives the worker's verification report and host timers (None
+    while off): with the timers on, every MLA backend's per-step build and per-layer decode call are timed."""
     from mla_backend.serve_bench.random_weights import vllm_worker_kwargs
 
     kwargs = vllm_worker_kwargs()
@@ -728,7 +738,8 @@ def test_scaled_weights_load_format_is_known_in_a_fresh_worker_process(verify):
     report, loader = done.stdout.strip().splitlines()[-2:]
     assert loader == "ScaledDummyModelLoader"
     assert report == ("{'calls': 0, 'max_rel_err': 0.0, 'max_lse_err': 0.0, 'calls_by_q_len': {}, 'rank': 1} "
-                      "{'mla_backend.vllm.metadata_build': 1}" if verify else "None None")
+                      "{'mla_backend.vllm.decode_call': 1, 'mla_backend.vllm.metadata_build': 1}" if verify
+                      else "None None")
 
 
 @pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not importable (CI: PYTHONPATH=.ci/sglang-site)")

@@ -259,8 +259,9 @@ def host_timer_table(data: dict) -> list[str]:
                         "`perf_counter` around each call (`MLA_BACKEND_HOST_TIMERS=1`, which serve-bench sets), over "
                         "the whole workload, profiled steps excepted. `mla_backend.vllm.metadata_build`: vLLM's whole "
                         "per-step MLA metadata build, the same method for every backend (ours includes "
-                        "`mla_backend.vllm.build_decode`). Under FULL CUDA graphs the per-layer call runs inside the "
-                        "graph and only the per-step build is timed.")
+                        "`mla_backend.vllm.build_decode`); `mla_backend.vllm.decode_call`: each layer's `forward_mqa`, every "
+                        "backend alike (ours includes `mla_backend.vllm.forward_mqa`). Under FULL CUDA graphs the "
+                        "per-layer call runs inside the graph: only mixed prefill-decode steps (PIECEWISE) time it.")
 
 
 def engine_table(data: dict) -> list[str]:

@@ -5,8 +5,8 @@ vLLM finds a load format in a registry of the process that loads the model. Its 
 spawned, so a registration made in the benchmark's process does not reach them. Every worker imports the class named
 in ``worker_extension_cls`` before it loads the model, so naming :class:`WorkerExtension` there runs this module's
 registration of the scaled weights (random_weights.py) in each of them, and, with the host timers on, the timing of
-every MLA backend's per-step metadata build. vLLM mixes the class into its worker, which makes its methods callable
-on every rank through ``LLM.collective_rpc``. Import it nowhere else: the import loads
+every MLA backend's per-step metadata build and per-layer decode call. vLLM mixes the class into its worker, which
+makes its methods callable on every rank through ``LLM.collective_rpc``. Import it nowhere else: the import loads
 vLLM's model loaders. ``random_weights.vllm_worker_kwargs`` names it for an engine.
 """
 
@@ -21,28 +21,47 @@ from .random_weights import register_vllm_scaled_loader
 #: Host range around vLLM's whole per-step MLA metadata build (``MLACommonMetadataBuilder.build``): the common part and
 #: the backend's ``_build_decode``, for ours and every built-in alike.
 METADATA_BUILD_RANGE = "vllm.metadata_build"
+#: Host range around each layer's decode call (the backend impl's ``forward_mqa``), ours and every built-in alike. It
+#: runs only where attention runs outside a CUDA graph (mixed prefill-decode steps under PIECEWISE graphs, eager mode).
+DECODE_CALL_RANGE = "vllm.decode_call"
+
+
+def timed(function, range_name: str):
+    """``function`` wrapped in ``host_range(range_name)``, marked so that it is wrapped once."""
+    if getattr(function, "mla_backend_timed", False):
+        return function
+
+    @functools.wraps(function)
+    def timed_function(*args, **kwargs):
+        with host_range(range_name):
+            return function(*args, **kwargs)
+
+    timed_function.mla_backend_timed = True
+    return timed_function
 
 
 def time_mla_metadata_builds() -> bool:
-    """Under ``MLA_BACKEND_HOST_TIMERS=1``, wrap vLLM's ``MLACommonMetadataBuilder.build`` in
-    ``host_range(METADATA_BUILD_RANGE)``. Every MLA backend's builder (CUSTOM, FLASHMLA, FLASH_ATTN_MLA, TRITON_MLA)
-    inherits that method, so the timers and traces compare their per-step host time in the same engine conditions,
-    which a microbenchmark's hot loop does not reproduce. Returns whether the method is timed."""
+    """Under ``MLA_BACKEND_HOST_TIMERS=1``, time vLLM's ``MLACommonMetadataBuilder.build`` (METADATA_BUILD_RANGE) and
+    every MLA backend's ``forward_mqa`` (DECODE_CALL_RANGE). Every MLA builder (CUSTOM, FLASHMLA, FLASH_ATTN_MLA,
+    TRITON_MLA) inherits that ``build``, so the timers compare their per-step host time in the same engine conditions,
+    which a microbenchmark's hot loop does not reproduce. Each backend's impl defines its own ``forward_mqa``, so
+    ``MLACommonBaseImpl.__init__``, which every impl runs, wraps its class's method when the first layer is built.
+    Returns whether the timers are on."""
     if not TIMING:
         return False
-    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl, MLACommonMetadataBuilder
 
-    build = MLACommonMetadataBuilder.build
-    if getattr(build, "mla_backend_timed", False):
-        return True
+    MLACommonMetadataBuilder.build = timed(MLACommonMetadataBuilder.build, METADATA_BUILD_RANGE)
+    init = MLACommonBaseImpl.__init__
+    if not getattr(init, "mla_backend_timed", False):
+        @functools.wraps(init)
+        def init_timing_decode_calls(self, *args, **kwargs):
+            cls = type(self)
+            cls.forward_mqa = timed(cls.forward_mqa, DECODE_CALL_RANGE)
+            init(self, *args, **kwargs)
 
-    @functools.wraps(build)
-    def timed_build(self, *args, **kwargs):
-        with host_range(METADATA_BUILD_RANGE):
-            return build(self, *args, **kwargs)
-
-    timed_build.mla_backend_timed = True
-    MLACommonMetadataBuilder.build = timed_build
+        init_timing_decode_calls.mla_backend_timed = True
+        MLACommonBaseImpl.__init__ = init_timing_decode_calls
     return True
 
 
