@@ -701,6 +701,7 @@ except TypeError:  # the base's required arguments
 assert Impl.forward_mqa(None) == "decoded"
 timings = worker.mla_backend_host_timings()
 timed = {name: t["calls"] for name, t in timings["ranges"].items()} if timings else None
+assert timings is None or timings["threads"]["threads"][0]["main"]  # this process's main thread, read with them
 print(worker.mla_backend_verification(), timed)
 print(type(get_model_loader(LoadConfig(load_format=sys.argv[2]))).__name__)
 """

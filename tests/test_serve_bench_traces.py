@@ -1,6 +1,7 @@
 """CPU tests of serve-bench's trace reader and host timers (mla_backend/serve_bench/profile_trace.py,
-mla_backend/host_trace.py): GPU kernel time by category from a torch.profiler trace, the host ranges and their
-direct children, and the ``perf_counter`` timers outside a profiler (in fresh processes: they are read at import)."""
+mla_backend/host_trace.py, mla_backend/serve_bench/thread_cpu.py): GPU kernel time by category from a torch.profiler
+trace, the host ranges and their direct children, the ``perf_counter`` timers outside a profiler (in fresh processes:
+they are read at import) and the engine process's per-thread CPU time."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,8 +18,11 @@ import pytest
 import torch
 
 from mla_backend.host_trace import host_range
+from mla_backend.serve_bench import report
 from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, kernel_breakdown, load_trace_events,
                                                   newest_trace, range_children)
+from mla_backend.serve_bench.thread_cpu import ThreadCpu
+from test_serve_bench import _synthetic_report
 
 def _trace(path: Path, kernels: dict[str, float]) -> Path:
     events = [{"ph": "X", "cat": "kernel", "name": name, "dur": us, "ts": i}
@@ -141,3 +146,39 @@ def test_host_timers_time_the_ranges_outside_a_profiler_only_when_turned_on(env,
     ("smxx::decode::get_mla_metadata_kernel(GetDecodeSchedMetaParams)", "attention")])
 def test_kernel_names_fall_in_their_category(name, category):
     assert categorize(name) == category
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread CPU time is read from Linux's /proc")
+def test_thread_cpu_names_the_busy_thread_beside_the_main_thread():
+    cpu = ThreadCpu()
+    done = threading.Event()
+
+    def spin():
+        while not done.is_set():
+            pass
+
+    busy = threading.Thread(target=spin, name="spinner")
+    idle = threading.Thread(target=done.wait, name="sleeper")
+    busy.start(), idle.start()
+    time.sleep(0.6)
+    interval = cpu.interval()  # while both live: a thread that ended has left /proc
+    done.set()
+    busy.join(), idle.join()
+    threads = interval["threads"]
+    assert threads[0]["main"] and threads[0]["tid"] == os.getpid()
+    names = [t["name"] for t in threads[1:]]
+    assert "spinner" in names and "sleeper" not in names, threads
+    spinner = threads[1 + names.index("spinner")]
+    assert spinner["cpu_s"] >= 0.2 and spinner["share"] >= 0.2 and interval["wall_s"] >= 0.6  # ticks: coarse
+    assert all(t["tid"] != spinner["tid"] for t in cpu.interval()["threads"])  # the next interval starts afresh
+
+
+def test_report_gives_each_rank_s_main_thread_and_its_busy_threads():
+    data = _synthetic_report()
+    data["backends"]["CUSTOM"]["workloads"][0]["host_timers"] = [
+        {"rank": 0, "ranges": {}, "threads": {"wall_s": 12.5, "threads": [
+            {"tid": 7, "name": "VLLM::EngineCore", "main": True, "cpu_s": 11.9, "share": 0.952, "involuntary": 3},
+            {"tid": 9, "name": "output_thread", "main": False, "cpu_s": 4.1, "share": 0.328, "involuntary": 0}]}}]
+    text = report.markdown(data)
+    assert "#### Engine process threads: CPU time over each workload" in text
+    assert "| decode b16 8k | CUSTOM | 0 | 12.5 | 95% (3) | `output_thread` 33% |" in text

@@ -259,9 +259,36 @@ def host_timer_table(data: dict) -> list[str]:
                         "`perf_counter` around each call (`MLA_BACKEND_HOST_TIMERS=1`, which serve-bench sets), over "
                         "the whole workload, profiled steps excepted. `mla_backend.vllm.metadata_build`: vLLM's whole "
                         "per-step MLA metadata build, the same method for every backend (ours includes "
-                        "`mla_backend.vllm.build_decode`); `mla_backend.vllm.decode_call`: each layer's `forward_mqa`, every "
-                        "backend alike (ours includes `mla_backend.vllm.forward_mqa`). Under FULL CUDA graphs the "
+                        "`mla_backend.vllm.build_decode`); `mla_backend.vllm.decode_call`: each layer's `forward_mqa`, "
+                        "every backend alike (ours includes `mla_backend.vllm.forward_mqa`). Under FULL CUDA graphs the "
                         "per-layer call runs inside the graph: only mixed prefill-decode steps (PIECEWISE) time it.")
+
+
+def thread_cpu_table(data: dict) -> list[str]:
+    """Per workload, backend and rank: the engine process's main thread's CPU share and forced context switches, and
+    its other threads that were busy (thread_cpu.py; read with the host timers)."""
+    rows = []
+    for workload in workload_names(data):
+        for backend, result in data["backends"].items():
+            for rank in (records_by_workload(result).get(workload) or {}).get("host_timers") or []:
+                threads = rank.get("threads")
+                if not threads:
+                    continue
+                main = [t for t in threads["threads"] if t["main"]]
+                others = ", ".join(f"`{t['name']}` {100 * t['share']:.0f}%" for t in threads["threads"]
+                                   if not t["main"])
+                main_cell = (f"{100 * main[0]['share']:.0f}% ({main[0]['involuntary']})" if main else "–")
+                rows.append(f"| {workload} | {backend} | {rank.get('rank')} | {threads['wall_s']} | {main_cell} | "
+                            f"{others or '–'} |")
+    if not rows:
+        return []
+    return ["#### Engine process threads: CPU time over each workload", "",
+            "| workload | backend | rank | wall s | main thread CPU (forced context switches) "
+            "| other busy threads, CPU |",
+            "|---|---|---|---|---|---|", *rows, "",
+            "From `/proc` (user + system time per thread over the workload's wall time, the profiled steps included). "
+            "A host-bound step runs at its main thread's speed: forced switches mean the kernel took its CPU away; a "
+            "busy thread beside it shares the process's interpreter lock and the cores.", ""]
 
 
 def engine_table(data: dict) -> list[str]:
@@ -334,6 +361,7 @@ def markdown(data: dict) -> str:
     lines += host_table(data)
     lines += host_children_table(data)
     lines += host_timer_table(data)
+    lines += thread_cpu_table(data)
     lines += engine_table(data)
     lines += ["Decode cells: TPOT of the whole batch, each repeat a window of decode steps after every request was "
               "prefilled; output tokens per second = batch / TPOT. Throughput: output tokens over the wall time of "

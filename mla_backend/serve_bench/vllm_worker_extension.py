@@ -17,6 +17,7 @@ import functools
 from ..host_trace import TIMING, host_range
 
 from .random_weights import register_vllm_scaled_loader
+from .thread_cpu import ThreadCpu
 
 #: Host range around vLLM's whole per-step MLA metadata build (``MLACommonMetadataBuilder.build``): the common part and
 #: the backend's ``_build_decode``, for ours and every built-in alike.
@@ -67,6 +68,8 @@ def time_mla_metadata_builds() -> bool:
 
 register_vllm_scaled_loader()
 time_mla_metadata_builds()
+#: This worker process's per-thread CPU time, read with the host timers (one interval per workload).
+_THREAD_CPU = ThreadCpu() if TIMING else None
 
 #: ``LLM.collective_rpc`` names of :meth:`WorkerExtension.mla_backend_verification` and
 #: :meth:`WorkerExtension.mla_backend_host_timings`.
@@ -85,9 +88,11 @@ class WorkerExtension:
         return None if report is None else dict(report, rank=getattr(self, "rank", None))
 
     def mla_backend_host_timings(self, reset: bool = True) -> dict | None:
-        """This rank's host timers (``MLA_BACKEND_HOST_TIMERS=1``, host_trace.py) since the last reset, None while
-        off; ``reset`` starts the next interval."""
+        """This rank's host timers (``MLA_BACKEND_HOST_TIMERS=1``, host_trace.py) and its process's per-thread CPU
+        time (thread_cpu.py) since the last reset, None while off; ``reset`` starts the next interval."""
         from mla_backend.host_trace import host_timings
 
         ranges = host_timings(reset=reset)
-        return None if ranges is None else {"rank": getattr(self, "rank", None), "ranges": ranges}
+        if ranges is None:
+            return None
+        return {"rank": getattr(self, "rank", None), "ranges": ranges, "threads": _THREAD_CPU.interval(reset)}
