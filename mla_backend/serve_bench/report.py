@@ -291,6 +291,11 @@ def thread_cpu_table(data: dict) -> list[str]:
             "busy thread beside it shares the process's interpreter lock and the cores.", ""]
 
 
+#: Engine-table note for an engine that filled vLLM's empty compile cache at its start (vllm_runner.compile_cache_files).
+COLD_START_NOTE = ("compiled its graphs at start (empty compile cache): in our runs such an engine's host loop ran "
+                   "slower afterwards, so compare its host-bound cells (small batches) only with care")
+
+
 def engine_table(data: dict) -> list[str]:
     lines = ["#### Engines", "", "| backend | status | start s | KV-cache tokens | prefill chunk | notes |",
              "|---|---|---|---|---|---|"]
@@ -301,6 +306,8 @@ def engine_table(data: dict) -> list[str]:
         if earlier:
             notes.append(f"kept from the run of {earlier.get('date')} (commit {earlier.get('git')}): "
                          f"`{earlier.get('command')}`")
+        if info.get("compiled_at_start"):
+            notes.append(COLD_START_NOTE)
         ran = str(info.get("attention_backend") or "")
         if ran and not ran.lower().endswith(backend.lower()):  # an engine may swap a backend it cannot run
             notes.append(f"the engine reports attention backend {ran}")

@@ -120,6 +120,15 @@ def engine_kwargs(spec: EngineSpec) -> dict:
     return kwargs
 
 
+def compile_cache_files() -> int:
+    """Files in vLLM's torch.compile cache (``VLLM_CACHE_ROOT/torch_compile_cache``): more after an engine's start than
+    before it means that engine compiled its graphs in its own process."""
+    import vllm.envs as envs
+
+    root = os.path.join(envs.VLLM_CACHE_ROOT, "torch_compile_cache")
+    return sum(len(files) for _, _, files in os.walk(root))
+
+
 class VllmSession(EngineSession):
     def __init__(self, spec: EngineSpec):
         self.spec = spec
@@ -141,11 +150,13 @@ class VllmSession(EngineSession):
             from mla_backend.vllm_plugin import register
 
             register()  # without the entry point nothing else would (one process: this registration is seen)
+        cached_before = compile_cache_files()
         t0 = time.perf_counter()
         self.llm = LLM(**engine_kwargs(self.spec))
         self.engine = self.llm.llm_engine
         info = {"vllm": vllm.__version__, "start_s": round(time.perf_counter() - t0, 1),
-                "engine_process": "in-process" if self.spec.in_process else "multiprocess"}
+                "engine_process": "in-process" if self.spec.in_process else "multiprocess",
+                "compiled_at_start": compile_cache_files() > cached_before}
         info.update(self._introspect())
         self.kv_capacity_tokens = info.get("kv_capacity_tokens")
         self.prefill_chunk_tokens = info.get("prefill_chunk_tokens") or self.prefill_chunk_tokens
