@@ -6,7 +6,6 @@ they are read at import) and the engine process's per-thread CPU time."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -184,23 +183,3 @@ def test_report_gives_each_rank_s_main_thread_and_its_busy_threads():
     assert "#### Engine process threads: CPU time over each workload" in text
     assert "| decode b16 8k | CUSTOM | 0 | 12.5 | 95% (3) | `output_thread` 33% |" in text
 
-
-def test_engine_table_flags_an_engine_that_compiled_at_its_start():
-    data = _synthetic_report()
-    assert report.COLD_START_NOTE not in report.markdown(data)
-    data["backends"]["FLASHMLA"]["engine_info"]["compiled_at_start"] = True
-    assert f"| FLASHMLA | done | 75.0 | – | – | {report.COLD_START_NOTE} |" in report.markdown(data)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (CI: .ci/install_vllm.sh)")
-def test_compile_cache_files_counts_vllm_s_torch_compile_cache(tmp_path, monkeypatch):
-    from mla_backend.serve_bench.vllm_runner import compile_cache_files
-
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
-    assert compile_cache_files() == 0
-    graphs = tmp_path / "torch_compile_cache" / "abc123" / "rank_0_0" / "backbone"
-    graphs.mkdir(parents=True)
-    (graphs / "computation_graph.py").write_text("")
-    (tmp_path / "torch_compile_cache" / "abc123" / "cache_key_factors.json").write_text("{}")
-    (tmp_path / "modelinfos.json").write_text("{}")  # elsewhere in vLLM's cache: not a compiled graph
-    assert compile_cache_files() == 2

@@ -37,7 +37,7 @@ from .model_config import (DEFAULT_MODEL, HEAD_CHOICES_DOC, MODEL_CHOICES, kv_by
                            write_config_dir)
 from .parallel import (MAX_SPECULATIVE_TOKENS, GpuInventory, ParallelOptions, check_parallel_options, detect_gpus,
                        resolve_model)
-from .runner_common import EngineChoice, EngineSpec, log_tail
+from .runner_common import COMPILED, EngineChoice, EngineSpec, log_tail
 from .weight_memory import GIB, engine_budget_bytes, weight_bytes_per_gpu
 from .workloads import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_WORKLOAD_KINDS, WORKLOAD_KINDS, MeasurePlan,
                         build_workloads, context_label, kv_tokens_needed, longest_request, most_requests,
@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for the whole run: backends that would not fit are skipped and listed")
     p.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S,
                    help="seconds one backend's engine process may take (start and every workload)")
+    p.add_argument("--cold-start", choices=("restart", "measure"), default="restart",
+                   help="vLLM: an engine whose start compiled its graphs (empty compile caches) ends and starts again "
+                        "warm before it is measured (restart); in our runs the engine that compiled ran its host loop "
+                        "slower afterwards. measure: keep the first engine")
     p.add_argument("--dry-run", action="store_true", help="print the model, workloads and engine settings; run nothing")
     return p
 
@@ -337,7 +341,8 @@ def engine_spec(run: RunSetup, backend: str, model_dir: Path, work: Path, out_di
                       max_num_seqs=run.max_num_seqs, in_process=in_process, deadline=hard_deadline,
                       hard_deadline=hard_deadline, tensor_parallel_size=run.parallel.tensor_parallel_size,
                       dp_attention=run.parallel.dp_attention, speculative_tokens=run.parallel.speculative_tokens,
-                      decode_context_parallel_size=run.parallel.decode_context_parallel_size, verify=run.args.verify)
+                      decode_context_parallel_size=run.parallel.decode_context_parallel_size, verify=run.args.verify,
+                      restart_cold=run.args.cold_start == "restart")
 
 
 def alone_command(argv: list[str], backend: str) -> str:
@@ -387,6 +392,15 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
         try:
             result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
                                 engine_deadline + KILL_GRACE_S - time.time())
+            if result.get("status") == COMPILED:  # the caches are warm now: measure a second start
+                cold_start_s = (result.get("engine_info") or {}).get("start_s")
+                print(f"[serve-bench] {backend}: its start compiled the graphs ({cold_start_s} s); starting it again "
+                      "warm", flush=True)
+                spec.restart_cold = False
+                Path(spec.log_path).replace(Path(spec.log_path).with_suffix(".cold.log"))
+                result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
+                                    engine_deadline + KILL_GRACE_S - time.time())
+                result.setdefault("engine_info", {})["cold_start_s"] = cold_start_s
         except KeyboardInterrupt as stop:  # SIGTERM or Ctrl-C: run_engine ended the engine; keep what was measured
             stopped = f"serve-bench was stopped ({stop or 'interrupt'})"
             results[backend] = {"backend": backend, "status": "failed", "workloads": [],

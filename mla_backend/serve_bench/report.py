@@ -291,7 +291,8 @@ def thread_cpu_table(data: dict) -> list[str]:
             "busy thread beside it shares the process's interpreter lock and the cores.", ""]
 
 
-#: Engine-table note for an engine that filled vLLM's empty compile cache at its start (vllm_runner.compile_cache_files).
+#: Engine-table note for a measured engine that filled vLLM's empty compile cache at its start (``--cold-start
+#: measure``; vllm_runner.compile_cache_files).
 COLD_START_NOTE = ("compiled its graphs at start (empty compile cache): in our runs such an engine's host loop ran "
                    "slower afterwards, so compare its host-bound cells (small batches) only with care")
 
@@ -308,6 +309,8 @@ def engine_table(data: dict) -> list[str]:
                          f"`{earlier.get('command')}`")
         if info.get("compiled_at_start"):
             notes.append(COLD_START_NOTE)
+        if info.get("cold_start_s") is not None:
+            notes.append(f"measured on its second start: the first ({info['cold_start_s']} s) compiled its graphs")
         ran = str(info.get("attention_backend") or "")
         if ran and not ran.lower().endswith(backend.lower()):  # an engine may swap a backend it cannot run
             notes.append(f"the engine reports attention backend {ran}")

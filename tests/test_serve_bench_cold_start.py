@@ -1,0 +1,97 @@
+"""CPU tests of serve-bench's cold-start handling: vLLM's compile cache tells whether an engine compiled its graphs
+at start (vllm_runner.compile_cache_files); such an engine ends and the driver measures a second, warm start
+(``--cold-start restart``), or the report flags it (``--cold-start measure``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from mla_backend.serve_bench import driver, report
+from mla_backend.serve_bench.runner_common import COMPILED, run_engine_process
+from mla_backend.serve_bench.workloads import DecodeCell
+import test_serve_bench
+from test_serve_bench import REPORT_ENV, StubSession, _spec, _stub_run, _synthetic_report
+
+stub_engine = test_serve_bench.stub_engine  # the fixture: an engine choice whose engine process is a stand-in
+
+
+class ColdSession(StubSession):
+    """A start that compiled the graphs (vLLM's compile cache grew during it)."""
+
+    stopped = 0
+
+    def start(self):
+        return {"kv_capacity_tokens": self.kv_capacity_tokens, "compiled_at_start": True, "start_s": 150.0}
+
+    def shutdown(self):
+        self.stopped += 1
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_an_engine_that_compiled_at_start_ends_before_any_workload_when_asked(tmp_path, restart):
+    session = ColdSession()
+    result = run_engine_process(_spec(tmp_path, [DecodeCell(1, 1024)], restart_cold=restart), session)
+    assert session.stopped == 1
+    if restart:
+        assert result["status"] == COMPILED and result["workloads"] == []
+        assert json.loads((tmp_path / "result.json").read_text())["status"] == COMPILED
+    else:
+        assert result["status"] == "done" and [w["status"] for w in result["workloads"]] == ["ok"]
+
+
+COLD_RUNNER = '''
+import os, sys
+from mla_backend.serve_bench.runner_common import EngineSpec, write_result
+spec = EngineSpec.load(sys.argv[1])
+marker = spec.result_path + ".compiled"
+print("engine log of", "a warm start" if os.path.exists(marker) else "the first start")
+if spec.restart_cold and not os.path.exists(marker):  # the first start fills the compile cache
+    open(marker, "w").close()
+    write_result(spec.result_path, {"backend": spec.backend, "status": "compiled", "workloads": [],
+                                    "engine_info": {"start_s": 150.0, "compiled_at_start": True}})
+else:
+    write_result(spec.result_path, {"backend": spec.backend, "status": "done", "engine_info": {"start_s": 60.0},
+                                    "workloads": [{"workload": "decode b1 1k", "status": "ok",
+                                                   "tpot_ms": {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}}]})
+'''
+
+
+@pytest.mark.parametrize("cold_start", ["restart", "measure"])
+def test_driver_measures_a_second_start_of_an_engine_that_compiled(tmp_path, stub_engine, cold_start):
+    (tmp_path / "stub_runner.py").write_text(COLD_RUNNER)
+    run = _stub_run(stub_engine, ("OURS",), 600, "--cold-start", cold_start)
+    results = driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", ["--engine", "vllm"])
+    logs = tmp_path / "out" / "vllm-logs"
+    assert results["OURS"]["status"] == "done"
+    if cold_start == "restart":
+        assert results["OURS"]["engine_info"] == {"start_s": 60.0, "cold_start_s": 150.0}
+        assert "a warm start" in (logs / "OURS.log").read_text()
+        assert "the first start" in (logs / "OURS.cold.log").read_text()
+        data = report.assemble(dict(REPORT_ENV), run, results, wall_s=1.0)
+        assert "measured on its second start: the first (150.0 s) compiled its graphs" in report.markdown(data)
+    else:
+        assert results["OURS"]["engine_info"] == {"start_s": 60.0} and not (logs / "OURS.cold.log").exists()
+
+
+def test_engine_table_flags_an_engine_that_compiled_at_its_start():
+    data = _synthetic_report()
+    assert report.COLD_START_NOTE not in report.markdown(data)
+    data["backends"]["FLASHMLA"]["engine_info"]["compiled_at_start"] = True
+    assert f"| FLASHMLA | done | 75.0 | – | – | {report.COLD_START_NOTE} |" in report.markdown(data)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (CI: .ci/install_vllm.sh)")
+def test_compile_cache_files_counts_vllm_s_torch_compile_cache(tmp_path, monkeypatch):
+    from mla_backend.serve_bench.vllm_runner import compile_cache_files
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    assert compile_cache_files() == 0
+    graphs = tmp_path / "torch_compile_cache" / "abc123" / "rank_0_0" / "backbone"
+    graphs.mkdir(parents=True)
+    (graphs / "computation_graph.py").write_text("")
+    (tmp_path / "torch_compile_cache" / "abc123" / "cache_key_factors.json").write_text("{}")
+    (tmp_path / "modelinfos.json").write_text("{}")  # elsewhere in vLLM's cache: not a compiled graph
+    assert compile_cache_files() == 2
