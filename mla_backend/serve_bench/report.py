@@ -221,16 +221,22 @@ def host_table(data: dict) -> list[str]:
                         "time shows how fast that engine's host ran, which sets a host-bound step's TPOT.")
 
 
+def workload_records(data: dict):
+    """``(workload, backend, record)`` for every workload in report order and every backend; ``{}`` where that backend
+    has no record of it."""
+    for workload in workload_names(data):
+        for backend, result in data["backends"].items():
+            yield workload, backend, records_by_workload(result).get(workload) or {}
+
+
 def host_children_table(data: dict) -> list[str]:
     """Where our host ranges' time goes in the profiled steps (profile_trace.range_children): one row per workload,
     backend and range, its heaviest direct children in µs per call."""
     rows = []
-    for workload in workload_names(data):
-        for backend, result in data["backends"].items():
-            record = records_by_workload(result).get(workload) or {}
-            for name, r in ((record.get("profile") or {}).get("host_children") or {}).items():
-                children = ", ".join(f"`{child}` {us:.1f}" for child, us in r["children"].items())
-                rows.append(f"| {workload} | {backend} | `{name}` | {r['us_per_call']:.1f} ({r['calls']}) | {children} |")
+    for workload, backend, record in workload_records(data):
+        for name, r in ((record.get("profile") or {}).get("host_children") or {}).items():
+            children = ", ".join(f"`{child}` {us:.1f}" for child, us in r["children"].items())
+            rows.append(f"| {workload} | {backend} | `{name}` | {r['us_per_call']:.1f} ({r['calls']}) | {children} |")
     if not rows:
         return []
     return ["#### Inside our host ranges in the profiled steps, µs per call", "",
@@ -268,18 +274,16 @@ def thread_cpu_table(data: dict) -> list[str]:
     """Per workload, backend and rank: the engine process's main thread's CPU share and forced context switches, and
     its other threads that were busy (thread_cpu.py; read with the host timers)."""
     rows = []
-    for workload in workload_names(data):
-        for backend, result in data["backends"].items():
-            for rank in (records_by_workload(result).get(workload) or {}).get("host_timers") or []:
-                threads = rank.get("threads")
-                if not threads:
-                    continue
-                main = [t for t in threads["threads"] if t["main"]]
-                others = ", ".join(f"`{t['name']}` {100 * t['share']:.0f}%" for t in threads["threads"]
-                                   if not t["main"])
-                main_cell = (f"{100 * main[0]['share']:.0f}% ({main[0]['involuntary']})" if main else "–")
-                rows.append(f"| {workload} | {backend} | {rank.get('rank')} | {threads['wall_s']} | {main_cell} | "
-                            f"{others or '–'} |")
+    for workload, backend, record in workload_records(data):
+        for rank in record.get("host_timers") or []:
+            threads = rank.get("threads")
+            if not threads:
+                continue
+            main = [t for t in threads["threads"] if t["main"]]
+            others = ", ".join(f"`{t['name']}` {100 * t['share']:.0f}%" for t in threads["threads"] if not t["main"])
+            main_cell = (f"{100 * main[0]['share']:.0f}% ({main[0]['involuntary']})" if main else "–")
+            rows.append(f"| {workload} | {backend} | {rank.get('rank')} | {threads['wall_s']} | {main_cell} | "
+                        f"{others or '–'} |")
     if not rows:
         return []
     return ["#### Engine process threads: CPU time over each workload", "",

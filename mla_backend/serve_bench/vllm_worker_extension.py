@@ -41,7 +41,7 @@ def timed(function, range_name: str):
     return timed_function
 
 
-def time_mla_metadata_builds() -> bool:
+def time_mla_backend_calls() -> bool:
     """Under ``MLA_BACKEND_HOST_TIMERS=1``, time vLLM's ``MLACommonMetadataBuilder.build`` (METADATA_BUILD_RANGE) and
     every MLA backend's ``forward_mqa`` (DECODE_CALL_RANGE). Every MLA builder (CUSTOM, FLASHMLA, FLASH_ATTN_MLA,
     TRITON_MLA) inherits that ``build``, so the timers compare their per-step host time in the same engine conditions,
@@ -67,7 +67,7 @@ def time_mla_metadata_builds() -> bool:
 
 
 register_vllm_scaled_loader()
-time_mla_metadata_builds()
+time_mla_backend_calls()
 #: This worker process's per-thread CPU time, read with the host timers (one interval per workload).
 _THREAD_CPU = ThreadCpu() if TIMING else None
 
