@@ -16,7 +16,8 @@
 #   only its CUDA build for Linux, whose C extension cannot load with the CPU torch; the test defines the
 #   two op schemas its import registers fake kernels for (see tests/test_sglang_plugin.py).
 # - starlette, fastapi, uvicorn, opentelemetry-api (fastapi's telemetry), dill, sentencepiece,
-#   compressed-tensors, loguru, gguf, partial_json_parser, ipython + traitlets, orjson: small wheels.
+#   compressed-tensors, loguru, gguf, partial_json_parser, ipython + traitlets, orjson, setproctitle (the
+#   scheduler module, whose get_internal_state serve-bench's SGLang host timers extend): small wheels.
 # transformers, pydantic, msgspec, pyzmq, ... come from the main install (vLLM job); SGLang's pins
 # (transformers 5.19.0, tilelang 0.1.12, apache-tvm-ffi 0.1.11) are not needed for these imports.
 # Measured here in a fresh venv after the vLLM job (2 shared cores, empty pip cache, local index mirrors):
@@ -32,7 +33,8 @@ rm -rf "$SITE"
   "sglang==0.5.23" "triton==3.7.1" "torchvision==0.28.0" \
   "starlette==1.10.0" "fastapi==0.165.0" "uvicorn==0.54.0" "opentelemetry-api==1.45.2" "dill==0.4.1" \
   "sentencepiece==0.2.3" "compressed-tensors==0.20.0" "loguru==0.7.3" "gguf==0.19.0" \
-  "partial_json_parser==0.2.1.1.post7" "orjson==3.13.0" "ipython==9.18.1" "traitlets==5.16.1"
+  "partial_json_parser==0.2.1.1.post7" "orjson==3.13.0" "ipython==9.18.1" "traitlets==5.16.1" \
+  "setproctitle==1.3.8"
 
 PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'EOF'
 import sys

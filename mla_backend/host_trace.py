@@ -11,6 +11,7 @@ With neither, a call costs one check of torch's profiler state and one of a modu
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 
@@ -26,20 +27,27 @@ _NO_RANGE = contextlib.nullcontext()
 
 
 class _Timer:
-    """One name's durations (ns). Reused for every call of its range: the ranges never nest with themselves."""
+    """One name's durations (ns), reused for every call of its range. A range entered again inside itself (an
+    engine method that calls its base class's timed method) counts once, for the outermost call."""
 
-    __slots__ = ("samples", "dropped", "_start")
+    __slots__ = ("samples", "dropped", "_start", "_depth")
 
     def __init__(self):
         self.samples: list[int] = []
         self.dropped = 0
         self._start = 0
+        self._depth = 0
 
     def __enter__(self):
-        self._start = time.perf_counter_ns()
+        self._depth += 1
+        if self._depth == 1:
+            self._start = time.perf_counter_ns()
         return self
 
     def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth:
+            return False
         elapsed = time.perf_counter_ns() - self._start
         if len(self.samples) < MAX_SAMPLES:
             self.samples.append(elapsed)
@@ -62,6 +70,21 @@ def host_range(name: str):
             timer = _TIMERS[name] = _Timer()
         return timer
     return _NO_RANGE
+
+
+def timed(function, range_name: str):
+    """``function`` wrapped in ``host_range(range_name)``, marked so that it is wrapped once (serve-bench times the
+    engines' own methods with it, every backend alike)."""
+    if getattr(function, "mla_backend_timed", False):
+        return function
+
+    @functools.wraps(function)
+    def timed_function(*args, **kwargs):
+        with host_range(range_name):
+            return function(*args, **kwargs)
+
+    timed_function.mla_backend_timed = True
+    return timed_function
 
 
 def host_timings(reset: bool = False) -> dict[str, dict] | None:
@@ -87,4 +110,4 @@ def call_percentiles(durations_us: list[float], dropped: int = 0) -> dict:
             "max_us": round(values[-1], 1)}
 
 
-__all__ = ["ENV_HOST_TIMERS", "PREFIX", "call_percentiles", "host_range", "host_timings"]
+__all__ = ["ENV_HOST_TIMERS", "PREFIX", "call_percentiles", "host_range", "host_timings", "timed"]

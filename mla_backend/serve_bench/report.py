@@ -267,7 +267,10 @@ def host_timer_table(data: dict) -> list[str]:
                         "per-step MLA metadata build, the same method for every backend (ours includes "
                         "`mla_backend.vllm.build_decode`); `mla_backend.vllm.decode_call`: each layer's `forward_mqa`, "
                         "every backend alike (ours includes `mla_backend.vllm.forward_mqa`). Under FULL CUDA graphs the "
-                        "per-layer call runs inside the graph: only mixed prefill-decode steps (PIECEWISE) time it.")
+                        "per-layer call runs inside the graph: only mixed prefill-decode steps (PIECEWISE) time it. "
+                        "SGLang: `mla_backend.sglang.metadata_build`, each backend's `init_forward_metadata` (eager "
+                        "steps) or `init_forward_metadata_out_graph` (before a graph replay); "
+                        "`mla_backend.sglang.decode_call`, each layer's `forward_decode` outside a graph.")
 
 
 def thread_cpu_table(data: dict) -> list[str]:

@@ -25,12 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..host_trace import TIMING
 from ..sglang_plugin import ENV_REPORT
 from .measure import TokenTracker
 from .profile_trace import newest_trace
 from .random_weights import patch_sglang_dummy_weights
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
                             engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
+from .sglang_timers import read_host_timings, time_attention_backends
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
 
@@ -174,8 +176,10 @@ def prepare_process() -> None:
 
 
 def scheduler_process(*args, **kwargs):
-    """The scheduler subprocess's target (spawned: module level, so it pickles by reference)."""
+    """The scheduler subprocess's target (spawned: module level, so it pickles by reference); under
+    ``MLA_BACKEND_HOST_TIMERS=1`` it times every attention backend (sglang_timers.py)."""
     prepare_process()
+    time_attention_backends()
     from sglang.srt.managers.scheduler import run_scheduler_process
 
     return run_scheduler_process(*args, **kwargs)
@@ -256,6 +260,12 @@ class SglangSession(EngineSession):
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+    def host_timings(self) -> list[dict] | None:
+        if not TIMING:
+            return None
+        _, server = read_server_info(self.engine, ())
+        return read_host_timings(server) or None
 
     def verification(self) -> list[dict]:
         return read_verification(backend_report_dir(self.spec))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from ..host_trace import TIMING, host_range
+from ..host_trace import TIMING, timed
 
 from .random_weights import register_vllm_scaled_loader
 from .thread_cpu import ThreadCpu
@@ -25,20 +25,6 @@ METADATA_BUILD_RANGE = "vllm.metadata_build"
 #: Host range around each layer's decode call (the backend impl's ``forward_mqa``), ours and every built-in alike. It
 #: runs only where attention runs outside a CUDA graph (mixed prefill-decode steps under PIECEWISE graphs, eager mode).
 DECODE_CALL_RANGE = "vllm.decode_call"
-
-
-def timed(function, range_name: str):
-    """``function`` wrapped in ``host_range(range_name)``, marked so that it is wrapped once."""
-    if getattr(function, "mla_backend_timed", False):
-        return function
-
-    @functools.wraps(function)
-    def timed_function(*args, **kwargs):
-        with host_range(range_name):
-            return function(*args, **kwargs)
-
-    timed_function.mla_backend_timed = True
-    return timed_function
 
 
 def time_mla_backend_calls() -> bool:
