@@ -17,7 +17,9 @@ Checks, with SGLang's own objects (nothing of SGLang is mocked):
 * SGLang's page-table Triton kernel is found at its location in the installed release;
 * startup refusals through SGLang's own MLA attention test kit (``sglang.test.kits``; its model runner
   with SGLang's real req-to-token and MLA KV pools), and a successful construction on CPU with the
-  reference implementation (which also builds SGLang's Triton backend for prefill delegation).
+  reference implementation (which also builds SGLang's Triton backend for prefill delegation);
+* the prefill backend's choice (``MLA_BACKEND_SGLANG_PREFILL``), the chunked prefix cache and the DeepSeek
+  dispatch that follow a FlashInfer prefill, and its refusal where FlashInfer's backend cannot be built.
 """
 
 from __future__ import annotations
@@ -179,6 +181,58 @@ def test_deepseek_dispatch_for_our_name(published_server_args):
         assert ours == handlers.handle_attention_triton(None, batch) == expected, (mode, prefix, ours)
 
 
+def test_prefill_backend_is_chosen_by_its_variable(monkeypatch):
+    monkeypatch.setenv(plugin.ENV_PREFILL, "triton")
+    assert plugin.prefill_backend() == "triton"
+    monkeypatch.setenv(plugin.ENV_PREFILL, " FlashInfer ")
+    assert plugin.prefill_backend() == "flashinfer"
+    monkeypatch.setenv(plugin.ENV_PREFILL, "fa3")
+    with pytest.raises(ValueError, match=f"^{BACKEND_NAME}: MLA_BACKEND_SGLANG_PREFILL='fa3' is not supported; "
+                                         "use auto, flashinfer or triton$"):
+        plugin.prefill_backend()
+    monkeypatch.delenv(plugin.ENV_PREFILL)
+    expected = "flashinfer" if importlib.util.find_spec("flashinfer") and torch.cuda.is_available() else "triton"
+    assert plugin.prefill_backend() == expected
+
+
+def test_register_turns_on_the_chunked_prefix_cache_for_a_flashinfer_prefill(unregistered, monkeypatch):
+    # the list SGLang's model runner reads (0.5.17 defines it in server_args, 0.5.23 re-exports it there)
+    chunked = sglang_server_args.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS
+    original = list(chunked)
+    try:
+        chunked[:] = [name for name in original if name != BACKEND_NAME]
+        monkeypatch.setenv(plugin.ENV_PREFILL, "triton")
+        plugin.register()
+        assert BACKEND_NAME not in chunked
+        monkeypatch.setenv(plugin.ENV_PREFILL, "flashinfer")
+        for _ in range(2):  # once, however often it registers
+            plugin._registered = False
+            plugin.register()
+        assert chunked.count(BACKEND_NAME) == 1
+    finally:
+        chunked[:] = original
+
+
+def test_deepseek_dispatch_follows_a_flashinfer_prefill(published_server_args, monkeypatch):
+    import types
+
+    handlers = importlib.import_module("sglang.srt.models.deepseek_common.attention_backend_handler")
+    import sglang.srt.models.deepseek_v2  # noqa: F401
+
+    monkeypatch.setattr(plugin, "_prefill_in_use", "flashinfer")
+    method = handlers.AttnForwardMethod
+    # The settings of a DeepSeek attention layer the FlashInfer handler reads (the layer's init sets them).
+    layer = types.SimpleNamespace(flashinfer_mla_disable_ragged=False, disable_chunked_prefix_cache=False,
+                                  chunked_prefix_cache_threshold=8, qk_rope_head_dim=64)
+    for mode, prefix, allowed in [(ForwardMode.DECODE, [3, 70], {method.MLA}),
+                                  (ForwardMode.TARGET_VERIFY, [3, 70], {method.MLA}),
+                                  (ForwardMode.EXTEND, [0, 0], {method.MHA_ONE_SHOT, method.MHA_CHUNKED_KV}),
+                                  (ForwardMode.EXTEND, [64, 0], {method.MHA_ONE_SHOT, method.MHA_CHUNKED_KV})]:
+        batch = _batch(mode, prefix)
+        ours = plugin.deepseek_attention_handler(layer, batch)
+        assert ours == handlers.handle_attention_flashinfer(layer, batch) and ours in allowed, (mode, prefix, ours)
+
+
 BASE_METHODS = ("init_forward_metadata", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph",
                 "init_cuda_graph_state", "get_cuda_graph_seq_len_fill_value", "forward_decode", "forward_extend")
 
@@ -279,7 +333,7 @@ def test_constructs_on_cpu_with_reference_impl(kit_env, monkeypatch, tmp_path):
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
     assert isinstance(backend, TileLangMLABackend), type(backend)
-    assert isinstance(backend.extend_backend, TritonAttnBackend)
+    assert backend.prefill_backend == "triton" and isinstance(backend.extend_backend, TritonAttnBackend)
     assert backend.config.impl == "reference" and backend.num_heads == 16 and backend.page_size == 64
     # The kit's runner holds SGLang's real pools: the cache the op reads is the pool's per-layer buffer.
     kv = backend.token_to_kv_pool.get_key_buffer(0)
@@ -292,6 +346,15 @@ def test_constructs_on_cpu_with_reference_impl(kit_env, monkeypatch, tmp_path):
     assert md.kv_lens.tolist() == [6, 71] and md.plan is not None  # prefixes 5 and 70 plus the decoded token
     (report,) = [json.loads(f.read_text()) for f in tmp_path.glob("*.json")]
     assert report["decode"] == 1 and report["impl"] == "reference" and report["metadata_host_us_per_call"] > 0
+
+
+def test_flashinfer_prefill_asked_for_by_name_is_refused_where_it_cannot_be_built(kit_env, monkeypatch):
+    """On CPU SGLang's FlashInfer MLA backend cannot be built: asked for by name, the backend refuses (naming the
+    variable, its value and what is supported); chosen by default, it would prefill with Triton instead."""
+    monkeypatch.setenv(plugin.ENV_PREFILL, "flashinfer")
+    with pytest.raises(ValueError, match=f"^{BACKEND_NAME}: MLA_BACKEND_SGLANG_PREFILL=flashinfer, but SGLang's "
+                                         "FlashInferMLAAttnBackend cannot be built .*supported: auto, flashinfer"):
+        _build(page_size=64)
 
 
 def test_serve_bench_reads_each_process_s_verification_report(kit_env, monkeypatch, tmp_path):

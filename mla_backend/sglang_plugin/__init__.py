@@ -19,19 +19,27 @@ The backend (``backend.py``) is imported when SGLang builds it in the scheduler 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
+import os
 import sys
 
 logger = logging.getLogger("mla_backend.sglang")
 
 BACKEND_NAME = "tilelang_mla"
 ENV_REPORT = "MLA_BACKEND_SGLANG_REPORT"  # directory: per-process JSON with config + step counters
+#: Which SGLang backend serves prefill / extend inside ``tilelang_mla``: auto (default), flashinfer or triton.
+ENV_PREFILL = "MLA_BACKEND_SGLANG_PREFILL"
+PREFILL_BACKENDS = ("flashinfer", "triton")
 _DEEPSEEK_HANDLER_MODULE = "sglang.srt.models.deepseek_common.attention_backend_handler"
 
 _registered = False
 _deepseek_handler_registered = False
+#: The prefill backend this process's ``tilelang_mla`` backends hold (set when one is built; the DeepSeek dispatch
+#: follows it).
+_prefill_in_use: str | None = None
 
-__all__ = ["BACKEND_NAME", "create_backend", "deepseek_attention_handler", "register"]
+__all__ = ["BACKEND_NAME", "ENV_PREFILL", "create_backend", "deepseek_attention_handler", "prefill_backend", "register"]
 
 
 def register() -> None:
@@ -61,6 +69,11 @@ def register() -> None:
     if BACKEND_NAME not in sglang_server_args.ATTENTION_BACKEND_CHOICES:
         sglang_server_args.add_attention_backend_choices([BACKEND_NAME])
 
+    if prefill_backend() == "flashinfer":
+        # long prompts' later chunks attend their cached prefix by ragged MHA over prefix chunks, as under flashmla
+        chunked = getattr(sglang_server_args, "CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS", None)
+        if chunked is not None and BACKEND_NAME not in chunked:
+            sglang_server_args.add_chunked_prefix_cache_attention_backend(BACKEND_NAME)
     register_deepseek_handler(only_if_imported=True)
     _registered = True
     logger.debug("mla_backend: registered SGLang attention backend %r", BACKEND_NAME)
@@ -74,16 +87,47 @@ def create_backend(model_runner):
     return TileLangMLABackend(model_runner)
 
 
+def prefill_backend() -> str:
+    """The SGLang backend that serves prefill (EXTEND, MIXED, DRAFT_EXTEND) inside ``tilelang_mla``.
+
+    ``MLA_BACKEND_SGLANG_PREFILL=flashinfer``: FlashInfer's MLA backend, which is also what ``flashmla`` prefills
+    with (ragged MHA over the new tokens and over chunks of the cached prefix). ``triton``: SGLang's Triton backend.
+    ``auto`` (the default): flashinfer where the package is installed and a CUDA GPU is present, else triton.
+    """
+    value = os.environ.get(ENV_PREFILL, "auto").strip().lower()
+    if value == "auto":
+        import torch
+
+        return "flashinfer" if importlib.util.find_spec("flashinfer") and torch.cuda.is_available() else "triton"
+    if value not in PREFILL_BACKENDS:
+        raise ValueError(f"{BACKEND_NAME}: {ENV_PREFILL}={value!r} is not supported; use auto, "
+                         f"{' or '.join(PREFILL_BACKENDS)}")
+    return value
+
+
+def prefill_in_use() -> str:
+    """The prefill backend of this process's ``tilelang_mla`` backends (:func:`prefill_backend` before one exists)."""
+    return _prefill_in_use or prefill_backend()
+
+
+def set_prefill_in_use(name: str) -> None:
+    """Called by the backend with the prefill backend it built."""
+    global _prefill_in_use
+    _prefill_in_use = name
+
+
 def deepseek_attention_handler(attn, forward_batch):
-    """DeepSeek attention-method choice for ``tilelang_mla``: the same as SGLang's Triton handler.
+    """DeepSeek attention-method choice for ``tilelang_mla``: that of the prefill backend it holds.
 
     Decode and speculative verify take the absorbed-MLA path (``AttnForwardMethod.MLA``), which
-    calls this backend with the 576-wide latent query. Prefill without a cached prefix takes
-    ``AttnForwardMethod.MHA`` (plain 192/128-dim MHA over the new tokens; the model writes the
-    latent KV itself) and prefill with a prefix the absorbed path; both are served by the Triton
-    backend held inside ``TileLangMLABackend``, exactly as with ``--attention-backend triton``.
+    calls this backend with the 576-wide latent query. Prefill goes where SGLang's handler for the prefill backend
+    sends it, served by that backend inside ``TileLangMLABackend``: with FlashInfer (as under ``flashmla``), ragged
+    MHA over the new tokens (``MHA_ONE_SHOT``, or ``MHA_CHUNKED_KV`` over a long cached prefix); with Triton, plain
+    MHA without a cached prefix and the absorbed path with one, exactly as with ``--attention-backend triton``.
     """
     module = sys.modules.get(_DEEPSEEK_HANDLER_MODULE) or importlib.import_module(_DEEPSEEK_HANDLER_MODULE)
+    if prefill_in_use() == "flashinfer":
+        return module.handle_attention_flashinfer(attn, forward_batch)
     return module.handle_attention_triton(attn, forward_batch)
 
 

@@ -6,8 +6,10 @@ What runs where:
 * DECODE (and IDLE): absorbed MLA over the paged latent cache with the TileLang kernels.
 * TARGET_VERIFY (EAGLE / MTP with ``--speculative-eagle-topk 1``): the same op with
   ``q_len = num_draft_tokens`` (<= 4) queries per request, causal among the drafts.
-* Everything else (EXTEND / prefill, MIXED, DRAFT_EXTEND): delegated to SGLang's own
-  ``TritonAttnBackend`` built with the same ``ModelRunner`` and held inside this object.
+* Everything else (EXTEND / prefill, MIXED, DRAFT_EXTEND): delegated to one of SGLang's own backends, built
+  with the same ``ModelRunner`` and held inside this object: ``FlashInferMLAAttnBackend`` (what ``flashmla``
+  prefills with) where FlashInfer and a GPU are present, else ``TritonAttnBackend``
+  (``MLA_BACKEND_SGLANG_PREFILL`` chooses).
 
 Metadata: ``req_to_token`` -> row-strided page table (``page_table.py``) + KV lengths + split-KV
 plan, all written into persistent buffers sized at ``init_cuda_graph_state``. The work runs in
@@ -41,7 +43,7 @@ from ..launcher import MLADecodeLauncher
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
 from ..verify import verification_report, verifying
 from ..planner import SplitPlanner
-from . import BACKEND_NAME, ENV_REPORT
+from . import BACKEND_NAME, ENV_PREFILL, ENV_REPORT, prefill_backend, set_prefill_in_use
 from .page_table import FillFn, fill_page_table_torch, max_pages_per_request, sglang_decode_metadata
 
 logger = logging.getLogger("mla_backend.sglang")
@@ -56,6 +58,31 @@ ENV_PAGE_TABLE = "MLA_BACKEND_SGLANG_PAGE_TABLE"  # auto (default) | triton | to
 # "1": record the decode / verify metadata (page table, lengths, split plan) inside the captured CUDA graphs, so a
 # replay issues no metadata work from the host. Experimental: not yet run on a GPU (see docs/sglang.md).
 ENV_GRAPH_METADATA = "MLA_BACKEND_SGLANG_GRAPH_METADATA"
+
+
+def _build_extend_backend(model_runner) -> tuple[str, AttentionBackend]:
+    """(name, backend) of the SGLang backend that serves prefill (see ``prefill_backend``). A FlashInfer backend
+    chosen by default that cannot be built gives way to Triton with a warning; one asked for by name is refused."""
+    name = prefill_backend()
+    if name == "flashinfer":
+        try:
+            from sglang.srt.layers.attention.flashinfer_mla_backend import FlashInferMLAAttnBackend
+
+            backend = FlashInferMLAAttnBackend(model_runner)
+        except Exception as exc:  # noqa: BLE001 - any failure of SGLang's constructor
+            why = f"{type(exc).__name__}: {exc}"
+            if os.environ.get(ENV_PREFILL, "auto").strip().lower() == "flashinfer":
+                _refuse(f"{ENV_PREFILL}=flashinfer, but SGLang's FlashInferMLAAttnBackend cannot be built ({why}); "
+                        f"supported: auto, flashinfer (with FlashInfer installed and a CUDA GPU) or triton")
+            logger.warning("mla_backend: %s prefills with SGLang's Triton backend: FlashInferMLAAttnBackend cannot "
+                           "be built (%s)", BACKEND_NAME, why)
+            name = "triton"
+    if name == "triton":
+        from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+        backend = TritonAttnBackend(model_runner)
+    set_prefill_in_use(name)
+    return name, backend
 
 
 def _step_kind(forward_batch) -> str:
@@ -270,7 +297,8 @@ class _Buffers:
 
 
 class TileLangMLABackend(AttentionBackend):
-    """SGLang attention backend: TileLang MLA decode / verify, SGLang Triton for everything else."""
+    """SGLang attention backend: TileLang MLA decode / verify, SGLang's FlashInfer MLA or Triton backend for
+    everything else."""
 
     # Page-table widths come from the static context bound; the CPU mirror is optional (used only to
     # size eager tables) so SGLang's overlap scheduler need not publish it for us.
@@ -304,10 +332,8 @@ class TileLangMLABackend(AttentionBackend):
         self._launchers: dict[int, MLADecodeLauncher] = {}  # layer_id -> its launcher, built at its first decode
         self._verify_mask = None
         self._fill: FillFn = self._choose_fill()
-        # Prefill / extend / mixed: SGLang's Triton backend, same runner (reads the same pools).
-        from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-
-        self.extend_backend = TritonAttnBackend(model_runner)
+        # Prefill / extend / mixed: one of SGLang's backends, same runner (reads the same pools).
+        self.prefill_backend, self.extend_backend = _build_extend_backend(model_runner)
         self._report_dir = os.environ.get(ENV_REPORT)
         self._graph_metadata = os.environ.get(ENV_GRAPH_METADATA) == "1"
         # metadata_host_s: host time spent issuing the decode / verify metadata (page table, lengths, plan) before
@@ -317,8 +343,9 @@ class TileLangMLABackend(AttentionBackend):
         self._tp_rank = getattr(model_runner, "tp_rank", None)  # names the process in the report
         if cfg.impl != REFERENCE and os.environ.get(ENV_WARMUP, "1") != "0":
             self._warmup()
-        logger.info("mla_backend: %s backend ready (heads=%d page=%d dtype=%s kv=%s q_lens=%s impl=%s)",
-                    BACKEND_NAME, self.num_heads, self.page_size, cfg.dtype, cfg.kv_dtype, cfg.q_lens, cfg.impl)
+        logger.info("mla_backend: %s backend ready (heads=%d page=%d dtype=%s kv=%s q_lens=%s impl=%s prefill=%s)",
+                    BACKEND_NAME, self.num_heads, self.page_size, cfg.dtype, cfg.kv_dtype, cfg.q_lens, cfg.impl,
+                    self.prefill_backend)
         self._write_report()
 
     # ------------------------------------------------------------------ setup helpers
@@ -356,7 +383,8 @@ class TileLangMLABackend(AttentionBackend):
                     "heads": self.num_heads, "page_size": self.page_size, "dtype": str(self.config.dtype),
                     "kv_dtype": str(self.config.kv_dtype), "q_lens": list(self.config.q_lens),
                     "spec_algorithm": self.config.spec_algorithm, "num_draft_tokens": self.num_draft_tokens,
-                    "page_table_fill": getattr(self._fill, "__name__", "?"), **self._stats,
+                    "page_table_fill": getattr(self._fill, "__name__", "?"), "prefill_backend": self.prefill_backend,
+                    **self._stats,
                     "metadata_host_us_per_call": round(
                         1e6 * self._stats["metadata_host_s"] / max(1, self._stats["decode"] + self._stats["verify"]), 1)}
             report = verification_report()
@@ -585,6 +613,13 @@ class TileLangMLABackend(AttentionBackend):
             softmax_scale=layer.scaling, k_scale=k_scale, q_lens=self.config.q_lens, impl=self.impl)
         return launch
 
+    def init_mha_chunk_metadata(self, forward_batch, *args, **kwargs):
+        """DeepSeek's chunked-prefix MHA (prefill over a long cached prefix, FlashInfer prefill only) plans here."""
+        if not hasattr(self.extend_backend, "init_mha_chunk_metadata"):
+            _refuse(f"chunked-prefix MHA needs the FlashInfer prefill backend; this one prefills with "
+                    f"{self.prefill_backend} ({ENV_PREFILL})")
+        return self.extend_backend.init_mha_chunk_metadata(forward_batch, *args, **kwargs)
+
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, q_rope=None,
                        k_rope=None, **kwargs):
         self._save_kv(layer, forward_batch, k, v, k_rope, save_kv_cache)
@@ -595,6 +630,9 @@ class TileLangMLABackend(AttentionBackend):
         if forward_batch.forward_mode.is_target_verify():
             self._save_kv(layer, forward_batch, k, v, k_rope, save_kv_cache)
             return self._attend(q, q_rope, layer, forward_batch)
+        if self.prefill_backend == "flashinfer":  # takes the split absorbed form itself
+            return self.extend_backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope,
+                                                      k_rope=k_rope)
         if q_rope is not None:
             # Split absorbed form (only when this name is in DeepSeek's FORWARD_ABSORB list): the
             # Triton backend takes the concatenated one, which the model would otherwise build.
