@@ -335,6 +335,14 @@ def test_constructs_on_cpu_with_reference_impl(kit_env, monkeypatch, tmp_path):
     assert isinstance(backend, TileLangMLABackend), type(backend)
     assert backend.prefill_backend == "triton" and isinstance(backend.extend_backend, TritonAttnBackend)
     assert backend.config.impl == "reference" and backend.num_heads == 16 and backend.page_size == 64
+    # SGLang's forward context reads the running backend's pools (DeepSeek's MHA prefill reads req_to_token_pool)
+    from sglang.srt.model_executor import forward_context
+
+    for accessor in ("get_req_to_token_pool", "get_token_to_kv_pool"):
+        if hasattr(forward_context, accessor):
+            monkeypatch.setattr(forward_context, "get_attn_backend", lambda: backend)
+            assert getattr(forward_context, accessor)() is not None, accessor
+    assert backend.req_to_token_pool.req_to_token is backend.req_to_token
     # The kit's runner holds SGLang's real pools: the cache the op reads is the pool's per-layer buffer.
     kv = backend.token_to_kv_pool.get_key_buffer(0)
     assert kv.shape[-1] == 576 and kv.view(-1, 64, 576).shape[0] >= 1

@@ -19,6 +19,7 @@ import asyncio
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -177,7 +178,13 @@ def prepare_process() -> None:
 
 def scheduler_process(*args, **kwargs):
     """The scheduler subprocess's target (spawned: module level, so it pickles by reference); under
-    ``MLA_BACKEND_HOST_TIMERS=1`` it times every attention backend (sglang_timers.py)."""
+    ``MLA_BACKEND_HOST_TIMERS=1`` it times every attention backend (sglang_timers.py). Our backend's INFO lines
+    (kernels ready in how long, which prefill backend) go to the engine log, which SGLang's logging setup leaves out."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(name)s: %(message)s"))
+    logger = logging.getLogger("mla_backend")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     prepare_process()
     time_attention_backends()
     from sglang.srt.managers.scheduler import run_scheduler_process

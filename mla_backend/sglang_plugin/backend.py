@@ -309,7 +309,9 @@ class TileLangMLABackend(AttentionBackend):
         cfg = check_supported(model_runner)
         self.config = cfg
         self.model_runner = model_runner
-        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        # the pools SGLang's forward context reads from the running backend (get_req_to_token_pool(), ...)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.req_to_token = self.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.device = self.req_to_token.device
         self.page_size = cfg.page_size
