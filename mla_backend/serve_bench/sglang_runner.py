@@ -179,12 +179,9 @@ def prepare_process() -> None:
 def scheduler_process(*args, **kwargs):
     """The scheduler subprocess's target (spawned: module level, so it pickles by reference); under
     ``MLA_BACKEND_HOST_TIMERS=1`` it times every attention backend (sglang_timers.py). Our backend's INFO lines
-    (kernels ready in how long, which prefill backend) go to the engine log, which SGLang's logging setup leaves out."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[%(asctime)s] %(name)s: %(message)s"))
-    logger = logging.getLogger("mla_backend")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    (kernels ready in how long, which prefill backend) reach the engine log through SGLang's handlers, which keep
+    only warnings of loggers that set no level."""
+    logging.getLogger("mla_backend").setLevel(logging.INFO)
     prepare_process()
     time_attention_backends()
     from sglang.srt.managers.scheduler import run_scheduler_process
