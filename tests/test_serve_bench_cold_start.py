@@ -1,5 +1,5 @@
-"""CPU tests of serve-bench's cold-start handling: vLLM's compile cache tells whether an engine compiled its graphs
-at start (vllm_runner.compile_cache_files); such an engine ends and the driver measures a second, warm start
+"""CPU tests of serve-bench's cold-start handling: the engines' compile caches tell whether an engine compiled
+at start (vllm_runner.compile_cache_files, sglang_runner.compile_cache_dirs); such an engine ends and the driver measures a second, warm start
 (``--cold-start restart``), or the report flags it (``--cold-start measure``)."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_driver_measures_a_second_start_of_an_engine_that_compiled(tmp_path, stu
         assert "a warm start" in (logs / "OURS.log").read_text()
         assert "the first start" in (logs / "OURS.cold.log").read_text()
         data = report.assemble(dict(REPORT_ENV), run, results, wall_s=1.0)
-        assert "measured on its second start: the first (150.0 s) compiled its graphs" in report.markdown(data)
+        assert "measured on its second start: the first (150.0 s) filled a compile cache" in report.markdown(data)
     else:
         assert results["OURS"]["engine_info"] == {"start_s": 60.0} and not (logs / "OURS.cold.log").exists()
 
@@ -95,3 +95,22 @@ def test_compile_cache_files_counts_vllm_s_torch_compile_cache(tmp_path, monkeyp
     (tmp_path / "torch_compile_cache" / "abc123" / "cache_key_factors.json").write_text("{}")
     (tmp_path / "modelinfos.json").write_text("{}")  # elsewhere in vLLM's cache: not a compiled graph
     assert compile_cache_files() == 2
+
+
+def test_sglang_start_is_judged_by_the_jit_caches_it_fills(tmp_path, monkeypatch):
+    from mla_backend.serve_bench.runner_common import cache_files
+    from mla_backend.serve_bench.sglang_runner import compile_cache_dirs
+
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "DG_JIT_CACHE_DIR", "TILELANG_CACHE_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "fi"))
+    dirs = compile_cache_dirs()
+    assert str(tmp_path / "fi" / ".cache" / "flashinfer") in dirs and str(tmp_path / "tilelang_cache_dir") in dirs
+    assert cache_files(dirs) == 0  # none exists yet
+    kernel = tmp_path / "triton_cache_dir" / "ab12"
+    kernel.mkdir(parents=True)
+    (kernel / "kernel.cubin").write_bytes(b"")
+    (tmp_path / "fi" / ".cache" / "flashinfer" / "90a").mkdir(parents=True)
+    (tmp_path / "fi" / ".cache" / "flashinfer" / "90a" / "mla.so").write_bytes(b"")
+    (tmp_path / "elsewhere.txt").write_text("")  # outside every cache
+    assert cache_files(dirs) == 2

@@ -116,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S,
                    help="seconds one backend's engine process may take (start and every workload)")
     p.add_argument("--cold-start", choices=("restart", "measure"), default="restart",
-                   help="vLLM: an engine whose start compiled its graphs (empty compile caches) ends and starts again "
-                        "warm before it is measured (restart); in our runs the engine that compiled ran its host loop "
-                        "slower afterwards. measure: keep the first engine")
+                   help="an engine whose start filled a compile cache (vLLM's torch.compile graphs; SGLang's Triton, "
+                        "FlashInfer, TorchInductor, DeepGEMM and TileLang caches) ends and starts again warm before "
+                        "it is measured (restart); in our runs the engine that compiled ran its host loop slower "
+                        "afterwards. measure: keep the first engine")
     p.add_argument("--dry-run", action="store_true", help="print the model, workloads and engine settings; run nothing")
     return p
 
@@ -394,7 +395,7 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
                                 engine_deadline + KILL_GRACE_S - time.time())
             if result.get("status") == COMPILED:  # the caches are warm now: measure a second start
                 cold_start_s = (result.get("engine_info") or {}).get("start_s")
-                print(f"[serve-bench] {backend}: its start compiled the graphs ({cold_start_s} s); starting it again "
+                print(f"[serve-bench] {backend}: its start filled a compile cache ({cold_start_s} s); starting it again "
                       "warm", flush=True)
                 spec.restart_cold = False
                 Path(spec.log_path).replace(Path(spec.log_path).with_suffix(".cold.log"))

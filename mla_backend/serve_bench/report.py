@@ -298,10 +298,10 @@ def thread_cpu_table(data: dict) -> list[str]:
             "busy thread beside it shares the process's interpreter lock and the cores.", ""]
 
 
-#: Engine-table note for a measured engine that filled vLLM's empty compile cache at its start (``--cold-start
-#: measure``; vllm_runner.compile_cache_files).
-COLD_START_NOTE = ("compiled its graphs at start (empty compile cache): in our runs such an engine's host loop ran "
-                   "slower afterwards, so compare its host-bound cells (small batches) only with care")
+#: Engine-table note for a measured engine that filled a compile cache at its start (``--cold-start measure``;
+#: vllm_runner.compile_cache_files, sglang_runner.compile_cache_dirs).
+COLD_START_NOTE = ("filled a compile cache at start: in our runs such an engine's host loop ran slower afterwards, "
+                   "so compare its host-bound cells (small batches) only with care")
 
 
 def engine_table(data: dict) -> list[str]:
@@ -317,7 +317,7 @@ def engine_table(data: dict) -> list[str]:
         if info.get("compiled_at_start"):
             notes.append(COLD_START_NOTE)
         if info.get("cold_start_s") is not None:
-            notes.append(f"measured on its second start: the first ({info['cold_start_s']} s) compiled its graphs")
+            notes.append(f"measured on its second start: the first ({info['cold_start_s']} s) filled a compile cache")
         ran = str(info.get("attention_backend") or "")
         if ran and not ran.lower().endswith(backend.lower()):  # an engine may swap a backend it cannot run
             notes.append(f"the engine reports attention backend {ran}")

@@ -26,9 +26,15 @@ from .workloads import (FORCED, MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, Mea
 
 # A workload does not start with less than this left before the deadline (a decode cell takes 5-60 s).
 MIN_WORKLOAD_S = 30.0
-#: Status of an engine process that ended after a start that compiled its graphs (``EngineSpec.restart_cold``): the
+#: Status of an engine process that ended after a start that filled a compile cache (``EngineSpec.restart_cold``): the
 #: driver starts it again, now with warm compile caches, and measures that one.
 COMPILED = "compiled"
+
+
+def cache_files(roots) -> int:
+    """Files under the directories ``roots`` (absent ones count 0): a compile cache that holds more after an
+    engine's start than before it was filled by that start."""
+    return sum(len(files) for root in roots for _, _, files in os.walk(root))
 TRACE_READ_ATTEMPTS = 10
 
 
@@ -59,7 +65,7 @@ class EngineSpec:
     speculative_tokens: int = 0  # MTP draft tokens per step (0: no speculative decoding)
     decode_context_parallel_size: int = 1  # vLLM: GPUs each request's KV cache is spread over in decode
     verify: bool = False  # eager engine, every decode call of ours recomputed by the fp32 reference (verify.py)
-    restart_cold: bool = False  # end the engine after a start that compiled its graphs, for a warm second start
+    restart_cold: bool = False  # end the engine after a start that filled a compile cache, for a warm second start
 
     @property
     def forces_tokens(self) -> bool:

@@ -16,6 +16,7 @@ token. The throughput load is one ``Engine.generate`` call, as SGLang's ``bench_
 from __future__ import annotations
 
 import asyncio
+import getpass
 import importlib.util
 import inspect
 import json
@@ -31,8 +32,8 @@ from ..sglang_plugin import ENV_REPORT
 from .measure import TokenTracker
 from .profile_trace import newest_trace
 from .random_weights import patch_sglang_dummy_weights
-from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
-                            engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
+from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, cache_files, check_deadline,
+                            decode_record, engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
 from .sglang_timers import read_host_timings, time_attention_backends
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
@@ -216,6 +217,21 @@ def read_server_info(engine, keys) -> tuple[dict, dict]:
     return {key: server[key] for key in keys if key in server}, server
 
 
+def compile_cache_dirs() -> list[str]:
+    """The JIT caches an SGLang engine's start fills on a machine where none has started: Triton's (SGLang's Triton
+    kernels), FlashInfer's, TorchInductor's, DeepGEMM's and TileLang's (our kernels, seeded from the package)."""
+    home = os.path.expanduser("~")
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name (containers without a passwd entry)
+        user = "unknown"
+    return [os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton", "cache"),
+            os.path.join(os.environ.get("FLASHINFER_WORKSPACE_BASE") or home, ".cache", "flashinfer"),
+            os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"),
+            os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(home, ".deep_gemm"),
+            os.environ.get("TILELANG_CACHE_DIR") or os.path.join(home, ".tilelang", "cache")]
+
+
 def streamed_indices(count: int, streamed: int = STREAMED_REQUESTS) -> list[int]:
     """Which of ``count`` requests are streamed: evenly spread, always the first and the last."""
     if count <= streamed:
@@ -236,9 +252,12 @@ class SglangSession(EngineSession):
         prepare_process()
         import sglang
 
+        caches = compile_cache_dirs()
+        cached_before = cache_files(caches)
         t0 = time.perf_counter()
         self.engine = bench_engine_class()(**server_kwargs(self.spec))
-        info = {"sglang": sglang.__version__, "start_s": round(time.perf_counter() - t0, 1)}
+        info = {"sglang": sglang.__version__, "start_s": round(time.perf_counter() - t0, 1),
+                "compiled_at_start": cache_files(caches) > cached_before}
         info.update(self._introspect())
         self.kv_capacity_tokens = info.get("kv_capacity_tokens")
         self.prefill_chunk_tokens = info.get("prefill_chunk_tokens") or self.prefill_chunk_tokens

@@ -21,8 +21,8 @@ from .hostile_vllm import rank1_tokens
 from .measure import TokenTracker, median_or_none, request_tpots
 from .profile_trace import newest_trace
 from .random_weights import vllm_worker_kwargs
-from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, check_deadline, decode_record,
-                            engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
+from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, cache_files, check_deadline,
+                            decode_record, engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
 
@@ -125,8 +125,7 @@ def compile_cache_files() -> int:
     before it means that engine compiled its graphs in its own process."""
     import vllm.envs as envs
 
-    root = os.path.join(envs.VLLM_CACHE_ROOT, "torch_compile_cache")
-    return sum(len(files) for _, _, files in os.walk(root))
+    return cache_files([os.path.join(envs.VLLM_CACHE_ROOT, "torch_compile_cache")])
 
 
 class VllmSession(EngineSession):
