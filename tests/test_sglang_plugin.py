@@ -404,6 +404,38 @@ def test_graph_metadata_hooks(kit_env, monkeypatch, graph_metadata):
     assert backend.forward_metadata.metadata.kv_lens.data_ptr() == kv_lens.data_ptr()  # the graph's buffers
 
 
+def test_graph_steps_reuse_one_metadata_per_batch_size_with_fresh_values(kit_env):
+    """Before each replay the graph buffers are refilled in place; the metadata over them is built at a batch
+    size's first step only, and later steps read the same values as metadata built afresh."""
+    from mla_backend.planner import SplitPlanner
+    from mla_backend.sglang_plugin.page_table import sglang_decode_metadata
+
+    fixture = _build(page_size=16, prefix=(5, 40))
+    backend, fb = fixture.backend, fixture.forward_batch
+    backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    backend.init_forward_metadata_out_graph(fb)
+    first = backend.forward_metadata
+    plan = first.metadata.plan
+    cu_blocks = plan.cu_blocks[:3].tolist()
+    fb.seq_lens.add_(40)  # the next step: both requests grow by pages, the second by a 64-token block
+    backend.init_forward_metadata_out_graph(fb)
+    assert backend.forward_metadata is first and first.metadata.plan is plan
+    fresh = sglang_decode_metadata(backend.req_to_token, fb.req_pool_indices, fb.seq_lens, 16)
+    md = first.metadata
+    assert md.kv_lens.tolist() == fresh.kv_lens.tolist() == [46, 81]
+    for r, kv_len in enumerate(fresh.kv_lens.tolist()):
+        pages = -(-kv_len // 16)
+        ours = md.page_table[md.page_table_start[r]: md.page_table_start[r] + pages]
+        theirs = fresh.page_table[fresh.page_table_start[r]: fresh.page_table_start[r] + pages]
+        assert ours.tolist() == theirs.tolist(), r
+    expected = SplitPlanner(4, backend.num_heads, 1, "cpu").plan(fresh.kv_lens)
+    for name in ("cu_blocks", "part_begin_req", "part_end_req", "blocks_per_part"):
+        got, want = getattr(plan, name), getattr(expected, name)
+        n = 3 if name == "cu_blocks" else want.shape[0]  # a batch of 2: cu_blocks' first 3 entries
+        assert got[:n].tolist() == want[:n].tolist(), name
+    assert plan.cu_blocks[:3].tolist() != cu_blocks  # the plan was made again, in place
+
+
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_decode_forward_matches_sglang_reference(kit_env, page_size):
     # The whole decode step on CPU: SGLang's MLA module writes the cache and calls RadixAttention, which calls our

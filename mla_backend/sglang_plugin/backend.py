@@ -44,7 +44,8 @@ from ..metadata import INDEX_DTYPE, MLADecodeMetadata
 from ..verify import verification_report, verifying
 from ..planner import SplitPlanner
 from . import BACKEND_NAME, ENV_PREFILL, ENV_REPORT, prefill_backend, set_prefill_in_use
-from .page_table import FillFn, fill_page_table_torch, max_pages_per_request, sglang_decode_metadata
+from .page_table import (FillFn, fill_page_table_torch, max_pages_per_request, refill_decode_buffers,
+                         sglang_decode_metadata)
 
 logger = logging.getLogger("mla_backend.sglang")
 
@@ -294,6 +295,9 @@ class _Buffers:
     kv_lens: torch.Tensor  # int32 [max_bs]
     qo_indptr: dict = field(default_factory=dict)  # q_len -> int32 [max_bs + 1]
     planners: dict = field(default_factory=dict)  # q_len -> SplitPlanner(max_bs)
+    # (q_len, bs) -> DecodeForwardMetadata over views of these buffers, built at a batch size's first step: later
+    # steps only refill the buffers and the plan (device ops), as a captured graph reads them
+    decode: dict = field(default_factory=dict)
 
 
 class TileLangMLABackend(AttentionBackend):
@@ -559,6 +563,12 @@ class TileLangMLABackend(AttentionBackend):
         seq_lens = forward_batch.seq_lens[:bs]
         g = self._graph
         if self._fits_graph(bs):
+            built = g.decode.get((q_len, bs))
+            if built is not None:
+                refill_decode_buffers(self.req_to_token, req_pool_indices, seq_lens, self.page_size, g.kv_lens,
+                                      g.page_table, num_draft_tokens=n_draft, fill=self._fill)
+                self._planner(q_len, bs).plan(built.metadata.kv_lens)  # refills built.metadata.plan in place
+                return built
             md = sglang_decode_metadata(
                 self.req_to_token, req_pool_indices, seq_lens, self.page_size, num_draft_tokens=n_draft,
                 page_table=g.page_table, kv_indptr=g.kv_indptr, kv_lens=g.kv_lens,
@@ -571,7 +581,10 @@ class TileLangMLABackend(AttentionBackend):
                 width=width, page_table=e.page_table, kv_indptr=e.kv_indptr, kv_lens=e.kv_lens,
                 qo_indptr=self._qo_indptr(e, q_len), fill=self._fill)
         md.plan = self._planner(q_len, bs).plan(md.kv_lens)
-        return DecodeForwardMetadata(md, q_len, bs, _indptr_of(md), md.qo_indptr)
+        built = DecodeForwardMetadata(md, q_len, bs, _indptr_of(md), md.qo_indptr)
+        if self._fits_graph(bs):
+            g.decode[(q_len, bs)] = built
+        return built
 
     # ------------------------------------------------------------------ forward
     def _save_kv(self, layer, forward_batch, k, v, k_rope, save_kv_cache: bool):

@@ -125,6 +125,32 @@ def translate_page_table(
     return kv_indptr, kv_indices
 
 
+def refill_decode_buffers(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    kv_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    num_draft_tokens: int = 0,
+    width: Optional[int] = None,
+    fill: Optional[FillFn] = None,
+) -> torch.Tensor:
+    """One step's device ops into persistent buffers: ``kv_lens[:bs] = seq_lens + num_draft_tokens`` (int32
+    ``[max_bs]``) and each request's page ids into ``page_table[:bs, :width]`` (int32 ``[max_bs, W]``). Returns
+    ``kv_lens[:bs]``. Metadata built once over these buffers (views) reads the new values."""
+    bs = req_pool_indices.shape[0]
+    kv_lens = kv_lens[:bs]
+    kv_lens.copy_(seq_lens[:bs])
+    if num_draft_tokens:
+        kv_lens.add_(int(num_draft_tokens))
+    if bs:
+        w = page_table.shape[1] if width is None else width
+        (fill or fill_page_table_torch)(req_to_token, req_pool_indices, kv_lens, page_size, page_table[:bs, :w])
+    return kv_lens
+
+
 def sglang_decode_metadata(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -156,26 +182,19 @@ def sglang_decode_metadata(
     bs = req_pool_indices.shape[0]
     device = req_to_token.device
     q_len = max(1, int(num_draft_tokens))
-    if kv_lens is None:
-        kv_lens = torch.empty(bs, dtype=INDEX_DTYPE, device=device)
-    kv_lens = kv_lens[:bs]
-    kv_lens.copy_(seq_lens[:bs])
-    if num_draft_tokens:
-        kv_lens.add_(int(num_draft_tokens))
-    if page_table is None:
-        indptr, indices = translate_page_table(req_to_token, req_pool_indices, kv_lens, page_size,
-                                               width=width, fill=fill)
+    if page_table is not None and kv_indptr is not None:
+        kv_lens = refill_decode_buffers(req_to_token, req_pool_indices, seq_lens, page_size, kv_lens, page_table,
+                                        num_draft_tokens=num_draft_tokens, width=width, fill=fill)
+        indptr, indices = kv_indptr, page_table.view(-1)
     else:
-        if kv_indptr is None:
-            indptr, indices = translate_page_table(req_to_token, req_pool_indices, kv_lens, page_size,
-                                                   width=width, out=page_table, fill=fill)
-        else:
-            w = page_table.shape[1] if width is None else width
-            if bs:
-                (fill or fill_page_table_torch)(req_to_token, req_pool_indices, kv_lens, page_size,
-                                                page_table[:bs, :w])
-            indptr = kv_indptr
-            indices = page_table.view(-1)
+        if kv_lens is None:
+            kv_lens = torch.empty(bs, dtype=INDEX_DTYPE, device=device)
+        kv_lens = kv_lens[:bs]
+        kv_lens.copy_(seq_lens[:bs])
+        if num_draft_tokens:
+            kv_lens.add_(int(num_draft_tokens))
+        indptr, indices = translate_page_table(req_to_token, req_pool_indices, kv_lens, page_size, width=width,
+                                               out=page_table, fill=fill)
     # A persistent qo_indptr (already arange * q_len) is passed together with q_len, so the batch stays
     # uniform (kernel path) and the metadata reads that buffer.
     return MLADecodeMetadata.from_csr(indptr[: bs + 1], indices, page_size, kv_lens=kv_lens,
