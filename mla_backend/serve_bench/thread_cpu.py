@@ -3,7 +3,7 @@
 A host-bound decode step runs at the speed of the engine's main thread. When one engine's step code runs slower than
 another's on the same machine, this says whether that thread was starved (involuntary context switches: the kernel
 took the CPU away) or shared its process with a busy thread, rather than leaving it to guesswork. Read by serve-bench's
-vLLM worker extension with the host timers (one interval per workload).
+vLLM worker extension and SGLang scheduler timers with the host timers (one interval per workload).
 """
 
 from __future__ import annotations
