@@ -337,6 +337,9 @@ def test_markdown_host_timer_table_shows_the_slowest_rank():
     text = report.markdown(data)
     assert "#### Host time per call without a profiler, µs p50 / p99 (calls), slowest rank" in text
     assert "| decode b16 8k | `mla_backend.vllm.build_decode` | 21.0 / 40.0 (200) | – | – | – |" in text
+    engine = data["settings"]["engine"]
+    for name, ranges_text in report.HOST_TIMER_RANGES.items():  # the footer explains this engine's ranges only
+        assert (ranges_text in text) == (name == engine), name
 
 
 def test_outputs_hold_every_raw_repeat(tmp_path, capsys):

@@ -258,19 +258,26 @@ def worst_rank_timings(ranks: list[dict]) -> dict[str, dict]:
     return merged
 
 
+#: What the host timers' engine-wide ranges time, per engine (the footer of host_timer_table).
+HOST_TIMER_RANGES = {
+    "vllm": "`mla_backend.vllm.metadata_build`: vLLM's whole per-step MLA metadata build, the same method for every "
+            "backend (ours includes `mla_backend.vllm.build_decode`); `mla_backend.vllm.decode_call`: each layer's "
+            "`forward_mqa`, every backend alike (ours includes `mla_backend.vllm.forward_mqa`). Under FULL CUDA "
+            "graphs the per-layer call runs inside the graph: only mixed prefill-decode steps (PIECEWISE) time it.",
+    "sglang": "`mla_backend.sglang.metadata_build`: each backend's own `init_forward_metadata` (eager steps) or "
+              "`init_forward_metadata_out_graph` (before a decode graph's replay; ours includes "
+              "`mla_backend.sglang.build_decode`); `mla_backend.sglang.decode_call`: each layer's `forward_decode` "
+              "outside a graph.",
+}
+
+
 def host_timer_table(data: dict) -> list[str]:
     """Host time per call of our ranges without a profiler (host_trace's timers, read per workload on every rank)."""
+    engine = (data.get("settings") or {}).get("engine")
     return _range_table(data, "Host time per call without a profiler, µs p50 / p99 (calls), slowest rank",
                         lambda record: worst_rank_timings(record.get("host_timers") or []),
                         "`perf_counter` around each call (`MLA_BACKEND_HOST_TIMERS=1`, which serve-bench sets), over "
-                        "the whole workload, profiled steps excepted. `mla_backend.vllm.metadata_build`: vLLM's whole "
-                        "per-step MLA metadata build, the same method for every backend (ours includes "
-                        "`mla_backend.vllm.build_decode`); `mla_backend.vllm.decode_call`: each layer's `forward_mqa`, "
-                        "every backend alike (ours includes `mla_backend.vllm.forward_mqa`). Under FULL CUDA graphs the "
-                        "per-layer call runs inside the graph: only mixed prefill-decode steps (PIECEWISE) time it. "
-                        "SGLang: `mla_backend.sglang.metadata_build`, each backend's `init_forward_metadata` (eager "
-                        "steps) or `init_forward_metadata_out_graph` (before a graph replay); "
-                        "`mla_backend.sglang.decode_call`, each layer's `forward_decode` outside a graph.")
+                        "the whole workload, profiled steps excepted. " + HOST_TIMER_RANGES.get(engine, ""))
 
 
 def thread_cpu_table(data: dict) -> list[str]:
