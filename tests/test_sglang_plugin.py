@@ -327,7 +327,16 @@ def test_refuses_too_many_heads(kit_env):
 
 def test_constructs_on_cpu_with_reference_impl(kit_env, monkeypatch, tmp_path):
     monkeypatch.setenv("MLA_BACKEND_SGLANG_REPORT", str(tmp_path))  # the backend's JSON report (e2e scripts read it)
-    fixture = _build(page_size=64)
+    import logging
+
+    core_logger = logging.getLogger("mla_backend")
+    level = core_logger.level
+    core_logger.setLevel(logging.NOTSET)  # as in a fresh server process
+    try:
+        fixture = _build(page_size=64)
+        assert core_logger.isEnabledFor(logging.INFO)  # startup lines reach SGLang's log
+    finally:
+        core_logger.setLevel(level)
     backend = fixture.backend
     from mla_backend.sglang_plugin.backend import TileLangMLABackend
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend

@@ -20,7 +20,6 @@ import getpass
 import importlib.util
 import inspect
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -179,10 +178,7 @@ def prepare_process() -> None:
 
 def scheduler_process(*args, **kwargs):
     """The scheduler subprocess's target (spawned: module level, so it pickles by reference); under
-    ``MLA_BACKEND_HOST_TIMERS=1`` it times every attention backend (sglang_timers.py). Our backend's INFO lines
-    (kernels ready in how long, which prefill backend) reach the engine log through SGLang's handlers, which keep
-    only warnings of loggers that set no level."""
-    logging.getLogger("mla_backend").setLevel(logging.INFO)
+    ``MLA_BACKEND_HOST_TIMERS=1`` it times every attention backend (sglang_timers.py)."""
     prepare_process()
     time_attention_backends()
     from sglang.srt.managers.scheduler import run_scheduler_process

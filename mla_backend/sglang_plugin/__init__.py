@@ -82,6 +82,7 @@ def register() -> None:
 def create_backend(model_runner):
     """Factory stored in SGLang's ``ATTENTION_BACKENDS`` (called with the ``ModelRunner``)."""
     register_deepseek_handler()
+    show_core_info_logs()
     from .backend import TileLangMLABackend
 
     return TileLangMLABackend(model_runner)
@@ -114,6 +115,15 @@ def set_prefill_in_use(name: str) -> None:
     """Called by the backend with the prefill backend it built."""
     global _prefill_in_use
     _prefill_in_use = name
+
+
+def show_core_info_logs() -> None:
+    """The core's INFO lines (kernels ready and in how long, the prefill backend) in SGLang's server log, unless
+    the application set the ``mla_backend`` logger's level itself: SGLang's handlers print what a logger lets
+    through, and a logger without a level passes warnings only."""
+    core = logging.getLogger("mla_backend")
+    if core.level == logging.NOTSET:
+        core.setLevel(logging.INFO)
 
 
 def deepseek_attention_handler(attn, forward_batch):
