@@ -342,7 +342,7 @@ def test_constructs_on_cpu_with_reference_impl(kit_env, monkeypatch, tmp_path):
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
     assert isinstance(backend, TileLangMLABackend), type(backend)
-    assert backend.prefill_backend == "triton" and isinstance(backend.extend_backend, TritonAttnBackend)
+    assert backend.prefill_backend_name == "triton" and isinstance(backend.extend_backend, TritonAttnBackend)
     assert backend.config.impl == "reference" and backend.num_heads == 16 and backend.page_size == 64
     # SGLang's forward context reads the running backend's pools (DeepSeek's MHA prefill reads req_to_token_pool)
     from sglang.srt.model_executor import forward_context

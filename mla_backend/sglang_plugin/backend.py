@@ -339,7 +339,7 @@ class TileLangMLABackend(AttentionBackend):
         self._verify_mask = None
         self._fill: FillFn = self._choose_fill()
         # Prefill / extend / mixed: one of SGLang's backends, same runner (reads the same pools).
-        self.prefill_backend, self.extend_backend = _build_extend_backend(model_runner)
+        self.prefill_backend_name, self.extend_backend = _build_extend_backend(model_runner)
         self._report_dir = os.environ.get(ENV_REPORT)
         self._graph_metadata = os.environ.get(ENV_GRAPH_METADATA) == "1"
         # metadata_host_s: host time spent issuing the decode / verify metadata (page table, lengths, plan) before
@@ -351,7 +351,7 @@ class TileLangMLABackend(AttentionBackend):
             self._warmup()
         logger.info("mla_backend: %s backend ready (heads=%d page=%d dtype=%s kv=%s q_lens=%s impl=%s prefill=%s)",
                     BACKEND_NAME, self.num_heads, self.page_size, cfg.dtype, cfg.kv_dtype, cfg.q_lens, cfg.impl,
-                    self.prefill_backend)
+                    self.prefill_backend_name)
         self._write_report()
 
     # ------------------------------------------------------------------ setup helpers
@@ -389,8 +389,8 @@ class TileLangMLABackend(AttentionBackend):
                     "heads": self.num_heads, "page_size": self.page_size, "dtype": str(self.config.dtype),
                     "kv_dtype": str(self.config.kv_dtype), "q_lens": list(self.config.q_lens),
                     "spec_algorithm": self.config.spec_algorithm, "num_draft_tokens": self.num_draft_tokens,
-                    "page_table_fill": getattr(self._fill, "__name__", "?"), "prefill_backend": self.prefill_backend,
-                    **self._stats,
+                    "page_table_fill": getattr(self._fill, "__name__", "?"),
+                    "prefill_backend": self.prefill_backend_name, **self._stats,
                     "metadata_host_us_per_call": round(
                         1e6 * self._stats["metadata_host_s"] / max(1, self._stats["decode"] + self._stats["verify"]), 1)}
             report = verification_report()
@@ -632,7 +632,7 @@ class TileLangMLABackend(AttentionBackend):
         """DeepSeek's chunked-prefix MHA (prefill over a long cached prefix, FlashInfer prefill only) plans here."""
         if not hasattr(self.extend_backend, "init_mha_chunk_metadata"):
             _refuse(f"chunked-prefix MHA needs the FlashInfer prefill backend; this one prefills with "
-                    f"{self.prefill_backend} ({ENV_PREFILL})")
+                    f"{self.prefill_backend_name} ({ENV_PREFILL})")
         return self.extend_backend.init_mha_chunk_metadata(forward_batch, *args, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, q_rope=None,
@@ -645,7 +645,7 @@ class TileLangMLABackend(AttentionBackend):
         if forward_batch.forward_mode.is_target_verify():
             self._save_kv(layer, forward_batch, k, v, k_rope, save_kv_cache)
             return self._attend(q, q_rope, layer, forward_batch)
-        if self.prefill_backend == "flashinfer":  # takes the split absorbed form itself
+        if self.prefill_backend_name == "flashinfer":  # takes the split absorbed form itself
             return self.extend_backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope,
                                                       k_rope=k_rope)
         if q_rope is not None:
