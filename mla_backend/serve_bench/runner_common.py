@@ -29,13 +29,13 @@ MIN_WORKLOAD_S = 30.0
 #: Status of an engine process that ended after a start that filled a compile cache (``EngineSpec.restart_cold``): the
 #: driver starts it again, now with warm compile caches, and measures that one.
 COMPILED = "compiled"
+TRACE_READ_ATTEMPTS = 10
 
 
 def cache_files(roots) -> int:
     """Files under the directories ``roots`` (absent ones count 0): a compile cache that holds more after an
     engine's start than before it was filled by that start."""
     return sum(len(files) for root in roots for _, _, files in os.walk(root))
-TRACE_READ_ATTEMPTS = 10
 
 
 @dataclass

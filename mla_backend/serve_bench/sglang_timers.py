@@ -10,10 +10,8 @@ that dict from each scheduler that answers it (one per data-parallel rank), and 
 
 from __future__ import annotations
 
-import os
-
-from ..host_trace import TIMING, host_timings, timed
-from .thread_cpu import ThreadCpu
+from ..host_trace import TIMING, timed
+from .thread_cpu import ThreadCpu, process_timings
 
 #: Host range around each step's metadata build: ``init_forward_metadata`` (eager steps) and
 #: ``init_forward_metadata_out_graph`` (the host part before a CUDA-graph replay), the outermost call only.
@@ -75,17 +73,11 @@ def time_attention_backends() -> bool:
         output = get_internal_state(self, recv_req)
         state = getattr(output, "internal_state", None)
         if isinstance(state, dict):
-            state[INTERNAL_STATE_KEY] = scheduler_timings(getattr(self, "tp_rank", None))
+            state[INTERNAL_STATE_KEY] = process_timings(getattr(self, "tp_rank", None), _THREAD_CPU)
         return output
 
     Scheduler.get_internal_state = get_internal_state_timed
     return True
-
-
-def scheduler_timings(rank) -> dict:
-    """This process's host ranges and per-thread CPU time since the last read, which starts the next interval."""
-    return {"rank": rank, "pid": os.getpid(), "ranges": host_timings(reset=True) or {},
-            "threads": _THREAD_CPU.interval(True)}
 
 
 def read_host_timings(server_info: dict) -> list[dict]:

@@ -75,4 +75,15 @@ class ThreadCpu:
         return {"wall_s": round(wall_s, 2), "threads": rows}
 
 
-__all__ = ["MIN_SHARE", "ThreadCpu", "read_threads"]
+def process_timings(rank, threads: ThreadCpu | None, reset: bool = True) -> dict | None:
+    """One engine process's report for serve-bench: its host timers (host_trace.host_timings) and its threads' CPU
+    time since the last reset, None while the timers are off; ``reset`` starts the next interval."""
+    from ..host_trace import host_timings
+
+    ranges = host_timings(reset=reset)
+    if ranges is None:
+        return None
+    return {"rank": rank, "pid": os.getpid(), "ranges": ranges, "threads": threads.interval(reset)}
+
+
+__all__ = ["MIN_SHARE", "ThreadCpu", "process_timings", "read_threads"]

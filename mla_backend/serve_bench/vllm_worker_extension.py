@@ -17,7 +17,7 @@ import functools
 from ..host_trace import TIMING, timed
 
 from .random_weights import register_vllm_scaled_loader
-from .thread_cpu import ThreadCpu
+from .thread_cpu import ThreadCpu, process_timings
 
 #: Host range around vLLM's whole per-step MLA metadata build (``MLACommonMetadataBuilder.build``): the common part and
 #: the backend's ``_build_decode``, for ours and every built-in alike.
@@ -76,9 +76,4 @@ class WorkerExtension:
     def mla_backend_host_timings(self, reset: bool = True) -> dict | None:
         """This rank's host timers (``MLA_BACKEND_HOST_TIMERS=1``, host_trace.py) and its process's per-thread CPU
         time (thread_cpu.py) since the last reset, None while off; ``reset`` starts the next interval."""
-        from mla_backend.host_trace import host_timings
-
-        ranges = host_timings(reset=reset)
-        if ranges is None:
-            return None
-        return {"rank": getattr(self, "rank", None), "ranges": ranges, "threads": _THREAD_CPU.interval(reset)}
+        return process_timings(getattr(self, "rank", None), _THREAD_CPU, reset)

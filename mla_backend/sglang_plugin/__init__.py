@@ -95,7 +95,7 @@ def prefill_backend() -> str:
     with (ragged MHA over the new tokens and over chunks of the cached prefix). ``triton``: SGLang's Triton backend.
     ``auto`` (the default): flashinfer where the package is installed and a CUDA GPU is present, else triton.
     """
-    value = os.environ.get(ENV_PREFILL, "auto").strip().lower()
+    value = prefill_request()
     if value == "auto":
         import torch
 
@@ -104,6 +104,11 @@ def prefill_backend() -> str:
         raise ValueError(f"{BACKEND_NAME}: {ENV_PREFILL}={value!r} is not supported; use auto, "
                          f"{' or '.join(PREFILL_BACKENDS)}")
     return value
+
+
+def prefill_request() -> str:
+    """``MLA_BACKEND_SGLANG_PREFILL`` as the user set it (normalised; ``auto`` when unset)."""
+    return os.environ.get(ENV_PREFILL, "auto").strip().lower()
 
 
 def prefill_in_use() -> str:

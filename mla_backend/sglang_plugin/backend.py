@@ -43,7 +43,7 @@ from ..launcher import MLADecodeLauncher
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
 from ..verify import verification_report, verifying
 from ..planner import SplitPlanner
-from . import BACKEND_NAME, ENV_PREFILL, ENV_REPORT, prefill_backend, set_prefill_in_use
+from . import BACKEND_NAME, ENV_PREFILL, ENV_REPORT, prefill_backend, prefill_request, set_prefill_in_use
 from .page_table import (FillFn, fill_page_table_torch, max_pages_per_request, refill_decode_buffers,
                          sglang_decode_metadata)
 
@@ -72,7 +72,7 @@ def _build_extend_backend(model_runner) -> tuple[str, AttentionBackend]:
             backend = FlashInferMLAAttnBackend(model_runner)
         except Exception as exc:  # noqa: BLE001 - any failure of SGLang's constructor
             why = f"{type(exc).__name__}: {exc}"
-            if os.environ.get(ENV_PREFILL, "auto").strip().lower() == "flashinfer":
+            if prefill_request() == "flashinfer":
                 _refuse(f"{ENV_PREFILL}=flashinfer, but SGLang's FlashInferMLAAttnBackend cannot be built ({why}); "
                         f"supported: auto, flashinfer (with FlashInfer installed and a CUDA GPU) or triton")
             logger.warning("mla_backend: %s prefills with SGLang's Triton backend: FlashInferMLAAttnBackend cannot "
@@ -562,7 +562,8 @@ class TileLangMLABackend(AttentionBackend):
         req_pool_indices = forward_batch.req_pool_indices[:bs]
         seq_lens = forward_batch.seq_lens[:bs]
         g = self._graph
-        if self._fits_graph(bs):
+        fits_graph = self._fits_graph(bs)
+        if fits_graph:
             built = g.decode.get((q_len, bs))
             if built is not None:
                 refill_decode_buffers(self.req_to_token, req_pool_indices, seq_lens, self.page_size, g.kv_lens,
@@ -582,7 +583,7 @@ class TileLangMLABackend(AttentionBackend):
                 qo_indptr=self._qo_indptr(e, q_len), fill=self._fill)
         md.plan = self._planner(q_len, bs).plan(md.kv_lens)
         built = DecodeForwardMetadata(md, q_len, bs, _indptr_of(md), md.qo_indptr)
-        if self._fits_graph(bs):
+        if fits_graph:
             g.decode[(q_len, bs)] = built
         return built
 

@@ -125,6 +125,15 @@ def translate_page_table(
     return kv_indptr, kv_indices
 
 
+def _refill_kv_lens(seq_lens: torch.Tensor, num_draft_tokens: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (int32 ``[bs]``) = ``seq_lens[:bs] + num_draft_tokens``: SGLang's committed lengths plus the drafts
+    written before attention."""
+    out.copy_(seq_lens[: out.shape[0]])
+    if num_draft_tokens:
+        out.add_(int(num_draft_tokens))
+    return out
+
+
 def refill_decode_buffers(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -141,10 +150,7 @@ def refill_decode_buffers(
     ``[max_bs]``) and each request's page ids into ``page_table[:bs, :width]`` (int32 ``[max_bs, W]``). Returns
     ``kv_lens[:bs]``. Metadata built once over these buffers (views) reads the new values."""
     bs = req_pool_indices.shape[0]
-    kv_lens = kv_lens[:bs]
-    kv_lens.copy_(seq_lens[:bs])
-    if num_draft_tokens:
-        kv_lens.add_(int(num_draft_tokens))
+    kv_lens = _refill_kv_lens(seq_lens, num_draft_tokens, kv_lens[:bs])
     if bs:
         w = page_table.shape[1] if width is None else width
         (fill or fill_page_table_torch)(req_to_token, req_pool_indices, kv_lens, page_size, page_table[:bs, :w])
@@ -187,12 +193,8 @@ def sglang_decode_metadata(
                                         num_draft_tokens=num_draft_tokens, width=width, fill=fill)
         indptr, indices = kv_indptr, page_table.view(-1)
     else:
-        if kv_lens is None:
-            kv_lens = torch.empty(bs, dtype=INDEX_DTYPE, device=device)
-        kv_lens = kv_lens[:bs]
-        kv_lens.copy_(seq_lens[:bs])
-        if num_draft_tokens:
-            kv_lens.add_(int(num_draft_tokens))
+        out = torch.empty(bs, dtype=INDEX_DTYPE, device=device) if kv_lens is None else kv_lens[:bs]
+        kv_lens = _refill_kv_lens(seq_lens, num_draft_tokens, out)
         indptr, indices = translate_page_table(req_to_token, req_pool_indices, kv_lens, page_size, width=width,
                                                out=page_table, fill=fill)
     # A persistent qo_indptr (already arange * q_len) is passed together with q_len, so the batch stays
