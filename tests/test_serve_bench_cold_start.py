@@ -114,3 +114,30 @@ def test_sglang_start_is_judged_by_the_jit_caches_it_fills(tmp_path, monkeypatch
     (tmp_path / "fi" / ".cache" / "flashinfer" / "90a" / "mla.so").write_bytes(b"")
     (tmp_path / "elsewhere.txt").write_text("")  # outside every cache
     assert cache_files(dirs) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
+def test_seeding_the_package_s_kernels_before_a_start_copies_every_variant_once(tmp_path, monkeypatch):
+    """serve-bench's SGLang session seeds the prebuilt kernels before it counts the caches, so a copy from the package
+    never reads as a compile at start."""
+    from mla_backend.kernels import prebuilt
+
+    release = tmp_path / "prebuilt" / prebuilt.installed_tilelang()
+    variants = {prebuilt.variant_name(32, 1, 64, "bfloat16", "bfloat16"): ["k0", "kc"],
+                prebuilt.variant_name(32, 2, 64, "bfloat16", "bfloat16"): ["k1", "kc"]}
+    for key in ("k0", "k1", "kc"):
+        (release / "entries" / key).mkdir(parents=True)
+        (release / "entries" / key / "executable.so").write_bytes(key.encode())
+    (release / prebuilt.MANIFEST).write_text(json.dumps({"tilelang": prebuilt.installed_tilelang(),
+                                                         "cache_subdir": "v-x/kernels", "variants": variants}))
+    monkeypatch.setattr(prebuilt, "PACKAGE_DIR", tmp_path / "prebuilt")
+    monkeypatch.setattr(prebuilt, "_manifest", None)
+    monkeypatch.setattr(prebuilt, "_tilelang_cache_dir", lambda: tmp_path / "cache")
+    from mla_backend.serve_bench.runner_common import cache_files
+
+    assert prebuilt.seed_all() == 2
+    cached = tmp_path / "cache" / "v-x" / "kernels"
+    assert sorted(p.name for p in cached.iterdir()) == ["k0", "k1", "kc"]
+    assert (cached / "k1" / "executable.so").read_bytes() == b"k1"
+    before = cache_files([tmp_path / "cache"])
+    assert prebuilt.seed_all() == 2 and cache_files([tmp_path / "cache"]) == before  # nothing copied twice

@@ -124,6 +124,17 @@ def seed(name: str) -> bool:
     return True
 
 
+def seed_all() -> int:
+    """Copies every variant the package carries for the installed TileLang into TileLang's cache; returns how many.
+    A copy, not a compile: serve-bench seeds before an engine starts, so that what the start adds to the cache is
+    what it compiled."""
+    global _manifest
+    if _manifest is None:
+        _manifest = _Manifest(release_dir())
+    names = list(_manifest.data["variants"]) if _manifest.data is not None else []
+    return sum(seed(name) for name in names)
+
+
 # ---- building: mla-backend compile ------------------------------------------------------------------------------
 
 def _compile_into(task: tuple) -> tuple[str, list[str], float]:

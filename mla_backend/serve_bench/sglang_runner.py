@@ -248,6 +248,10 @@ class SglangSession(EngineSession):
         prepare_process()
         import sglang
 
+        if importlib.util.find_spec("tilelang") is not None:
+            from ..kernels import prebuilt
+
+            prebuilt.seed_all()  # the package's kernels copied now, so the cache grows at start only by compiles
         caches = compile_cache_dirs()
         cached_before = cache_files(caches)
         t0 = time.perf_counter()
