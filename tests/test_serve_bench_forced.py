@@ -161,13 +161,36 @@ def test_sglang_forcing_processor_records_the_models_argmax_and_forces_the_scrip
     assert sglang_runner.server_kwargs(_spec(tmp_path, "sglang"), fields=set())["enable_custom_logit_processor"]
     processor_class = sglang_runner.forced_tokens_processor()
     processor = processor_class.from_str(processor_class().to_str())  # as SGLang ships it to its schedulers
-    requests = [type("Req", (), {"rid": f"r{i}"})() for i in range(2)]
+
+    class Req:  # SGLang's Req fields the processor reads
+        def __init__(self, rid, prompt_len, **filled):
+            self.rid, self.origin_input_ids, self.output_ids = rid, list(range(prompt_len)), []
+            self.__dict__.update(filled)
+
+    class Range:
+        def __init__(self, end):
+            self.end = end
+
+    # request 0 prefills in two chunks (0.5.23 spells the filled end extend_end); request 1 in one (0.5.17:
+    # extend_range), and the overlap scheduler runs it once more after its last step
+    requests = [Req("r0", 6, extend_end=4), Req("r1", 3, extend_range=Range(3))]
     params = [{"__req__": requests[i], "forced": [3, 4, 5], "record_dir": str(tmp_path), "index": i}
               for i in range(2)]
-    own = []
-    for _ in range(3):
-        logits = torch.randn(2, 16)
-        own.append(logits.argmax(dim=-1).tolist())
-        out = processor(logits, params)
-        assert out.argmax(dim=-1).tolist() == [[3, 3], [4, 4], [5, 5]][len(own) - 1]
-    assert sglang_runner.read_forced_argmax(str(tmp_path), 2) == [[step[i] for step in own] for i in range(2)]
+    own = [[], []]
+    for call in range(5):
+        rows = [i for i in (0, 1) if not (i == 0 and call == 4) and not (i == 1 and call == 0)]
+        logits = torch.randn(len(rows), 16)
+        out = processor(logits.clone(), [params[i] for i in rows])
+        for row, i in enumerate(rows):
+            req = requests[i]
+            if i == 0 and call == 0:  # the middle chunk: its row is left alone, its token dropped
+                assert torch.equal(out[row], logits[row])
+                req.extend_end = 6
+                continue
+            if len(req.output_ids) < 3:
+                own[i].append(int(logits[row].argmax()))
+            step = min(len(req.output_ids), 2)
+            assert int(out[row].argmax()) == [3, 4, 5][step] and torch.isinf(out[row]).sum() == 15
+            req.output_ids.append(int(out[row].argmax()))
+    assert [r.output_ids[:3] for r in requests] == [[3, 4, 5], [3, 4, 5]]
+    assert sglang_runner.read_forced_argmax(str(tmp_path), 2) == own

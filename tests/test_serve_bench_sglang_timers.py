@@ -51,7 +51,11 @@ wrapped = {cls.__name__: sorted(m for m in ("init_forward_metadata", "init_forwa
            for cls in (TritonAttnBackend, TileLangMLABackend, Probe)}
 # SGLang's scheduler needs a GPU to exist; its get_internal_state runs here on an object that answers the one
 # thing it asks for, returning SGLang's own output type.
-scheduler = types.SimpleNamespace(tp_rank=0, internal_state=types.SimpleNamespace(
+# The rank comes from SGLang's runtime context, where both 0.5.17 and 0.5.23 keep it (their schedulers have no
+# tp_rank attribute).
+from sglang.srt.runtime_context import get_parallel
+get_parallel().override_permanently(tp_rank=2)
+scheduler = types.SimpleNamespace(internal_state=types.SimpleNamespace(
     get_internal_state=lambda req: GetInternalStateReqOutput(internal_state={"last_gen_throughput": 1.0})))
 state = Scheduler.get_internal_state(scheduler, None).internal_state
 first = read_host_timings({"internal_states": [state]})
@@ -70,7 +74,7 @@ def test_sglang_scheduler_times_every_backend_and_reports_in_its_internal_state(
     assert "init_forward_metadata" in result["wrapped"]["TritonAttnBackend"]
     assert result["wrapped"]["Probe"] == ["forward_decode", "init_forward_metadata_out_graph"]
     (first,), (again,) = result["first"], result["again"]
-    assert result["kept"] == 1.0 and first["rank"] == 0 and first["pid"] > 0
+    assert result["kept"] == 1.0 and first["rank"] == 2 and first["pid"] > 0
     build = first["ranges"]["mla_backend.sglang.metadata_build"]
     call = first["ranges"]["mla_backend.sglang.decode_call"]
     assert build["calls"] == 5 and 2000 <= build["p50_us"] < 2000 + 50_000

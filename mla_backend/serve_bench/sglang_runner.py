@@ -134,17 +134,30 @@ def forced_tokens_processor():
     class ForcedTokens(CustomLogitProcessor):
         steps: dict = {}  # request id -> steps seen (per scheduler process)
 
+        @staticmethod
+        def middle_chunk(req) -> bool:
+            """A prefill chunk that ends before the prompt does (chunked prefill): SGLang samples its last row and
+            drops the token, so it is no step. The prompt's filled end: ``extend_range.end`` (SGLang 0.5.17),
+            ``extend_end`` (0.5.23)."""
+            if len(req.output_ids):
+                return False
+            extend = getattr(req, "extend_range", None)
+            filled = extend.end if extend is not None else getattr(req, "extend_end", None)
+            return filled is not None and filled < len(req.origin_input_ids)
+
         def __call__(self, logits, custom_param_list=None):
             import os as _os
 
             best = logits.argmax(dim=-1).tolist()
             for row, params in enumerate(custom_param_list or []):
-                rid = params["__req__"].rid
-                step = ForcedTokens.steps.get(rid, 0)
-                ForcedTokens.steps[rid] = step + 1
-                with open(_os.path.join(params["record_dir"], f"{params['index']}.txt"), "a") as f:
-                    f.write(f"{step} {best[row]}\n")
-                forced = params["forced"]
+                req, forced = params["__req__"], params["forced"]
+                if ForcedTokens.middle_chunk(req):
+                    continue
+                step = ForcedTokens.steps.get(req.rid, 0)
+                ForcedTokens.steps[req.rid] = step + 1
+                if step < len(forced):  # the overlap scheduler may run a finished request once more
+                    with open(_os.path.join(params["record_dir"], f"{params['index']}.txt"), "a") as f:
+                        f.write(f"{step} {best[row]}\n")
                 logits[row].fill_(float("-inf"))
                 logits[row, forced[min(step, len(forced) - 1)]] = 0.0
             return logits
@@ -239,6 +252,8 @@ class SglangSession(EngineSession):
     def __init__(self, spec: EngineSpec):
         self.spec = spec
         self.engine = None
+        self._rids: dict[asyncio.Future, str] = {}  # each submitted request's task -> its SGLang request id
+        self._submitted = 0
 
     # ------------------------------------------------------------------------- start
     def start(self) -> dict:
@@ -297,29 +312,33 @@ class SglangSession(EngineSession):
     def _run(self, coroutine):
         return self.engine.loop.run_until_complete(coroutine)
 
-    async def _streamed(self, tracker: TokenTracker, key: str, prompt, max_new_tokens: int) -> None:
+    async def _streamed(self, tracker: TokenTracker, key: str, prompt, max_new_tokens: int, rid: str) -> None:
         tracker.submit(key, time.monotonic())
         chunks = await self.engine.async_generate(input_ids=prompt, sampling_params=_sampling(max_new_tokens),
-                                                  stream=True)
+                                                  stream=True, rid=rid)
         async for chunk in chunks:
             meta = chunk.get("meta_info") or {}
             tracker.record(key, time.monotonic(), int(meta.get("completion_tokens") or 0),
                            finished=meta.get("finish_reason") is not None)
 
-    async def _unstreamed(self, prompt, max_new_tokens: int) -> None:
-        await self.engine.async_generate(input_ids=prompt, sampling_params=_sampling(max_new_tokens))
+    async def _unstreamed(self, prompt, max_new_tokens: int, rid: str) -> None:
+        await self.engine.async_generate(input_ids=prompt, sampling_params=_sampling(max_new_tokens), rid=rid)
 
     def _launch(self, tracker: TokenTracker, prompts, max_new_tokens: int, tag: str,
                 stream_all: bool = False) -> tuple[list[str], list[asyncio.Task]]:
-        """Submits the prompts in order; returns the streamed requests' keys and every request's task."""
+        """Submits the prompts in order; returns the streamed requests' keys and every request's task. Each request
+        has its own SGLang request id, which :meth:`_abort` aborts."""
         streamed = set(range(len(prompts))) if stream_all else set(streamed_indices(len(prompts)))
         keys, tasks = [], []
         for i, prompt in enumerate(prompts):
+            self._submitted += 1
+            rid = f"serve-bench-{tag}-{i}-{self._submitted}"
             if i in streamed:
                 keys.append(f"{tag}-{i}")
-                tasks.append(asyncio.ensure_future(self._streamed(tracker, keys[-1], prompt, max_new_tokens)))
+                tasks.append(asyncio.ensure_future(self._streamed(tracker, keys[-1], prompt, max_new_tokens, rid)))
             else:
-                tasks.append(asyncio.ensure_future(self._unstreamed(prompt, max_new_tokens)))
+                tasks.append(asyncio.ensure_future(self._unstreamed(prompt, max_new_tokens, rid)))
+            self._rids[tasks[-1]] = rid
         return keys, tasks
 
     async def _wait_for(self, condition, what: str, tasks, poll_s: float = POLL_S) -> None:
@@ -335,8 +354,13 @@ class SglangSession(EngineSession):
         await self._wait_for(lambda: tracker.min_progress(base) >= tokens, what, tasks)
 
     async def _abort(self, tasks) -> None:
-        """Aborts every running request and waits for the request tasks to end."""
-        self.engine.tokenizer_manager.abort_request(abort_all=True)
+        """Aborts the running requests of ``tasks`` by their ids and waits for the tasks to end. Not ``abort_all``:
+        under DP attention that reaches the schedulers through the DP controller, late enough to abort the next
+        workload's requests too."""
+        for t in tasks:
+            rid = self._rids.pop(t, None)
+            if rid is not None and not t.done():
+                self.engine.tokenizer_manager.abort_request(rid=rid)
         pending = [t for t in tasks if not t.done()]
         if pending:
             _, still = await asyncio.wait(pending, timeout=ABORT_WAIT_S)

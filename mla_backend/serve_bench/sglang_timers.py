@@ -53,6 +53,8 @@ def time_attention_backends() -> bool:
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.managers.scheduler import Scheduler
 
+    from ..sglang_plugin.backend import parallel_value
+
     global _THREAD_CPU
     if getattr(AttentionBackend, "mla_backend_timed", False):
         return True
@@ -73,7 +75,7 @@ def time_attention_backends() -> bool:
         output = get_internal_state(self, recv_req)
         state = getattr(output, "internal_state", None)
         if isinstance(state, dict):
-            state[INTERNAL_STATE_KEY] = process_timings(getattr(self, "tp_rank", None), _THREAD_CPU)
+            state[INTERNAL_STATE_KEY] = process_timings(parallel_value("tp_rank", getattr(self, "tp_rank", None)), _THREAD_CPU)
         return output
 
     Scheduler.get_internal_state = get_internal_state_timed

@@ -99,7 +99,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _parallel(name: str, default):
+def parallel_value(name: str, default):
+    """This process's parallel setting ``name`` (``tp_rank``, ``attn_tp_size``, ...) from SGLang's runtime context,
+    or ``default`` where the installed SGLang has none."""
     try:
         from sglang.srt.runtime_context import get_parallel
 
@@ -173,7 +175,7 @@ def check_supported(model_runner) -> SupportedConfig:
             getattr(model_runner.server_args, "enable_unified_memory", False):
         _refuse("the unified memory pool (--enable-unified-memory) is not supported: req_to_token "
                 "holds virtual ids there.")
-    dcp = int(_parallel("attn_dcp_size", 1) or 1)
+    dcp = int(parallel_value("attn_dcp_size", 1) or 1)
     if dcp > 1:
         _refuse(f"decode context parallelism (dcp size {dcp}) is not supported.")
 
@@ -185,7 +187,7 @@ def check_supported(model_runner) -> SupportedConfig:
         _refuse(f"KV cache dtype {kv_dtype} is not supported: use the model dtype (--kv-cache-dtype auto) "
                 "or --kv-cache-dtype fp8_e4m3.")
 
-    attn_tp = int(_parallel("attn_tp_size", getattr(model_runner, "tp_size", 1)) or 1)
+    attn_tp = int(parallel_value("attn_tp_size", getattr(model_runner, "tp_size", 1)) or 1)
     num_heads = mc.num_attention_heads // attn_tp
     if not 1 <= num_heads <= MAX_HEADS:
         _refuse(f"{num_heads} query heads per rank ({mc.num_attention_heads} heads / attention TP "
@@ -346,7 +348,8 @@ class TileLangMLABackend(AttentionBackend):
         # each step or graph replay; reported per call, to weigh against the engine's step time
         self._stats = {"decode": 0, "verify": 0, "extend": 0, "graph_state": None, "metadata_host_s": 0.0}
         self._report_name = f"{BACKEND_NAME}-{os.getpid()}-{id(self):x}.json"
-        self._tp_rank = getattr(model_runner, "tp_rank", None)  # names the process in the report
+        # names the process in the report
+        self._tp_rank = parallel_value("tp_rank", getattr(model_runner, "tp_rank", None))
         if cfg.impl != REFERENCE and os.environ.get(ENV_WARMUP, "1") != "0":
             self._warmup()
         logger.info("mla_backend: %s backend ready (heads=%d page=%d dtype=%s kv=%s q_lens=%s impl=%s prefill=%s)",
