@@ -75,7 +75,8 @@ def time_attention_backends() -> bool:
         output = get_internal_state(self, recv_req)
         state = getattr(output, "internal_state", None)
         if isinstance(state, dict):
-            state[INTERNAL_STATE_KEY] = process_timings(parallel_value("tp_rank", getattr(self, "tp_rank", None)), _THREAD_CPU)
+            rank = parallel_value("tp_rank", getattr(self, "tp_rank", None))
+            state[INTERNAL_STATE_KEY] = process_timings(rank, _THREAD_CPU)
         return output
 
     Scheduler.get_internal_state = get_internal_state_timed
