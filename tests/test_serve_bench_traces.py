@@ -20,7 +20,8 @@ import torch
 from mla_backend.host_trace import host_range
 from mla_backend.serve_bench import report
 from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, kernel_breakdown, load_trace_events,
-                                                  newest_trace, range_children)
+                                                  range_children, traces_since)
+from mla_backend.serve_bench.runner_common import read_profile
 from mla_backend.serve_bench.thread_cpu import ThreadCpu
 from test_serve_bench import _synthetic_report
 
@@ -51,7 +52,24 @@ def test_kernel_breakdown_gives_the_attention_share(tmp_path):
     assert breakdown["categories"]["kv_cache_write"]["us"] == 20.0 and breakdown["categories"]["rope"]["us"] == 40.0
     assert set(breakdown["categories"]) == {"attention", "communication", "kv_cache_write", "rope", "moe", "gemm",
                                             "other"}
-    assert newest_trace(tmp_path, since=0) == path and newest_trace(tmp_path, since=time.time() + 60) is None
+    assert traces_since(tmp_path, since=0) == [path] and traces_since(tmp_path, since=time.time() + 60) == []
+
+
+def test_read_profile_reads_every_gpu_s_trace_and_keeps_the_busiest(tmp_path):
+    """Under DP attention at batch 1 one GPU holds the request and the others step idle: each backend is read on the
+    GPU with the most attention time, whichever trace was written last."""
+    busy = _trace(tmp_path / "decode-b1-TP-2-DP-2.trace.json.gz",
+                  {"mla_decode_split_kernel": 400.0, "fused_moe_kernel": 1000.0})
+    for rank in (0, 1, 3):
+        _trace(tmp_path / f"decode-b1-TP-{rank}-DP-{rank}.trace.json.gz",
+               {"mla_decode_split_kernel": 8.0, "fused_moe_kernel": 1000.0})
+    (tmp_path / "other.txt").write_text("")  # not a trace
+    os.utime(busy, (time.time() - 10, time.time() - 10))
+    assert traces_since(tmp_path, 0, "decode-b1*.trace.json*")[-1].name != busy.name  # written first
+    profile = read_profile(tmp_path, 0, steps=2, pattern="decode-b1*.trace.json*")
+    assert profile["trace"] == busy.name and profile["traces_read"] == 4
+    assert profile["attention_us_per_step"] == 200.0 and profile["kernel_us_per_step"] == 700.0
+    assert "error" in read_profile(tmp_path / "none", 0, steps=2)
 
 
 def test_host_ranges_read_the_plugins_ranges_from_a_real_profiler_trace(tmp_path):

@@ -147,7 +147,8 @@ def range_children(events: list[dict], prefix: str = PREFIX, top: int = TOP_CHIL
     return result
 
 
-def newest_trace(directory: str | Path, since: float, pattern: str = "*.json*") -> Path | None:
-    """The most recently written trace file in ``directory`` modified at or after ``since`` (epoch seconds)."""
-    candidates = [p for p in Path(directory).glob(pattern) if p.is_file() and p.stat().st_mtime >= since]
-    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+def traces_since(directory: str | Path, since: float, pattern: str = "*.json*") -> list[Path]:
+    """The trace files in ``directory`` modified at or after ``since`` (epoch seconds), oldest first: one per GPU
+    where the engine runs on several."""
+    found = [p for p in Path(directory).glob(pattern) if p.is_file() and p.stat().st_mtime >= since]
+    return sorted(found, key=lambda p: p.stat().st_mtime)

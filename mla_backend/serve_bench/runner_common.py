@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
-from .profile_trace import host_ranges, kernel_breakdown, load_trace_events, newest_trace, range_children
+from .profile_trace import host_ranges, kernel_breakdown, load_trace_events, range_children, traces_since
 from .workloads import (FORCED, MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad,
                         Workload, decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed,
                         token_prompts, workload_from_dict, workload_to_dict)
@@ -166,23 +166,34 @@ def kv_capacity_problem(workload: Workload, plan: MeasurePlan, capacity_tokens: 
     return None
 
 
-def read_profile(directory: str | Path, since: float, steps: int, pattern: str = "*.json*") -> dict:
-    """The kernel-time breakdown of the newest trace written in ``directory`` since ``since``."""
+def _read_trace(path: Path, steps: int) -> dict | None:
+    """One trace's kernel-time breakdown and host ranges, or None while it is still being written."""
     for attempt in range(TRACE_READ_ATTEMPTS):
-        path = newest_trace(directory, since, pattern)
-        if path is None:
-            return {"error": f"no profiler trace was written in {directory}"}
         try:
             events = load_trace_events(path)
             breakdown = kernel_breakdown(events, steps)
             breakdown["host"] = host_ranges(events)
             breakdown["host_children"] = range_children(events)
-        except (OSError, ValueError, EOFError):  # still being written
+            breakdown["trace"] = path.name
+            return breakdown
+        except (OSError, ValueError, EOFError):
             time.sleep(0.5 * (attempt + 1))
-            continue
-        breakdown["trace"] = path.name
-        return breakdown
-    return {"error": f"could not read the profiler trace {path}"}
+    return None
+
+
+def read_profile(directory: str | Path, since: float, steps: int, pattern: str = "*.json*") -> dict:
+    """The kernel-time breakdown of the traces written in ``directory`` since ``since``: where the engine runs on
+    several GPUs (one trace each), the GPU with the most attention time, the one that holds the requests when DP
+    attention leaves others idle, so every backend is read on a GPU doing the same work."""
+    paths = traces_since(directory, since, pattern)
+    if not paths:
+        return {"error": f"no profiler trace was written in {directory}"}
+    read = [b for b in (_read_trace(p, steps) for p in paths) if b is not None]
+    if not read:
+        return {"error": f"could not read the profiler trace {paths[-1]}"}
+    busiest = max(read, key=lambda b: b["attention_us_per_step"])
+    busiest["traces_read"] = len(read)
+    return busiest
 
 
 def new_result(spec: EngineSpec) -> dict:

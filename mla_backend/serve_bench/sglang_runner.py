@@ -29,7 +29,7 @@ from pathlib import Path
 from ..host_trace import TIMING
 from ..sglang_plugin import ENV_REPORT
 from .measure import TokenTracker
-from .profile_trace import newest_trace
+from .profile_trace import traces_since
 from .random_weights import patch_sglang_dummy_weights
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, cache_files, check_deadline,
                             decode_record, engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
@@ -371,7 +371,8 @@ class SglangSession(EngineSession):
                 t.exception()
 
     async def _profile(self, plan: MeasurePlan, label: str, tasks) -> dict:
-        """Profiles the next ``profile_steps`` forward steps (SGLang's profiler stops itself) and reads the trace."""
+        """Profiles the next ``profile_steps`` forward steps (SGLang's profiler stops itself) and reads the
+        traces, one per GPU (runner_common.read_profile)."""
         from sglang.srt.managers.io_struct import ProfileReq
 
         since = time.time()
@@ -381,8 +382,9 @@ class SglangSession(EngineSession):
             output_dir=os.path.abspath(directory), num_steps=plan.profile_steps, activities=["GPU"],
             with_stack=False, record_shapes=False, profile_id=label))
         deadline = time.monotonic() + PROFILE_WAIT_S
-        await self._wait_for(lambda: newest_trace(directory, since, pattern) is not None
-                             or time.monotonic() > deadline, "the profiler trace was written", tasks, PROFILE_POLL_S)
+        gpus = self.spec.tensor_parallel_size  # each GPU's scheduler writes its own trace
+        await self._wait_for(lambda: len(traces_since(directory, since, pattern)) >= gpus
+                             or time.monotonic() > deadline, "the profiler traces were written", tasks, PROFILE_POLL_S)
         return read_profile(directory, since, plan.profile_steps, pattern)
 
     # ------------------------------------------------------------------------- workloads

@@ -19,7 +19,7 @@ import time
 from .. import installed
 from .hostile_vllm import rank1_tokens
 from .measure import TokenTracker, median_or_none, request_tpots
-from .profile_trace import newest_trace
+from .profile_trace import traces_since
 from .random_weights import vllm_worker_kwargs
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, cache_files, check_deadline,
                             decode_record, engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
@@ -260,13 +260,15 @@ class VllmSession(EngineSession):
             self.engine.step()
 
     def _profile(self, tracker: TokenTracker, plan: MeasurePlan, label: str) -> dict:
-        """Profiles the next ``profile_steps`` engine steps (the profiler stops itself) and reads the trace."""
+        """Profiles the next ``profile_steps`` engine steps (the profiler stops itself) and reads the traces,
+        one per GPU (runner_common.read_profile)."""
         since = time.time()
         self.engine.start_profile(label)
         start_steps = tracker.steps
         deadline = time.monotonic() + PROFILE_WAIT_S
         directory = self.spec.profile_dir
-        while newest_trace(directory, since, TRACE_PATTERN) is None and time.monotonic() < deadline:
+        gpus = self.spec.tensor_parallel_size  # each worker writes its own trace
+        while len(traces_since(directory, since, TRACE_PATTERN)) < gpus and time.monotonic() < deadline:
             if tracker.steps - start_steps > plan.profile_steps + 8 or not self.engine.has_unfinished_requests():
                 time.sleep(0.2)  # the steps ran; the worker is writing the trace
             else:
