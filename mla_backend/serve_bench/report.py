@@ -193,7 +193,8 @@ def attention_share_table(data: dict) -> list[str]:
             "steps; attention kernel µs per step in brackets)", "",
             "| workload | " + " | ".join(backends) + " |", "|---" * (len(backends) + 1) + "|", *rows, "",
             "Communication: the collectives' kernels per step, where the engine runs on several GPUs. A one-shot "
-            "all-reduce spins until every rank arrives, so its time is mostly the wait for the slowest rank's host.", ""]
+            "all-reduce spins until every rank arrives, so its time is mostly the wait for the slowest rank's host. "
+            "On several GPUs each writes a trace; the one with the most attention time is shown.", ""]
 
 
 def _range_table(data: dict, title: str, ranges_of, footer: str) -> list[str]:
