@@ -338,9 +338,13 @@ def forced_specs(args):
     runs = {"tilelang_p64_forced": dict(base, attention_backend="tilelang_mla", page_size=64),
             "flashmla_p64_forced": dict(base, attention_backend="flashmla", page_size=64),
             "tilelang_p1_forced": dict(base, attention_backend="tilelang_mla", page_size=1),
-            "triton_p1_forced": dict(base, attention_backend="triton", page_size=1)}
+            "triton_p1_forced": dict(base, attention_backend="triton", page_size=1),
+            # the decode metadata recorded inside the CUDA graphs (MLA_BACKEND_SGLANG_GRAPH_METADATA=1)
+            "tilelang_p64_graphmeta_forced": dict(base, attention_backend="tilelang_mla", page_size=64,
+                                                  env={"MLA_BACKEND_SGLANG_GRAPH_METADATA": "1"})}
     return runs, [("tilelang_p64_forced", "flashmla_p64_forced", True),
                   ("tilelang_p1_forced", "triton_p1_forced", True),
+                  ("tilelang_p64_graphmeta_forced", "flashmla_p64_forced", True),
                   ("triton_p1_forced", "flashmla_p64_forced", False)]
 
 
