@@ -162,18 +162,23 @@ def test_sglang_forcing_processor_records_the_models_argmax_and_forces_the_scrip
     processor_class = sglang_runner.forced_tokens_processor()
     processor = processor_class.from_str(processor_class().to_str())  # as SGLang ships it to its schedulers
 
-    class Req:  # SGLang's Req fields the processor reads
-        def __init__(self, rid, prompt_len, **filled):
-            self.rid, self.origin_input_ids, self.output_ids = rid, list(range(prompt_len)), []
-            self.__dict__.update(filled)
+    from array import array
 
-    class Range:
-        def __init__(self, end):
-            self.end = end
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
 
-    # request 0 prefills in two chunks (0.5.23 spells the filled end extend_end); request 1 in one (0.5.17:
-    # extend_range), and the overlap scheduler runs it once more after its last step
-    requests = [Req("r0", 6, extend_end=4), Req("r1", 3, extend_range=Range(3))]
+    def admit(req, end):
+        """What SGLang's prefill adder records of a request's round: the prompt filled up to ``end``."""
+        if hasattr(req, "set_extend_range"):  # SGLang 0.5.17
+            req.set_extend_range(0, end)
+        else:  # 0.5.23
+            req.extend_end = end
+
+    # request 0 prefills in two chunks; request 1 in one, and the overlap scheduler runs it once more after its last
+    # step
+    requests = [Req(f"r{i}", "", array("q", range(n)), SamplingParams(max_new_tokens=3)) for i, n in enumerate((6, 3))]
+    admit(requests[0], 4)
+    admit(requests[1], 3)
     params = [{"__req__": requests[i], "forced": [3, 4, 5], "record_dir": str(tmp_path), "index": i}
               for i in range(2)]
     own = [[], []]
@@ -185,12 +190,12 @@ def test_sglang_forcing_processor_records_the_models_argmax_and_forces_the_scrip
             req = requests[i]
             if i == 0 and call == 0:  # the middle chunk: its row is left alone, its token dropped
                 assert torch.equal(out[row], logits[row])
-                req.extend_end = 6
+                admit(req, 6)
                 continue
             if len(req.output_ids) < 3:
                 own[i].append(int(logits[row].argmax()))
             step = min(len(req.output_ids), 2)
             assert int(out[row].argmax()) == [3, 4, 5][step] and torch.isinf(out[row]).sum() == 15
             req.output_ids.append(int(out[row].argmax()))
-    assert [r.output_ids[:3] for r in requests] == [[3, 4, 5], [3, 4, 5]]
+    assert [list(r.output_ids[:3]) for r in requests] == [[3, 4, 5], [3, 4, 5]]
     assert sglang_runner.read_forced_argmax(str(tmp_path), 2) == own
