@@ -93,30 +93,37 @@ _manifest: _Manifest | None = None
 _mismatch_logged = False
 
 
+def _release_manifest() -> _Manifest:
+    """The installed TileLang's release folder, read once per process."""
+    global _manifest
+    if _manifest is None:
+        _manifest = _Manifest(release_dir())
+    return _manifest
+
+
 def seed(name: str) -> bool:
     """Copies variant ``name``'s prebuilt entries into TileLang's cache (once; entries already there are kept).
     Returns whether the wheel carries the variant for the installed TileLang."""
-    global _manifest, _mismatch_logged
-    if _manifest is None:
-        _manifest = _Manifest(release_dir())
-    if _manifest.data is None:
+    global _mismatch_logged
+    manifest = _release_manifest()
+    if manifest.data is None:
         releases = packaged_releases()
         if releases and not _mismatch_logged:
             logger.info("mla_backend: the package carries kernels compiled with TileLang %s; TileLang %s is installed, "
                         "so kernels JIT-compile on first use", ", ".join(releases), installed_tilelang())
             _mismatch_logged = True
         return False
-    keys = _manifest.keys_for(name)
+    keys = manifest.keys_for(name)
     if keys is None:
         return False
-    dest_root = _tilelang_cache_dir() / _manifest.data["cache_subdir"]
+    dest_root = _tilelang_cache_dir() / manifest.data["cache_subdir"]
     dest_root.mkdir(parents=True, exist_ok=True)
     for key in keys:
         dest = dest_root / key
         if not dest.exists():
             tmp = dest_root / f".{key}.mla_backend_tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(_manifest.root / "entries" / key, tmp)
+            shutil.copytree(manifest.root / "entries" / key, tmp)
             try:
                 os.replace(tmp, dest)  # atomic: a concurrent process sees no half-copied entry
             except OSError:
@@ -128,11 +135,8 @@ def seed_all() -> int:
     """Copies every variant the package carries for the installed TileLang into TileLang's cache; returns how many.
     A copy, not a compile: serve-bench seeds before an engine starts, so that what the start adds to the cache is
     what it compiled."""
-    global _manifest
-    if _manifest is None:
-        _manifest = _Manifest(release_dir())
-    names = list(_manifest.data["variants"]) if _manifest.data is not None else []
-    return sum(seed(name) for name in names)
+    data = _release_manifest().data
+    return sum(seed(name) for name in (data["variants"] if data is not None else ()))
 
 
 # ---- building: mla-backend compile ------------------------------------------------------------------------------

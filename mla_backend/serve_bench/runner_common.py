@@ -166,34 +166,38 @@ def kv_capacity_problem(workload: Workload, plan: MeasurePlan, capacity_tokens: 
     return None
 
 
-def _read_trace(path: Path, steps: int) -> dict | None:
-    """One trace's kernel-time breakdown and host ranges, or None while it is still being written."""
+def _read_trace(path: Path, steps: int) -> tuple[list[dict], dict] | None:
+    """One trace's events and kernel-time breakdown, or None while it is still being written."""
     for attempt in range(TRACE_READ_ATTEMPTS):
         try:
             events = load_trace_events(path)
-            breakdown = kernel_breakdown(events, steps)
-            breakdown["host"] = host_ranges(events)
-            breakdown["host_children"] = range_children(events)
-            breakdown["trace"] = path.name
-            return breakdown
+            return events, kernel_breakdown(events, steps)
         except (OSError, ValueError, EOFError):
             time.sleep(0.5 * (attempt + 1))
     return None
 
 
 def read_profile(directory: str | Path, since: float, steps: int, pattern: str = "*.json*") -> dict:
-    """The kernel-time breakdown of the traces written in ``directory`` since ``since``: where the engine runs on
-    several GPUs (one trace each), the GPU with the most attention time, the one that holds the requests when DP
-    attention leaves others idle, so every backend is read on a GPU doing the same work."""
+    """The kernel-time breakdown and host ranges of the traces written in ``directory`` since ``since``: where the
+    engine runs on several GPUs (one trace each), the GPU with the most attention time, the one that holds the
+    requests when DP attention leaves others idle, so every backend is read on a GPU doing the same work."""
     paths = traces_since(directory, since, pattern)
     if not paths:
         return {"error": f"no profiler trace was written in {directory}"}
-    read = [b for b in (_read_trace(p, steps) for p in paths) if b is not None]
-    if not read:
+    kept, kept_events, breakdown, read = None, None, None, 0
+    for path in paths:
+        found = _read_trace(path, steps)
+        if found is None:
+            continue
+        read += 1
+        if breakdown is None or found[1]["attention_us_per_step"] > breakdown["attention_us_per_step"]:
+            kept, (kept_events, breakdown) = path, found
+    if breakdown is None:
         return {"error": f"could not read the profiler trace {paths[-1]}"}
-    busiest = max(read, key=lambda b: b["attention_us_per_step"])
-    busiest["traces_read"] = len(read)
-    return busiest
+    # the host ranges of the kept trace only
+    breakdown.update(host=host_ranges(kept_events), host_children=range_children(kept_events), trace=kept.name,
+                     traces_read=read)
+    return breakdown
 
 
 def new_result(spec: EngineSpec) -> dict:
