@@ -1,6 +1,6 @@
 """Host time of one decode call: ``mla_decode``, ``MLADecodeLauncher`` and vLLM 0.26's FlashMLA and FA3 MLA calls.
 
-``mla-backend bench --host [--calls 2000] [--impls mla_decode,launcher,flashmla,fa3] [--out-dir DIR]``
+``mla-backend bench --host [--calls 2000] [--evict-mb 8] [--impls mla_decode,launcher,flashmla,fa3] [--out-dir DIR]``
 
 Shapes (b, s_k, h): (1, 4096, 16), (16, 4096, 128), (64, 4096, 128), (32, 8192, 32); bf16, page 64, q_len 1, fixed
 lengths, the inputs and anchor calls of ``mla-backend bench`` (``bench.Case``, ``bench.make_runner``). ``mla_decode``
@@ -11,6 +11,10 @@ ahead, once, as an engine plans once per step for all its layers.
   of calls is issued behind a spin kernel longer than the chunk's host time, so no call waits on the GPU (a full
   launch queue would otherwise put the GPU time into the host time); ``spin_covered`` counts the chunks whose spin
   was still running when their last call returned.
+* cold µs (``--evict-mb N``): the same, with an N-MB host buffer swept before each call (one byte written per
+  64-byte line), so that the call finds its code's data and much of its code out of the CPU's caches. Inside an
+  engine the model's own host code runs between two decode calls and leaves them so: a hot loop shows what the
+  call costs with everything cached, the cold column what it costs where an engine calls it.
 * eager µs: a loop of calls with one sync at its end, divided by the count (median of 5 loops): what a layer costs
   when nothing else hides the host or the GPU time, the larger of the two.
 * per step, once for all layers: the split planner (``plan``) and vLLM's metadata build with it (``vllm_build``),
@@ -32,6 +36,7 @@ import torch
 
 from . import bench
 from .bench import SOFTMAX_SCALE, Case, Config, KVGroup, Skip, make_runner
+from .cli import nothing_ran
 
 SHAPES = ((1, 4096, 16), (16, 4096, 128), (64, 4096, 128), (32, 8192, 32))
 IMPLS = ("mla_decode", "launcher", "flashmla", "fa3")
@@ -49,15 +54,30 @@ def spin_cycles_per_us(device) -> float:
     return 20_000_000 / (start.elapsed_time(end) * 1e3)
 
 
-def host_us(fn, calls: int, cycles_per_us: float) -> dict:
-    """p50 / p99 host µs of ``fn`` over ``calls`` calls, each chunk issued behind a spin kernel."""
+class CacheSweep:
+    """Writes one byte in every 64-byte line of an ``mb``-MB host buffer: the lines a call would find cached are
+    evicted. A bytearray's slice assignment, one C loop, so the sweep warms no Python or torch code of its own."""
+
+    def __init__(self, mb: int):
+        self.buffer = bytearray(mb << 20)
+        self.ones = b"\x01" * (len(self.buffer) // 64)
+
+    def __call__(self) -> None:
+        self.buffer[::64] = self.ones
+
+
+def host_us(fn, calls: int, cycles_per_us: float, sweep=None) -> dict:
+    """p50 / p99 host µs of ``fn`` over ``calls`` calls, each chunk issued behind a spin kernel; ``sweep`` (a
+    :class:`CacheSweep`) runs before each call, outside its timing."""
+    sweep = sweep or (lambda: None)
     probe = []
     for _ in range(20):
+        sweep()
         t0 = time.perf_counter()
         fn()
         probe.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    per_call_us = max(statistics.median(probe) * 1e6, 20.0)
+    per_call_us = max(statistics.median(probe) * 1e6, 20.0) + (sweep_us(sweep) if probe else 0.0)
     ts, covered, chunks = [], 0, 0
     for start in range(0, calls, CHUNK):
         n = min(CHUNK, calls - start)
@@ -66,6 +86,7 @@ def host_us(fn, calls: int, cycles_per_us: float) -> dict:
         spun = torch.cuda.Event()
         spun.record()
         for _ in range(n):
+            sweep()
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
@@ -76,6 +97,14 @@ def host_us(fn, calls: int, cycles_per_us: float) -> dict:
     us = [t * 1e6 for t in ts]
     return {"p50": statistics.median(us), "p99": us[min(len(us) - 1, int(0.99 * len(us)))], "mean": statistics.fmean(us),
             "calls": len(us), "spin_covered": f"{covered}/{chunks}"}
+
+
+def sweep_us(sweep) -> float:
+    """µs one sweep takes (the spin kernel must also cover the sweeps of its chunk)."""
+    t0 = time.perf_counter()
+    for _ in range(5):
+        sweep()
+    return (time.perf_counter() - t0) / 5 * 1e6
 
 
 def eager_us(fn, n: int = 200, loops: int = 5) -> float:
@@ -135,6 +164,7 @@ def run(args) -> list[dict]:
         if isinstance(mod, str):
             print(f"skip {name}: {mod}")
     cycles = spin_cycles_per_us(device)
+    sweep = CacheSweep(args.evict_mb) if args.evict_mb else None
     results = []
     for cfg in cfgs:
         torch.cuda.empty_cache()
@@ -151,6 +181,8 @@ def run(args) -> list[dict]:
                     fn()
                 torch.cuda.synchronize()
                 rec["impls"][name] = {**host_us(fn, args.calls, cycles), "eager_us": eager_us(fn)}
+                if sweep:
+                    rec["impls"][name]["cold"] = host_us(fn, args.calls, cycles, sweep)
             except Exception as e:  # noqa: BLE001 - keep timing the others
                 rec["impls"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(f"WARNING: {name} failed on {rec['label']}: {rec['impls'][name]['error']}")
@@ -159,6 +191,8 @@ def run(args) -> list[dict]:
         for name, fn in step_runners(c).items():
             fn()
             rec["step"][name] = host_us(fn, min(args.calls, 1000), cycles)["p50"]
+            if sweep:
+                rec["step"][name + "_cold"] = host_us(fn, min(args.calls, 1000), cycles, sweep)["p50"]
         cells = "  ".join(f"{n} {v['p50']:.1f}/{v['eager_us']:.1f}" for n, v in rec["impls"].items() if "p50" in v)
         same = rec.get("launcher_equals_mla_decode")
         print(f"{rec['label']}: {cells or 'nothing ran'}  (host p50 / eager us; plan {rec['step']['plan']:.1f}, "
@@ -169,17 +203,26 @@ def run(args) -> list[dict]:
     return results
 
 
-def table(results: list[dict], impls) -> list[str]:
-    head = "| shape | " + " | ".join(f"{n} host p50 / p99 µs | {n} eager µs" for n in impls) + \
-           " | plan µs | vLLM build µs |"
-    lines = [head, "|---" * (2 * len(impls) + 3) + "|"]
+def table(results: list[dict], impls, cold: bool = False) -> list[str]:
+    """Markdown rows: per impl host p50 / p99 (and cold p50 / p99 with ``--evict-mb``) and eager µs; per step the
+    planner and vLLM's build (hot, or hot / cold)."""
+    per_impl = ("host p50 / p99 µs", "cold p50 / p99 µs", "eager µs") if cold else ("host p50 / p99 µs", "eager µs")
+    step = " / cold" if cold else ""
+    head = "| shape | " + " | ".join(f"{n} {what}" for n in impls for what in per_impl) + \
+        f" | plan µs{step} | vLLM build µs{step} |"
+    lines = [head, "|---" * (len(per_impl) * len(impls) + 3) + "|"]
+    pair = lambda v: f"{v['p50']:.1f} / {v['p99']:.1f}"  # noqa: E731
     for r in results:
         cells = []
         for n in impls:
             v = r["impls"].get(n, {})
-            cells += [f"{v['p50']:.1f} / {v['p99']:.1f}", f"{v['eager_us']:.1f}"] if "p50" in v else ["–", "–"]
-        lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {r['step']['plan']:.1f} | "
-                     f"{r['step']['vllm_build']:.1f} |")
+            if "p50" not in v:
+                cells += ["–"] * len(per_impl)
+                continue
+            cells += [pair(v)] + ([pair(v["cold"])] if cold else []) + [f"{v['eager_us']:.1f}"]
+        steps = [" / ".join(f"{r['step'][k]:.1f}" for k in (name, name + "_cold") if k in r["step"])
+                 for name in ("plan", "vllm_build")]
+        lines.append(f"| {r['label']} | " + " | ".join(cells + steps) + " |")
     return lines
 
 
@@ -188,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--calls", type=int, default=2000, help="timed calls per implementation and shape (>= 2000 for "
                                                             "a p99)")
+    p.add_argument("--evict-mb", type=int, default=0, help="also time each call after sweeping this many MB of "
+                                                                "host memory (a cold call, as inside an engine); 0: hot only")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--out-dir", default="mla_bench_results", help="host.json and host.md go here; '' = none")
     p.add_argument("--seed", type=int, default=0)
@@ -196,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [n for n in args.impls.split(",") if n and n not in IMPLS]:
         p.error(f"unknown impl(s) {bad}; choose from {','.join(IMPLS)}")
     if not torch.cuda.is_available() or not hasattr(torch.cuda, "_sleep"):
-        print(f"mla-backend bench --host: no CUDA GPU visible to torch {torch.__version__}; nothing to time.",
-              file=sys.stderr)
-        return bench.NOTHING_RAN
+        return nothing_ran("bench --host", f"no CUDA GPU visible to torch {torch.__version__}; nothing to time.")
     env = bench.environment(["--host", *(sys.argv[1:] if argv is None else argv)])
     print(f"{env.get('gpu')}: torch {env['torch']}, vllm {env['vllm']}, tilelang {env['tilelang']}; host timing of "
           f"{args.impls}, {args.calls} calls each")
@@ -210,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tvm-ffi {env['tvm_ffi']}: torch tensors converted through the C exchange API: "
           f"{env['tvm_ffi_torch_c_exchange']}")
     impls = [n for n in IMPLS if n in args.impls.split(",")]
-    lines = table(results, impls)
+    lines = table(results, impls, cold=bool(args.evict_mb))
     print("\n".join(lines))
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
@@ -220,13 +263,13 @@ def main(argv: list[str] | None = None) -> int:
             f.write(f"### Host time per decode call on {env.get('gpu')} ({env['date'][:10]})\n\n"
                     f"torch {env['torch']}, vLLM {env['vllm']}, tilelang {env['tilelang']}, commit {env.get('git')}. "
                     f"Command: `{env['command']}`. bf16, page 64, q_len 1; host: perf_counter around each call "
-                    f"with the GPU kept ahead ({args.calls} calls); eager: calls in a loop, one sync, per call.\n\n"
+                    f"with the GPU kept ahead ({args.calls} calls)"
+                    + (f"; cold: the same after sweeping {args.evict_mb} MB of host memory before each call"
+                       if args.evict_mb else "") + "; eager: calls in a loop, one sync, per call.\n\n"
                     + "\n".join(lines) + "\n")
         print(f"wrote {args.out_dir}/host.json, {args.out_dir}/host.md")
     if not any("p50" in v for r in results for v in r["impls"].values()):
-        print("mla-backend bench --host: no implementation was timed (see the skips and errors above).",
-              file=sys.stderr)
-        return bench.NOTHING_RAN
+        return nothing_ran("bench --host", "no implementation was timed (see the skips and errors above).")
     return 0
 
 

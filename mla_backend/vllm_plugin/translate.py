@@ -1,4 +1,4 @@
-"""vLLM decode batch -> canonical :class:`~mla_backend.MLADecodeMetadata` (torch and numpy, no vLLM import).
+"""vLLM decode batch -> canonical :class:`~mla_backend.MLADecodeMetadata` (torch only, no vLLM import).
 
 vLLM hands the MLA metadata builder, for the decode rows at the front of the batch:
 
@@ -18,12 +18,14 @@ refilled in place with device ops only (no host sync).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..constants import MAX_Q_LEN
 from ..metadata import INDEX_DTYPE, MetadataSource, MLADecodeMetadata
 from ..planner import SplitPlanner
+
+#: Most metadata objects a builder keeps (one per batch size and query length over vLLM's persistent buffers).
+MAX_BUILT = 1024
 
 
 def uniform_query_len(query_start_loc_cpu: torch.Tensor, num_decode_tokens: int) -> int:
@@ -38,14 +40,15 @@ def uniform_query_len(query_start_loc_cpu: torch.Tensor, num_decode_tokens: int)
     num_rows = query_start_loc_cpu.shape[0] - 1
     if num_rows <= 0:
         raise ValueError("empty decode batch")
-    # numpy on the host tensor's memory: three small array ops (torch ops on CPU tensors cost several times the host
-    # time). Every length is 0 or the longest, q_len, iff the non-zero ones sum to q_len times their count (none
-    # exceeds it).
-    starts = query_start_loc_cpu.numpy()
-    lens = starts[1:] - starts[:-1]
-    q_len = int(lens.max())
-    if q_len < 1 or q_len * int(np.count_nonzero(lens)) != int(starts[-1]) - int(starts[0]):
-        raise ValueError(f"decode batch is not uniform: query lengths {lens.tolist()[:16]}")
+    # One torch call, then Python builtins over a list. Between two steps the engine's model code pushes this
+    # code and its data out of the CPU's caches, and a cold call costs what it touches: numpy's three small array
+    # ops cost several times a list and builtins there (docs/api.md, "Hot and cold host time"). Every length is 0
+    # or the longest, q_len, iff the non-zero ones sum to q_len times their count (none exceeds it).
+    starts = query_start_loc_cpu.tolist()
+    lens = [end - start for start, end in zip(starts, starts[1:])]
+    q_len = max(lens)
+    if q_len < 1 or q_len * (num_rows - lens.count(0)) != starts[-1] - starts[0]:
+        raise ValueError(f"decode batch is not uniform: query lengths {lens[:16]}")
     if num_decode_tokens != num_rows * q_len:
         raise ValueError(f"num_decode_tokens={num_decode_tokens} != num_decodes ({num_rows}) * q_len ({q_len})")
     return q_len
@@ -78,10 +81,9 @@ class DecodeMetadataBuilder:
         self._start_stride = 0  # the row stride _page_table_start currently holds (0: all zeros)
         self._qo_indptr: dict[int, torch.Tensor] = {}
         self._planners: dict[int, SplitPlanner] = {}
-        # (q_len, batch) -> (qo_indptr[: batch + 1], page_table_start[:batch]): views of the persistent buffers, made
-        # once per batch size (the buffers are refilled in place, the views follow)
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._source: MetadataSource | None = None  # the last step's (immutable; vLLM's table width is constant)
+        # (q_len, batch, table row stride and width, storage of the table and of seq_lens) -> the metadata over them;
+        # its qo_indptr and page_table_start are views of this builder's buffers, refilled in place
+        self._built: dict[tuple, MLADecodeMetadata] = {}
         for q_len in q_lens:
             self._ensure_q_len(int(q_len))
 
@@ -113,6 +115,21 @@ class DecodeMetadataBuilder:
         return self._planners[q_len]
 
     # ------------------------------------------------------------------ per step
+    def _metadata(self, block_table: torch.Tensor, seq_lens: torch.Tensor, q_len: int, row_stride: int,
+                  row_pages: int) -> MLADecodeMetadata:
+        batch = block_table.shape[0]
+        return MLADecodeMetadata(
+            kv_lens=seq_lens,
+            qo_indptr=self._qo_indptr[q_len][: batch + 1],
+            # A view of the rows' storage (same data pointer as vLLM's persistent table).
+            page_table=block_table.as_strided(((batch - 1) * row_stride + row_pages,), (1,)),
+            page_table_start=self._page_table_start[:batch],
+            page_size=self.page_size,
+            q_len=q_len,
+            # The row width, so that check_indices holds each request to its own row, not only to the table's end.
+            source=MetadataSource("block_table", row_pages=row_pages),
+        )
+
     def build(self, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc_cpu: torch.Tensor,
               num_decode_tokens: int, max_seq_len: int | None = None) -> MLADecodeMetadata:
         """Canonical metadata for one decode batch, with ``.plan`` filled (device ops only)."""
@@ -136,25 +153,16 @@ class DecodeMetadataBuilder:
             torch.mul(self._arange[: self.max_batch], row_stride, out=self._page_table_start)
             self._start_stride = row_stride
         row_pages = block_table.shape[1]
-        flat_len = (batch - 1) * row_stride + row_pages
-        views = self._views.get((q_len, batch))
-        if views is None:
-            views = self._views[(q_len, batch)] = (self._qo_indptr[q_len][: batch + 1], self._page_table_start[:batch])
-        source = self._source
-        if source is None or source.row_pages != row_pages:
-            # The row width, so that check_indices holds each request to its own row, not only to the table's end.
-            source = self._source = MetadataSource("block_table", row_pages=row_pages)
-        metadata = MLADecodeMetadata(
-            kv_lens=seq_lens,
-            qo_indptr=views[0],
-            # A view of the rows' storage (same data pointer as vLLM's persistent table).
-            page_table=block_table.as_strided((flat_len,), (1,)),
-            page_table_start=views[1],
-            page_size=self.page_size,
-            q_len=q_len,
-            max_kv_len=max_seq_len,
-            source=source,
-        )
+        # vLLM hands views of its persistent buffers, new tensor objects over the same storage each step: the
+        # metadata made for a storage and shape is made once and handed out again (a cold construction costs more
+        # than the key; docs/api.md, "Hot and cold host time").
+        key = (q_len, batch, row_stride, row_pages, block_table.data_ptr(), seq_lens.data_ptr(), seq_lens.stride(0))
+        metadata = self._built.get(key)
+        if metadata is None:
+            if len(self._built) >= MAX_BUILT:  # storage that moves every step (not vLLM's): keep the cache bounded
+                self._built.clear()
+            metadata = self._built[key] = self._metadata(block_table, seq_lens, q_len, row_stride, row_pages)
+        metadata.max_kv_len = max_seq_len
         metadata.plan = self._planners[q_len].plan(metadata.kv_lens)
         return metadata
 
