@@ -77,7 +77,7 @@ def host_us(fn, calls: int, cycles_per_us: float, sweep=None) -> dict:
         fn()
         probe.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    per_call_us = max(statistics.median(probe) * 1e6, 20.0) + (sweep_us(sweep) if probe else 0.0)
+    per_call_us = max(statistics.median(probe) * 1e6, 20.0) + sweep_us(sweep)
     ts, covered, chunks = [], 0, 0
     for start in range(0, calls, CHUNK):
         n = min(CHUNK, calls - start)
@@ -231,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--calls", type=int, default=2000, help="timed calls per implementation and shape (>= 2000 for "
                                                             "a p99)")
-    p.add_argument("--evict-mb", type=int, default=0, help="also time each call after sweeping this many MB of "
-                                                                "host memory (a cold call, as inside an engine); 0: hot only")
+    p.add_argument("--evict-mb", type=int, default=0,
+                   help="also time each call after sweeping this many MB of host memory (a cold call, as inside an "
+                        "engine); 0: hot only")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--out-dir", default="mla_bench_results", help="host.json and host.md go here; '' = none")
     p.add_argument("--seed", type=int, default=0)
