@@ -152,6 +152,7 @@ class SplitPlanner:
             block_n=self.block_n,
         )
         self._part_ids = torch.arange(self.num_parts, **i32)
+        self._min_blocks = min_blocks_per_part(rows)
         # compiled here, before an engine captures its graphs: one launch per plan instead of ~18 torch ops
         kernel = plan_kernel_for(device, max_batch, self.block_n)
         if kernel is not None:
@@ -174,13 +175,13 @@ class SplitPlanner:
         p = self._plan
         if self._kernel is not None and batch > 0 and kv_lens.dtype == INDEX_DTYPE and kv_lens.is_contiguous():
             self._kernel(kv_lens, p.cu_blocks, p.part_begin_req, p.part_end_req, p.blocks_per_part, self.num_parts,
-                         min_blocks_per_part(p.rows), self.segment_cost)
+                         self._min_blocks, self.segment_cost)
             return p
         blocks = (kv_lens + (self.block_n - 1)) // self.block_n
         cu = p.cu_blocks[: batch + 1]
         torch.cumsum(blocks, 0, out=cu[1:])
         total = cu[batch:]  # [1]
-        even = torch.clamp((total + (self.num_parts - 1)) // self.num_parts, min=min_blocks_per_part(p.rows))
+        even = torch.clamp((total + (self.num_parts - 1)) // self.num_parts, min=self._min_blocks)
         longest = torch.clamp(blocks.max().reshape(1), min=1) if batch else torch.ones_like(even)
         aligned = aligned_width(longest, even)
 
