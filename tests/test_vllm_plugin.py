@@ -32,7 +32,7 @@ from vllm.v1.worker.utils import select_common_block_size  # noqa: E402
 
 from mla_backend import MLADecodeMetadata  # noqa: E402
 from mla_backend.vllm_plugin import BACKEND_CLASS_PATH, PLUGIN_NAME, register  # noqa: E402
-from mla_backend.vllm_plugin.translate import DecodeMetadataBuilder, decode_q_len_limit, uniform_query_len  # noqa: E402
+from mla_backend.vllm_plugin.translate import DecodeMetadataBuilder, decode_q_len_limit  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP = "vllm.general_plugins"
@@ -363,16 +363,6 @@ def test_supports_combination_reads_engine_config(model_dir, overrides, spec_tok
 
 
 # ---------------------------------------------------------------------------------------------- translation
-def test_uniform_query_len():
-    qsl = torch.tensor([0, 2, 4, 6, 6, 6], dtype=torch.int32)  # 3 rows of 2, 2 CUDA-graph padding rows
-    assert uniform_query_len(qsl, 10) == 2
-    assert uniform_query_len(torch.tensor([0, 1, 2, 3], dtype=torch.int32), 3) == 1
-    with pytest.raises(ValueError, match="not uniform"):
-        uniform_query_len(torch.tensor([0, 1, 3], dtype=torch.int32), 3)
-    with pytest.raises(ValueError, match="num_decode_tokens"):
-        uniform_query_len(qsl, 6)
-
-
 def _paged_batch(seq_lens, q_len, page_size, num_pad, max_batch, max_blocks, kv_dtype, gen):
     """A vLLM-like step: a persistent block table [max_batch, max_blocks] whose first rows hold randomly
     permuted pages (page 0 is vLLM's null block), padded rows pointing at page 0 with seq_len 0."""
@@ -550,42 +540,6 @@ def test_translation_matches_core_from_block_table():
     for name in ("kv_lens", "qo_indptr", "page_table", "page_table_start"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert (got.page_size, got.q_len) == (want.page_size, want.q_len)
-
-
-def test_metadata_storage_is_persistent_across_steps():
-    """What a FULL CUDA graph needs: each step's metadata lives at the addresses the capture saw."""
-    gen = torch.Generator().manual_seed(3)
-    builder = DecodeMetadataBuilder(8, 16, 16, (1, 2), "cpu")
-    table = torch.zeros(8, 20, dtype=torch.int32)
-    seq = torch.zeros(8, dtype=torch.int32)
-    qsl = torch.arange(9, dtype=torch.int32) * 2
-    ptrs = None
-    for step in range(3):
-        seq[:6] = torch.randint(2, 300, (6,), generator=gen, dtype=torch.int32)
-        table[:6] = torch.randint(1, 100, (6, 20), generator=gen, dtype=torch.int32)
-        md = builder.build(table[:6], seq[:6], qsl[:7], 12)
-        now = [md.kv_lens.data_ptr(), md.qo_indptr.data_ptr(), md.page_table.data_ptr(),
-               md.page_table_start.data_ptr(), md.plan.cu_blocks.data_ptr(), md.plan.part_begin_req.data_ptr(),
-               md.plan.part_end_req.data_ptr(), md.plan.blocks_per_part.data_ptr(), md.plan.out_partial.data_ptr()]
-        assert ptrs is None or now == ptrs, step
-        ptrs = now
-        block_n = builder.planner(2).block_n
-        blocks = (seq[:6] + block_n - 1) // block_n
-        assert torch.equal(md.plan.cu_blocks[1:7], torch.cumsum(blocks, 0).to(torch.int32))
-    assert md.kv_lens.data_ptr() == seq.data_ptr() and md.page_table.data_ptr() == table.data_ptr()
-
-
-def test_builder_refuses_bad_batches():
-    builder = DecodeMetadataBuilder(4, 16, 16, (1,), "cpu")
-    table = torch.zeros(8, 4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        builder.build(table[:5], torch.ones(5, dtype=torch.int32), torch.arange(6, dtype=torch.int32), 5)
-    with pytest.raises(ValueError, match="1..4"):
-        builder.build(table[:2], torch.full((2,), 9, dtype=torch.int32), torch.tensor([0, 5, 10], dtype=torch.int32), 10)
-    with pytest.raises(ValueError, match="int32"):
-        builder.build(table[:2].long(), torch.ones(2, dtype=torch.int32), torch.arange(3, dtype=torch.int32), 2)
-    with pytest.raises(ValueError, match="seq_lens must be int32"):
-        builder.build(table[:2], torch.ones(2, dtype=torch.int64), torch.arange(3, dtype=torch.int32), 2)
 
 
 @pytest.mark.parametrize("bad", [dict(sliding_window=128), dict(logits_soft_cap=30.0), dict(num_heads=256),

@@ -81,3 +81,39 @@ def test_uniform_query_len_on_host_lists(starts, tokens, q_len):
 def test_uniform_query_len_refuses(starts, tokens, match):
     with pytest.raises(ValueError, match=match):
         translate.uniform_query_len(torch.tensor(starts, dtype=torch.int32), tokens)
+
+
+def test_metadata_storage_is_persistent_across_steps():
+    """What a FULL CUDA graph needs: each step's metadata lives at the addresses the capture saw."""
+    gen = torch.Generator().manual_seed(3)
+    builder = DecodeMetadataBuilder(8, 16, 16, (1, 2), "cpu")
+    table = torch.zeros(8, 20, dtype=torch.int32)
+    seq = torch.zeros(8, dtype=torch.int32)
+    qsl = torch.arange(9, dtype=torch.int32) * 2
+    ptrs = None
+    for step in range(3):
+        seq[:6] = torch.randint(2, 300, (6,), generator=gen, dtype=torch.int32)
+        table[:6] = torch.randint(1, 100, (6, 20), generator=gen, dtype=torch.int32)
+        md = builder.build(table[:6], seq[:6], qsl[:7], 12)
+        now = [md.kv_lens.data_ptr(), md.qo_indptr.data_ptr(), md.page_table.data_ptr(),
+               md.page_table_start.data_ptr(), md.plan.cu_blocks.data_ptr(), md.plan.part_begin_req.data_ptr(),
+               md.plan.part_end_req.data_ptr(), md.plan.blocks_per_part.data_ptr(), md.plan.out_partial.data_ptr()]
+        assert ptrs is None or now == ptrs, step
+        ptrs = now
+        block_n = builder.planner(2).block_n
+        blocks = (seq[:6] + block_n - 1) // block_n
+        assert torch.equal(md.plan.cu_blocks[1:7], torch.cumsum(blocks, 0).to(torch.int32))
+    assert md.kv_lens.data_ptr() == seq.data_ptr() and md.page_table.data_ptr() == table.data_ptr()
+
+
+def test_builder_refuses_bad_batches():
+    builder = DecodeMetadataBuilder(4, 16, 16, (1,), "cpu")
+    table = torch.zeros(8, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        builder.build(table[:5], torch.ones(5, dtype=torch.int32), torch.arange(6, dtype=torch.int32), 5)
+    with pytest.raises(ValueError, match="1..4"):
+        builder.build(table[:2], torch.full((2,), 9, dtype=torch.int32), torch.tensor([0, 5, 10], dtype=torch.int32), 10)
+    with pytest.raises(ValueError, match="int32"):
+        builder.build(table[:2].long(), torch.ones(2, dtype=torch.int32), torch.arange(3, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        builder.build(table[:2], torch.ones(2, dtype=torch.int64), torch.arange(3, dtype=torch.int32), 2)
