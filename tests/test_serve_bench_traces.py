@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from mla_backend.host_trace import host_range
 from mla_backend.serve_bench import report
 from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, kernel_breakdown, load_trace_events,
                                                   range_children, traces_since)
-from mla_backend.serve_bench.runner_common import read_profile
+from mla_backend.serve_bench.runner_common import EngineSession, read_profile
 from mla_backend.serve_bench.thread_cpu import ThreadCpu
 from test_serve_bench import _synthetic_report
 
@@ -70,6 +71,16 @@ def test_read_profile_reads_every_gpu_s_trace_and_keeps_the_busiest(tmp_path):
     assert profile["trace"] == busy.name and profile["traces_read"] == 4
     assert profile["attention_us_per_step"] == 200.0 and profile["kernel_us_per_step"] == 700.0
     assert "error" in read_profile(tmp_path / "none", 0, steps=2)
+
+
+def test_a_session_waits_for_one_trace_per_gpu(tmp_path):
+    session = EngineSession()
+    session.spec = SimpleNamespace(tensor_parallel_size=2)
+    _trace(tmp_path / "decode-b1-TP-0.trace.json.gz", {"mla_decode_split_kernel": 8.0})
+    assert not session.traces_written(tmp_path, 0, "decode-b1*.trace.json*")
+    _trace(tmp_path / "decode-b1-TP-1.trace.json.gz", {"mla_decode_split_kernel": 8.0})
+    assert session.traces_written(tmp_path, 0, "decode-b1*.trace.json*")
+    assert not session.traces_written(tmp_path, time.time() + 60, "decode-b1*.trace.json*")
 
 
 def test_host_ranges_read_the_plugins_ranges_from_a_real_profiler_trace(tmp_path):

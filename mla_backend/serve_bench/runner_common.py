@@ -352,6 +352,11 @@ class EngineSession:
     def warmup(self) -> None:
         """Runs a few short requests so that lazily compiled kernels are built before anything is timed."""
 
+    def traces_written(self, directory: str | Path, since: float, pattern: str) -> bool:
+        """Every GPU's profiler trace since ``since`` is in ``directory``: each GPU's worker writes its own, and
+        :func:`read_profile` picks among them."""
+        return len(traces_since(directory, since, pattern)) >= self.spec.tensor_parallel_size
+
     def run(self, workload: Workload, plan: MeasurePlan) -> dict:
         if isinstance(workload, DecodeCell):
             return self.decode_cell(workload, plan)

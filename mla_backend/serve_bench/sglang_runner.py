@@ -29,7 +29,6 @@ from pathlib import Path
 from ..host_trace import TIMING
 from ..sglang_plugin import ENV_REPORT
 from .measure import TokenTracker
-from .profile_trace import traces_since
 from .random_weights import patch_sglang_dummy_weights
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, cache_files, check_deadline,
                             decode_record, engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
@@ -382,9 +381,8 @@ class SglangSession(EngineSession):
             output_dir=os.path.abspath(directory), num_steps=plan.profile_steps, activities=["GPU"],
             with_stack=False, record_shapes=False, profile_id=label))
         deadline = time.monotonic() + PROFILE_WAIT_S
-        gpus = self.spec.tensor_parallel_size  # each GPU's scheduler writes its own trace
-        await self._wait_for(lambda: len(traces_since(directory, since, pattern)) >= gpus
-                             or time.monotonic() > deadline, "the profiler traces were written", tasks, PROFILE_POLL_S)
+        await self._wait_for(lambda: self.traces_written(directory, since, pattern) or time.monotonic() > deadline,
+                             "the profiler traces were written", tasks, PROFILE_POLL_S)
         return read_profile(directory, since, plan.profile_steps, pattern)
 
     # ------------------------------------------------------------------------- workloads

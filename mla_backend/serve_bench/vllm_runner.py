@@ -19,7 +19,6 @@ import time
 from .. import installed
 from .hostile_vllm import rank1_tokens
 from .measure import TokenTracker, median_or_none, request_tpots
-from .profile_trace import traces_since
 from .random_weights import vllm_worker_kwargs
 from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, cache_files, check_deadline,
                             decode_record, engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
@@ -267,8 +266,7 @@ class VllmSession(EngineSession):
         start_steps = tracker.steps
         deadline = time.monotonic() + PROFILE_WAIT_S
         directory = self.spec.profile_dir
-        gpus = self.spec.tensor_parallel_size  # each worker writes its own trace
-        while len(traces_since(directory, since, TRACE_PATTERN)) < gpus and time.monotonic() < deadline:
+        while not self.traces_written(directory, since, TRACE_PATTERN) and time.monotonic() < deadline:
             if tracker.steps - start_steps > plan.profile_steps + 8 or not self.engine.has_unfinished_requests():
                 time.sleep(0.2)  # the steps ran; the worker is writing the trace
             else:
