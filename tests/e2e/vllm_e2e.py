@@ -180,6 +180,8 @@ def engine_kwargs(spec: dict, model_dir: str) -> dict:
 
 def engine_main(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("verify"):  # read when mla_backend.verify is imported: before anything imports the package
+        os.environ["MLA_BACKEND_VERIFY"] = "1"
     if spec["init"] == "scaled":
         # The custom load format must be registered where the model loads: keep the engine in-process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -192,8 +194,6 @@ def engine_main(spec_path: str, result_path: str) -> None:
 
     if spec["init"] == "scaled":
         register_scaled_loader()
-    if spec.get("verify"):
-        os.environ["MLA_BACKEND_VERIFY"] = "1"
     result: dict = {"label": engine_label(spec), "vllm": vllm.__version__, "torch": torch.__version__}
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(spec, spec["model_dir"]))
