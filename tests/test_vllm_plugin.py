@@ -750,3 +750,13 @@ def test_e2e_scaled_loader_registers_with_vllm():
     again = Tiny()
     loader.load_weights(again, None)
     assert torch.equal(again.proj.weight, weight)  # deterministic per parameter name
+
+
+def test_e2e_engine_sets_verify_before_it_imports_the_package():
+    # mla_backend.verify reads MLA_BACKEND_VERIFY once, at import: set after the first import, nothing is checked
+    import inspect
+
+    lines = inspect.getsource(_e2e_module().engine_main).splitlines()
+    sets = next(i for i, line in enumerate(lines) if 'os.environ["MLA_BACKEND_VERIFY"]' in line)
+    imports = [i for i, line in enumerate(lines) if "import" in line and "mla_backend" in line.split("#")[0]]
+    assert imports and sets < min(imports)
