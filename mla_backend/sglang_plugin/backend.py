@@ -57,7 +57,8 @@ _EAGER_STATIC_TABLE_BYTES = 64 << 20
 ENV_WARMUP = "MLA_BACKEND_SGLANG_WARMUP"  # "0": do not compile the kernels at startup
 ENV_PAGE_TABLE = "MLA_BACKEND_SGLANG_PAGE_TABLE"  # auto (default) | triton | torch
 # "1": record the decode / verify metadata (page table, lengths, split plan) inside the captured CUDA graphs, so a
-# replay issues no metadata work from the host. Experimental: its outputs are not yet checked on a GPU (docs/sglang.md).
+# replay issues no metadata work from the host. Opt-in; checked teacher-forced against flashmla on one GPU
+# (docs/sglang.md).
 ENV_GRAPH_METADATA = "MLA_BACKEND_SGLANG_GRAPH_METADATA"
 
 
