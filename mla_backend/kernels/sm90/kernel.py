@@ -17,10 +17,8 @@ from .consumers import consumer_macros
 from .epilogue import epilogue_macros, make_store_cols
 from .producer import producer_macros
 from .roles import wg0_roles, wg1_roles
-from .protocol import (HALF, N_PARTS, PART_L, PART_R, PART_T, PRELUDE, Q_F16_SHIFT, REGS_WG0, TWS_COLS, TWS_TILE,
-                       WG0_NAMED_BARRIER, alpha_slot, grows, kernel_threads, kv_buffer, kv_ready_parity, p_free_parity,
-                       p_ready_parity, part_barrier, register_budget, seg_free_parity, seg_ready_parity,
-                       segment_first_block, trace_prelude)
+from .protocol import (HALF, N_PARTS, PART_L, PART_T, PRELUDE, Q_F16_SHIFT, TWS_COLS, TWS_TILE, grows, kernel_threads,
+                       kv_buffer, part_barrier, register_budget, trace_prelude)
 
 
 def alloc_row_tiles(n_rows: int, dtype: str):
@@ -130,13 +128,6 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     transposed = k.transposed
     p, c, e = producer_macros(k), consumer_macros(k), epilogue_macros(k)
     (wg0_tws, wg0_ws), (wg1_tws, wg1_ws, producer) = wg0_roles(k, c, e, p), wg1_roles(k, c, e, p)
-    produce_segment, release_kv = p.produce_segment, p.release_kv
-    (mask_scale, mask_scale_t, pv_block, pv_quarters, q_bf16_to_f16, rescale_rows, score_block,
-     zero_pad_rows) = (c.mask_scale, c.mask_scale_t, c.pv_block, c.pv_quarters, c.q_bf16_to_f16, c.rescale_rows,
-                       c.score_block, c.zero_pad_rows)
-    (merge_add, merge_begin, merge_end, merge_other, merge_weights, store_direct, wg0_store_segment,
-     wg1_store_segment) = (e.merge_add, e.merge_begin, e.merge_end, e.merge_other, e.merge_weights, e.store_direct,
-                           e.wg0_store_segment, e.wg1_store_segment)
 
     dims = split_dims()
     batch, num_parts, num_slots = dims.batch, dims.num_parts, dims.num_slots
