@@ -23,7 +23,7 @@ def _fill_step(table, seq_lens, batch, g):
     past ``batch`` keep stale values). Returns the step's lengths."""
     lens = torch.randint(1, MAX_PAGES * PAGE, (batch,), generator=g)
     lens[0] = 1
-    table.copy_(torch.randperm(table.numel(), generator=g)[: table.numel()].view_as(table).int())
+    table.copy_(torch.randperm(table.numel(), generator=g).view_as(table).int())
     seq_lens[:batch].copy_(lens.int())
     return lens.tolist()
 
