@@ -226,6 +226,10 @@ def test_ws_kernel_named_barriers_are_role_local(lowered, variant):
     src, _ = lowered[variant]
     sections = check_named_barriers_role_local(src, variant)
     assert not any("tl::AllReduce<" in text and "128, 32" in text for text in sections.values())
+    if variant[4] != variant[3]:
+        # fp8: each producer thread converts its own rows and no producer thread reads another's; with the stores'
+        # addresses visible TileLang 0.1.9 put 0 or 20 named barriers among the producer's warps per block, by compile
+        assert not list(named_barriers(sections["producer"])), "named barrier among the fp8 producer's warps"
 
 
 def _tile_boxes(producer: str) -> list[int]:

@@ -17,20 +17,17 @@ from .protocol import (FP8_PREFETCH_AHEAD, HALF, PART_L, PART_R, PART_T, kv_buff
 
 def fp8_macros(k):
     """An fp8 cache's loads into registers, their conversion into the shared tiles, and L2 prefetches."""
-    (ahead_fp8, block_n, convert, page_size) = (k.ahead_fp8, k.block_n, k.convert, k.page_size)
+    (block_n, convert, page_size) = (k.block_n, k.convert, k.page_size)
 
     @T.macro
     def store_converted(raw, chunk, dst, j, c):
         """16 e4m3 values of ``raw[chunk]`` -> ``dst[j, c .. c + 15]`` in ``cdtype``, as two 16-byte stores
         (the shared tiles are swizzled in 16-byte units)."""
-        # tws: plain addresses, so TileLang's thread-sync pass sees no producer write to shared memory. Each
-        # thread writes only its own bytes and no producer thread reads them (the consumers wait on k_ready), yet
-        # for the access_ptr form TileLang 0.1.9 puts 0..8 named barriers among the producer warps per block, a
-        # different number from one compile of the same kernel to the next.
-        if ahead_fp8:
-            lo, hi = T.address_of(dst[j, c]), T.address_of(dst[j, c + 8])
-        else:
-            lo, hi = T.access_ptr(dst[j, c], "w", 8), T.access_ptr(dst[j, c + 8], "w", 8)
+        # Plain addresses, so TileLang's thread-sync pass sees no producer write to shared memory. Each thread
+        # writes only its own bytes and no producer thread reads them (the consumers wait on k_ready), yet for the
+        # access_ptr form TileLang 0.1.9 puts named barriers among the producer warps, a different number from one
+        # compile of the same kernel to the next (tws: 0..8 per block; ws: 0 or 20).
+        lo, hi = T.address_of(dst[j, c]), T.address_of(dst[j, c + 8])
         T.evaluate(T.call_extern("handle", convert, T.access_ptr(raw[chunk, 0], "r", 16), lo, hi))
 
     def fp8_row(pos0, r, t, kv_len):
