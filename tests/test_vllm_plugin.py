@@ -691,6 +691,36 @@ def test_real_build_for_cudagraph_capture_padded_batch(model_dir):
     assert again.decode.mla.kv_lens.tolist() == [34, 65, 0, 0]
 
 
+def test_the_step_s_first_decode_call_makes_the_plan(model_dir, monkeypatch):
+    """_build_decode launches nothing: the step's first forward_mqa makes the split plan (inside a full graph's
+    capture, so a replay step's build is host work only), once for every layer; the output is the reference's."""
+    from vllm.config import set_current_vllm_config
+
+    gen = torch.Generator().manual_seed(5)
+    builder, cfg = _builder(model_dir)
+    table, seq, qsl, cache, batch = _paged_batch([1, 70, 300], 1, 64, 0, 8, 10, torch.bfloat16, gen)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl[: batch + 1], query_start_loc_cpu=qsl[: batch + 1], seq_lens=seq[:batch], num_reqs=batch,
+        num_actual_tokens=batch, max_query_len=1, max_seq_len=300, block_table_tensor=table[:batch],
+        slot_mapping=torch.zeros(batch, dtype=torch.int64))
+    with set_current_vllm_config(cfg):
+        md = builder.build(0, common)
+    planner = md.decode.planner
+    assert planner is builder._decode.planner(1) and md.decode.mla.plan is planner.buffers
+    md.decode.mla.plan.cu_blocks[1:].fill_(-1)  # nothing planned yet (entry 0 stays 0)
+    plans = []
+    monkeypatch.setattr(planner, "plan", lambda kv_lens, run=planner.plan: plans.append(1) or run(kv_lens))
+    ql_nope = torch.randn(batch, 16, 512, generator=gen).to(torch.bfloat16)
+    q_pe = torch.randn(batch, 16, 64, generator=gen).to(torch.bfloat16)
+    impl = _impl("auto", 16)
+    outs = [impl.forward_mqa((ql_nope, q_pe), cache, md, _Layer(1.0))[0] for _layer in range(3)]
+    assert len(plans) == 1 and md.decode.planner is None
+    assert md.decode.mla.plan.cu_blocks[: batch + 1].tolist() == [0, 1, 3, 8]  # 64-token blocks per request
+    want = _naive_attention(ql_nope, q_pe, cache, table, seq[:batch], 1, 1.0)
+    for out in outs:
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
 # ---------------------------------------------------------------------------------------------- the GPU script's plumbing
 def _e2e_module():
     spec = importlib.util.spec_from_file_location("vllm_e2e", REPO / "tests" / "e2e" / "vllm_e2e.py")

@@ -30,6 +30,7 @@ from ..dispatch import ENV_IMPL, TILELANG_GFX942, engine_impl_request, tilelang_
 from ..host_trace import host_range
 from ..launcher import MLADecodeLauncher
 from ..metadata import MLADecodeMetadata
+from ..planner import SplitPlanner
 from .translate import DecodeMetadataBuilder, decode_q_len_limit
 
 # A child of vLLM's logger, so these lines appear in vLLM's log with its format and level.
@@ -175,6 +176,8 @@ class TileLangMLABackend(MLACommonBackend):
 class TileLangMLADecodeMetadata(MLACommonDecodeMetadata):
     #: canonical metadata over persistent buffers, split plan attached
     mla: MLADecodeMetadata | None = None
+    #: the planner that makes ``mla.plan`` for this step, until the step's first decode call has run it
+    planner: SplitPlanner | None = None
 
 
 @dataclass
@@ -213,11 +216,14 @@ class TileLangMLAMetadataBuilder(MLACommonMetadataBuilder[TileLangMLAMetadata]):
                       num_decode_tokens: int, dcp_tot_seq_lens_device: torch.Tensor | None,
                       **kwargs) -> TileLangMLADecodeMetadata:
         # vLLM passes keywords only; **kwargs takes what newer releases add (0.33: max_query_len).
+        # The split plan is made by the step's first decode call (forward_mqa), not here: under full CUDA graphs that
+        # launch is captured with the layers, so a replay step builds on the host without launching anything.
         with host_range("vllm.build_decode"):
             mla = self._decode.build(block_table_tensor, seq_lens_device, query_start_loc_cpu, num_decode_tokens,
-                                     max_seq_len)
+                                     max_seq_len, plan=False)
         return TileLangMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
-                                         dcp_tot_seq_lens=dcp_tot_seq_lens_device, mla=mla)
+                                         dcp_tot_seq_lens=dcp_tot_seq_lens_device, mla=mla,
+                                         planner=self._decode.planner(mla.q_len))
 
 
 class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
@@ -260,6 +266,10 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
         decode = attn_metadata.decode
         assert decode is not None and decode.mla is not None
         with host_range("vllm.forward_mqa"):
+            planner = decode.planner
+            if planner is not None:  # the step's first layer: its plan, for every layer (captured in a full graph)
+                decode.planner = None
+                planner.plan(decode.mla.kv_lens)
             q_nope, q_pe = q if isinstance(q, tuple) else (q[..., :KV_LORA_RANK], q[..., KV_LORA_RANK:])
             launch = self._launch or self._build_launcher(q_nope, kv_c_and_k_pe_cache, layer)
             if self.need_to_return_lse_for_decode:  # a new LSE tensor, which DCP's merge reads after this call

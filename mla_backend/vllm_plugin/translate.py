@@ -131,8 +131,10 @@ class DecodeMetadataBuilder:
         )
 
     def build(self, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc_cpu: torch.Tensor,
-              num_decode_tokens: int, max_seq_len: int | None = None) -> MLADecodeMetadata:
-        """Canonical metadata for one decode batch, with ``.plan`` filled (device ops only)."""
+              num_decode_tokens: int, max_seq_len: int | None = None, plan: bool = True) -> MLADecodeMetadata:
+        """Canonical metadata for one decode batch, with ``.plan`` filled (device ops only). ``plan=False``: ``.plan``
+        is the planner's persistent plan, not yet made for this batch; ``planner(q_len).plan(metadata.kv_lens)`` makes
+        it (the plugin does so in the step's first attention call, inside a captured graph where there is one)."""
         batch = block_table.shape[0]
         if block_table.dim() != 2 or block_table.dtype != INDEX_DTYPE:
             raise ValueError(f"block_table must be int32 [batch, max_blocks], got {block_table.dtype} "
@@ -163,7 +165,8 @@ class DecodeMetadataBuilder:
                 self._built.clear()
             metadata = self._built[key] = self._metadata(block_table, seq_lens, q_len, row_stride, row_pages)
         metadata.max_kv_len = max_seq_len
-        metadata.plan = self._planners[q_len].plan(metadata.kv_lens)
+        planner = self._planners[q_len]
+        metadata.plan = planner.plan(metadata.kv_lens) if plan else planner.buffers
         return metadata
 
 
