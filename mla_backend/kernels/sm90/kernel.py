@@ -55,8 +55,7 @@ def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtyp
     vec = 8  # dtype elements per 16-byte cp.async
     # fp8 cache, ws: the producer keeps one row's loads in flight while it converts the other (next block's row 0
     # during this block's row 1); tws: TWS_FP8_PRODUCERS producer warpgroups, block g converted by producer
-    # g % n_producers from its raw registers (its stores by plain address: ahead_fp8)
-    ahead_fp8 = is_fp8 and transposed
+    # g % n_producers from its raw registers
     threads = kernel_threads(is_fp8, transposed)
     n_producers = threads // 128 - 2
     rr_fp8 = n_producers > 1
