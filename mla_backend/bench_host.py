@@ -17,8 +17,8 @@ ahead, once, as an engine plans once per step for all its layers.
   call costs with everything cached, the cold column what it costs where an engine calls it.
 * eager µs: a loop of calls with one sync at its end, divided by the count (median of 5 loops): what a layer costs
   when nothing else hides the host or the GPU time, the larger of the two.
-* per step, once for all layers: the split planner (``plan``) and vLLM's metadata build with it (``vllm_build``),
-  host µs.
+* per step, once for all layers: the split planner (``plan``) and vLLM's metadata build (``vllm_build``; without
+  the plan, which the step's first attention call makes, inside the graph under full CUDA graphs), host µs.
 
 Writes ``host.json`` and ``host.md`` to ``--out-dir``. Exit status 2 when nothing ran (no GPU).
 """
@@ -121,14 +121,15 @@ def eager_us(fn, n: int = 200, loops: int = 5) -> float:
 
 
 def step_runners(c: Case) -> dict:
-    """Per-step host work: the planner alone, and vLLM's decode metadata build with it (same block table)."""
+    """Per-step host work: the planner alone, and vLLM's decode metadata build as the plugin makes it, without the
+    plan (same block table)."""
     from .vllm_plugin.translate import DecodeMetadataBuilder
 
     cfg, kvg = c.cfg, c.kvg
     builder = DecodeMetadataBuilder(cfg.b, cfg.h, cfg.page, (cfg.s_q,), kvg.seqlens.device)
     qsl = torch.arange(cfg.b + 1, dtype=torch.int32) * cfg.s_q
     return {"plan": lambda: c.planner.plan(kvg.seqlens),
-            "vllm_build": lambda: builder.build(kvg.block_table, kvg.seqlens, qsl, c.T, kvg.max_len)}
+            "vllm_build": lambda: builder.build(kvg.block_table, kvg.seqlens, qsl, c.T, kvg.max_len, plan=False)}
 
 
 def runners(c: Case, anchors: dict, impls) -> dict:
