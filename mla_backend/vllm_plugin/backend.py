@@ -174,7 +174,7 @@ class TileLangMLABackend(MLACommonBackend):
 
 @dataclass
 class TileLangMLADecodeMetadata(MLACommonDecodeMetadata):
-    #: canonical metadata over persistent buffers, split plan attached
+    #: canonical metadata over persistent buffers; its plan buffers are filled by the step's first decode call
     mla: MLADecodeMetadata | None = None
     #: the planner that makes ``mla.plan`` for this step, until the step's first decode call has run it
     planner: SplitPlanner | None = None
