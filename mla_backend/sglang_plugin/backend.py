@@ -16,7 +16,7 @@ plan, all written into persistent buffers sized at ``init_cuda_graph_state``. Th
 ``init_forward_metadata_out_graph`` (outside the captured graph, before every replay, device ops
 only); the captured graph holds just the KV write and the two attention kernels, which read those
 buffers. Eager batches reuse the same buffers when they fit, else grown eager buffers. With
-``MLA_BACKEND_SGLANG_GRAPH_METADATA=1`` (experimental) the same device ops are recorded into the graph by
+``MLA_BACKEND_SGLANG_GRAPH_METADATA=1`` (opt-in) the same device ops are recorded into the graph by
 ``init_forward_metadata_in_graph`` instead, and a replay issues none of them from the host.
 
 Unsupported configurations are refused in ``__init__`` (server startup) with a ``ValueError``
