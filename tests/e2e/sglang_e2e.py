@@ -385,9 +385,14 @@ def mtp_specs(args):
                                             disable_cuda_graph=True, env={"MLA_BACKEND_VERIFY": "1"}, verify=True),
             "flashmla_p64_mtp": dict(base, attention_backend="flashmla", speculative=MTP),
             "tilelang_p64": dict(base, attention_backend="tilelang_mla"),
-            "tilelang_p1_mtp": dict(base, attention_backend="tilelang_mla", page_size=1, speculative=MTP)}
+            "tilelang_p1_mtp": dict(base, attention_backend="tilelang_mla", page_size=1, speculative=MTP),
+            # the decode and verify metadata recorded inside the target's CUDA graphs: the same kernels on the
+            # same numbers, so its tokens follow the default's; a stale page table or plan in a replay would not
+            "tilelang_p64_mtp_graphmeta": dict(base, attention_backend="tilelang_mla", speculative=MTP,
+                                               env={"MLA_BACKEND_SGLANG_GRAPH_METADATA": "1"})}
     return runs, [("tilelang_p64_mtp", "flashmla_p64_mtp", True), ("tilelang_p64_mtp", "tilelang_p64", False),
-                  ("tilelang_p1_mtp", "tilelang_p64_mtp", False)]
+                  ("tilelang_p1_mtp", "tilelang_p64_mtp", False),
+                  ("tilelang_p64_mtp_graphmeta", "tilelang_p64_mtp", True)]
 
 
 def throughput_specs(args):
