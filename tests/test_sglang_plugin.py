@@ -413,6 +413,13 @@ def test_graph_metadata_hooks(kit_env, monkeypatch, graph_metadata):
     assert backend.forward_metadata.metadata.kv_lens.data_ptr() == kv_lens.data_ptr()  # the graph's buffers
 
 
+def test_graph_metadata_switch_other_than_0_or_1_is_refused(kit_env, monkeypatch):
+    monkeypatch.setenv("MLA_BACKEND_SGLANG_GRAPH_METADATA", "yes")
+    with pytest.raises(ValueError, match=f"^{BACKEND_NAME}: MLA_BACKEND_SGLANG_GRAPH_METADATA='yes' is not supported: "
+                                         "1 records"):
+        _build(page_size=64)
+
+
 def test_graph_steps_reuse_one_metadata_per_batch_size_with_fresh_values(kit_env):
     """Before each replay the graph buffers are refilled in place; the metadata over them is built at a batch
     size's first step only, and later steps read the same values as metadata built afresh."""

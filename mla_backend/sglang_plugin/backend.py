@@ -344,7 +344,11 @@ class TileLangMLABackend(AttentionBackend):
         # Prefill / extend / mixed: one of SGLang's backends, same runner (reads the same pools).
         self.prefill_backend_name, self.extend_backend = _build_extend_backend(model_runner)
         self._report_dir = os.environ.get(ENV_REPORT)
-        self._graph_metadata = os.environ.get(ENV_GRAPH_METADATA) == "1"
+        graph_metadata = os.environ.get(ENV_GRAPH_METADATA, "0").strip()
+        if graph_metadata not in ("0", "1"):
+            _refuse(f"{ENV_GRAPH_METADATA}={graph_metadata!r} is not supported: 1 records the decode metadata inside "
+                    "the CUDA graphs, 0 builds it from the host before every replay (the default)")
+        self._graph_metadata = graph_metadata == "1"
         # metadata_host_s: host time spent issuing the decode / verify metadata (page table, lengths, plan) before
         # each step or graph replay; reported per call, to weigh against the engine's step time
         self._stats = {"decode": 0, "verify": 0, "extend": 0, "graph_state": None, "metadata_host_s": 0.0}
