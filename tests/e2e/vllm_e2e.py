@@ -9,7 +9,7 @@ Engine starts take 75-110 s; pick at most ~4 engines per invocation to stay unde
     python tests/e2e/vllm_e2e.py --cases graphs,mtp --out /tmp/e2e2.json        # 4 engines (CUSTOM/64 shared)
     python tests/e2e/vllm_e2e.py --cases fp8,mtp3 --out /tmp/e2e3.json
     python tests/e2e/vllm_e2e.py --cases forced,forced_baseline --out /tmp/e2e4.json  # teacher-forced, 3 engines
-    python tests/e2e/vllm_e2e.py --cases forced_fp8 --out /tmp/e2e5.json  # teacher-forced, fp8 KV (FP8 issue)
+    python tests/e2e/vllm_e2e.py --cases forced_fp8,forced_fp8_baseline --heads 128 --out /tmp/e2e5.json  # fp8 KV
     python tests/e2e/vllm_e2e.py --serve --out /tmp/serve.json                  # vllm serve, 1 engine
     python tests/e2e/vllm_e2e.py --throughput --out /tmp/tput.json              # 3 engines
 
@@ -89,6 +89,10 @@ CASES = {
                    engine("TRITON_MLA", 64, kv_cache_dtype="fp8", forced=True)),
     "forced_baseline": ("teacher-forced decode, two built-in backends against each other (FLASHMLA vs TRITON_MLA)",
                         engine("FLASHMLA", 64, forced=True), engine("TRITON_MLA", 64, forced=True)),
+    "forced_fp8_baseline": ("teacher-forced decode, fp8 KV cache, two built-ins against each other: FLASHMLA (q "
+                            "quantised to fp8, e4m3 products) vs TRITON_MLA (q in bf16); the anchor for an fp8 path "
+                            "that quantises q", engine("FLASHMLA", 64, kv_cache_dtype="fp8", forced=True),
+                            engine("TRITON_MLA", 64, kv_cache_dtype="fp8", forced=True)),
     "graphs": ("CUSTOM with full CUDA graphs (default) vs CUSTOM with attention outside graphs (PIECEWISE): "
                "checks that graph replays read refreshed metadata",
                engine("CUSTOM", 64), engine("CUSTOM", 64, cudagraph_mode="PIECEWISE")),
