@@ -357,8 +357,8 @@ def test_constructs_on_cpu_with_reference_impl(kit_env, monkeypatch, tmp_path):
     assert kv.shape[-1] == 576 and kv.view(-1, 64, 576).shape[0] >= 1
     backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)  # CPU: allowed (the refusal is CUDA-only)
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
-    # decode metadata through the graph buffers; its host time is accounted for the engine report
-    backend.init_forward_metadata_out_graph(fixture.forward_batch)
+    # decode metadata through the graph buffers (built before capture); its host time is accounted for the report
+    backend.init_forward_metadata_out_graph(fixture.forward_batch, in_capture=True)
     md = backend.forward_metadata.metadata
     assert md.kv_lens.tolist() == [6, 71] and md.plan is not None  # prefixes 5 and 70 plus the decoded token
     (report,) = [json.loads(f.read_text()) for f in tmp_path.glob("*.json")]
@@ -392,12 +392,16 @@ def test_serve_bench_reads_each_process_s_verification_report(kit_env, monkeypat
     assert set(rank) >= {"calls", "max_rel_err", "max_lse_err", "calls_by_q_len"}
 
 
-@pytest.mark.parametrize("graph_metadata", [False, True])
-def test_graph_metadata_hooks(kit_env, monkeypatch, graph_metadata):
-    # Default: the decode metadata is rebuilt out of graph before every replay, and the in-graph hook records
-    # nothing. MLA_BACKEND_SGLANG_GRAPH_METADATA=1: built eagerly before capture, recorded by the in-graph hook,
-    # and a replay's out-of-graph call leaves the buffers to the graph. (Routing only: CPU has no graphs.)
-    monkeypatch.setenv("MLA_BACKEND_SGLANG_GRAPH_METADATA", "1" if graph_metadata else "0")
+@pytest.mark.parametrize("env_value", [None, "1", "0"])
+def test_graph_metadata_hooks(kit_env, monkeypatch, env_value):
+    # Default (MLA_BACKEND_SGLANG_GRAPH_METADATA unset or 1): built eagerly before capture, recorded by the
+    # in-graph hook, and a replay's out-of-graph call leaves the buffers to the graph. =0: rebuilt out of graph
+    # before every replay, and the in-graph hook records nothing. (Routing only: CPU has no graphs.)
+    if env_value is None:
+        monkeypatch.delenv("MLA_BACKEND_SGLANG_GRAPH_METADATA", raising=False)
+    else:
+        monkeypatch.setenv("MLA_BACKEND_SGLANG_GRAPH_METADATA", env_value)
+    graph_metadata = env_value != "0"
     fixture = _build(page_size=64)
     backend, fb = fixture.backend, fixture.forward_batch
     backend.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
@@ -420,9 +424,10 @@ def test_graph_metadata_switch_other_than_0_or_1_is_refused(kit_env, monkeypatch
         _build(page_size=64)
 
 
-def test_graph_steps_reuse_one_metadata_per_batch_size_with_fresh_values(kit_env):
-    """Before each replay the graph buffers are refilled in place; the metadata over them is built at a batch
-    size's first step only, and later steps read the same values as metadata built afresh."""
+def test_graph_steps_reuse_one_metadata_per_batch_size_with_fresh_values(kit_env, monkeypatch):
+    """Metadata out of graph: before each replay the graph buffers are refilled in place; the metadata over them is
+    built at a batch size's first step only, and later steps read the same values as metadata built afresh."""
+    monkeypatch.setenv("MLA_BACKEND_SGLANG_GRAPH_METADATA", "0")
     from mla_backend.planner import SplitPlanner
     from mla_backend.sglang_plugin.page_table import sglang_decode_metadata
 

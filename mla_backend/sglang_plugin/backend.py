@@ -12,12 +12,13 @@ What runs where:
   (``MLA_BACKEND_SGLANG_PREFILL`` chooses).
 
 Metadata: ``req_to_token`` -> row-strided page table (``page_table.py``) + KV lengths + split-KV
-plan, all written into persistent buffers sized at ``init_cuda_graph_state``. The work runs in
-``init_forward_metadata_out_graph`` (outside the captured graph, before every replay, device ops
-only); the captured graph holds just the KV write and the two attention kernels, which read those
-buffers. Eager batches reuse the same buffers when they fit, else grown eager buffers. With
-``MLA_BACKEND_SGLANG_GRAPH_METADATA=1`` (opt-in) the same device ops are recorded into the graph by
-``init_forward_metadata_in_graph`` instead, and a replay issues none of them from the host.
+plan, all written into persistent buffers sized at ``init_cuda_graph_state``. For a batch that fits the
+graph buffers these device ops are recorded into each captured graph by ``init_forward_metadata_in_graph``,
+so a replay issues none of them from the host; SGLang writes the step's inputs into the graph's input
+buffers before the replay, and the recorded ops read them there. With
+``MLA_BACKEND_SGLANG_GRAPH_METADATA=0`` they run in ``init_forward_metadata_out_graph`` instead
+(outside the graph, before every replay). Eager batches reuse the same buffers when they fit, else
+grown eager buffers.
 
 Unsupported configurations are refused in ``__init__`` (server startup) with a ``ValueError``
 whose message starts with ``tilelang_mla:``.
@@ -344,10 +345,10 @@ class TileLangMLABackend(AttentionBackend):
         # Prefill / extend / mixed: one of SGLang's backends, same runner (reads the same pools).
         self.prefill_backend_name, self.extend_backend = _build_extend_backend(model_runner)
         self._report_dir = os.environ.get(ENV_REPORT)
-        graph_metadata = os.environ.get(ENV_GRAPH_METADATA, "0").strip()
+        graph_metadata = os.environ.get(ENV_GRAPH_METADATA, "1").strip()
         if graph_metadata not in ("0", "1"):
             _refuse(f"{ENV_GRAPH_METADATA}={graph_metadata!r} is not supported: 1 records the decode metadata inside "
-                    "the CUDA graphs, 0 builds it from the host before every replay (the default)")
+                    "the CUDA graphs (the default), 0 builds it from the host before every replay")
         self._graph_metadata = graph_metadata == "1"
         # metadata_host_s: host time spent issuing the decode / verify metadata (page table, lengths, plan) before
         # each step or graph replay; reported per call, to weigh against the engine's step time
@@ -445,8 +446,8 @@ class TileLangMLABackend(AttentionBackend):
             self.extend_backend.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch):
-        """Inside capture (and SGLang's eager warm-up runs): only with ``MLA_BACKEND_SGLANG_GRAPH_METADATA=1``,
-        where the decode metadata's device ops are recorded here; by default it is built out of graph."""
+        """Inside capture (and SGLang's eager runs): the decode metadata's device ops, recorded into the graph;
+        with ``MLA_BACKEND_SGLANG_GRAPH_METADATA=0`` nothing (it is built out of graph)."""
         if not self._is_ours(forward_batch.forward_mode):
             self.extend_backend.init_forward_metadata_in_graph(forward_batch)
         elif self._graph_metadata and self._fits_graph(forward_batch.batch_size):

@@ -339,12 +339,12 @@ def forced_specs(args):
             "flashmla_p64_forced": dict(base, attention_backend="flashmla", page_size=64),
             "tilelang_p1_forced": dict(base, attention_backend="tilelang_mla", page_size=1),
             "triton_p1_forced": dict(base, attention_backend="triton", page_size=1),
-            # the decode metadata recorded inside the CUDA graphs (MLA_BACKEND_SGLANG_GRAPH_METADATA=1)
-            "tilelang_p64_graphmeta_forced": dict(base, attention_backend="tilelang_mla", page_size=64,
-                                                  env={"MLA_BACKEND_SGLANG_GRAPH_METADATA": "1"})}
+            # the decode metadata built out of graph before every replay (MLA_BACKEND_SGLANG_GRAPH_METADATA=0)
+            "tilelang_p64_outgraph_forced": dict(base, attention_backend="tilelang_mla", page_size=64,
+                                                 env={"MLA_BACKEND_SGLANG_GRAPH_METADATA": "0"})}
     return runs, [("tilelang_p64_forced", "flashmla_p64_forced", True),
                   ("tilelang_p1_forced", "triton_p1_forced", True),
-                  ("tilelang_p64_graphmeta_forced", "flashmla_p64_forced", True),
+                  ("tilelang_p64_outgraph_forced", "flashmla_p64_forced", True),
                   ("triton_p1_forced", "flashmla_p64_forced", False)]
 
 
@@ -386,13 +386,14 @@ def mtp_specs(args):
             "flashmla_p64_mtp": dict(base, attention_backend="flashmla", speculative=MTP),
             "tilelang_p64": dict(base, attention_backend="tilelang_mla"),
             "tilelang_p1_mtp": dict(base, attention_backend="tilelang_mla", page_size=1, speculative=MTP),
-            # the decode and verify metadata recorded inside the target's CUDA graphs: the same kernels on the
-            # same numbers, so its tokens follow the default's; a stale page table or plan in a replay would not
-            "tilelang_p64_mtp_graphmeta": dict(base, attention_backend="tilelang_mla", speculative=MTP,
-                                               env={"MLA_BACKEND_SGLANG_GRAPH_METADATA": "1"})}
+            # the decode and verify metadata built out of graph before every replay of the target: the same
+            # kernels on the same numbers as the default (inside the graphs), so the tokens follow each other; a
+            # stale page table or plan in a replay would not
+            "tilelang_p64_mtp_outgraph": dict(base, attention_backend="tilelang_mla", speculative=MTP,
+                                              env={"MLA_BACKEND_SGLANG_GRAPH_METADATA": "0"})}
     return runs, [("tilelang_p64_mtp", "flashmla_p64_mtp", True), ("tilelang_p64_mtp", "tilelang_p64", False),
                   ("tilelang_p1_mtp", "tilelang_p64_mtp", False),
-                  ("tilelang_p64_mtp_graphmeta", "tilelang_p64_mtp", True)]
+                  ("tilelang_p64_mtp", "tilelang_p64_mtp_outgraph", True)]
 
 
 def throughput_specs(args):
@@ -405,9 +406,9 @@ def throughput_specs(args):
     runs = {name: dict(base, attention_backend=backend)
             for name, backend in (("tilelang_p64", "tilelang_mla"), ("flashmla_p64", "flashmla"),
                                   ("triton_p64", "triton"))}
-    # ours with the decode metadata recorded inside the CUDA graphs (experimental; last, or pick it with --only)
-    runs["tilelang_p64_graphmeta"] = dict(base, attention_backend="tilelang_mla",
-                                          env={"MLA_BACKEND_SGLANG_GRAPH_METADATA": "1"})
+    # ours with the decode metadata built out of graph before every replay (last, or pick it with --only)
+    runs["tilelang_p64_outgraph"] = dict(base, attention_backend="tilelang_mla",
+                                         env={"MLA_BACKEND_SGLANG_GRAPH_METADATA": "0"})
     return runs, []
 
 
