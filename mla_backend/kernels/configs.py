@@ -28,6 +28,7 @@ class KernelConfig:
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
     trace_part: int = -1
+    fp8_compute: bool = False  # sm90 ws, fp8 cache: S and P V on e4m3 WGMMA (kernels/sm90/fp8c.py)
 
 
 # Hopper (kernels/sm90/): 2 consumer warpgroups + 1 producer (FlashMLA-style), 64-token blocks, 2 buffers; the
