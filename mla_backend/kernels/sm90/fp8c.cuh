@@ -1,6 +1,5 @@
-// fp8 compute (kernels/sm90/fp8c.py). Q quantised to e4m3 per row by the producer, 8 threads per row, each holding 9
-// chunks of 8 16-bit values (72 of the row's 576). Returns 448 / amax(|row|) (1 for a row of zeros) after a reduction
-// over the row's 8 lanes; where ``store``, lane 0 of the row writes the row's dequantisation scale amax / 448.
+// fp8 compute (kernels/sm90/fp8c.py), pasted after prelude.cuh. Q quantised to e4m3 per row by the producer, 8
+// threads per row, each holding 9 chunks of 8 16-bit values (72 of the row's 576).
 template <bool kBF16>
 __device__ __forceinline__ float mla_f16x2_lo(unsigned w) {
   if (kBF16) return __uint_as_float(w << 16);
@@ -15,6 +14,8 @@ __device__ __forceinline__ float mla_f16x2_hi(unsigned w) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<unsigned short>(w >> 16)));
   return f;
 }
+// Returns 448 / amax(|row|) (1 for a row of zeros) after a reduction over the row's 8 lanes; where ``store``, lane 0
+// of the row writes the row's dequantisation scale amax / 448.
 template <bool kBF16>
 __device__ __forceinline__ float mla_q8_inv_scale(const void* q, float* scale, int store) {
   // the largest magnitude by integer max over the 16-bit lanes (sign cleared: magnitudes order as their bits), so
@@ -43,64 +44,16 @@ __device__ __forceinline__ void mla_q8_store8(const void* q, float inv, void* ds
   *reinterpret_cast<uint2*>(dst) = make_uint2(b[0] | (static_cast<unsigned>(b[1]) << 16),
                                               b[2] | (static_cast<unsigned>(b[3]) << 16));
 }
-// fp8c producer: a 4 x 4-byte square of K (tokens n..n+3 at s0..s3, dims d..d+3) into V^T (dims d..d+3 at d0..d3,
-// tokens n..n+3). Lanes 16-31 (g = 1) read and write their rows in the order 1, 0, 3, 2, so that the two half-warps
-// of a store hit rows of opposite parity (V^T rows are 64 bytes).
-__device__ __forceinline__ void mla_t4x4(const void* s0, const void* s1, const void* s2, const void* s3, void* d0,
-                                         void* d1, void* d2, void* d3, unsigned g) {
-  unsigned a = *reinterpret_cast<const unsigned*>(s0), b = *reinterpret_cast<const unsigned*>(s1);
-  unsigned c = *reinterpret_cast<const unsigned*>(s2), e = *reinterpret_cast<const unsigned*>(s3);
-  if (g) { unsigned t = a; a = b; b = t; t = c; c = e; e = t; }  // back to token order n, n+1, n+2, n+3
-  const unsigned ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
-  const unsigned ce_lo = __byte_perm(c, e, 0x5140), ce_hi = __byte_perm(c, e, 0x7362);
-  const unsigned even = g ? 0x7632u : 0x5410u, odd = g ? 0x5410u : 0x7632u;
-  *reinterpret_cast<unsigned*>(d0) = __byte_perm(ab_lo, ce_lo, even);
-  *reinterpret_cast<unsigned*>(d1) = __byte_perm(ab_lo, ce_lo, odd);
-  *reinterpret_cast<unsigned*>(d2) = __byte_perm(ab_hi, ce_hi, even);
-  *reinterpret_cast<unsigned*>(d3) = __byte_perm(ab_hi, ce_hi, odd);
-}
-// The same for q = hi + lo, two e4m3 terms in one scale: lo = e4m3(x - hi) holds what hi's 3 mantissa bits leave out
-// (x = q x inv), so S = (Q_hi + Q_lo) K^T accumulates both GEMMs in one accumulator with no rescale.
-template <bool kBF16>
-__device__ __forceinline__ void mla_q8x2_store8(const void* q, float inv, void* dst_hi, void* dst_lo) {
-  const unsigned* w = reinterpret_cast<const unsigned*>(q);
-  unsigned short h[4], l[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float a = mla_f16x2_lo<kBF16>(w[k]) * inv, b = mla_f16x2_hi<kBF16>(w[k]) * inv;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h[k]) : "f"(b), "f"(a));
-    unsigned back;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(back) : "h"(h[k]));
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-        : "=h"(l[k]) : "f"(b - mla_f16x2_hi<false>(back)), "f"(a - mla_f16x2_lo<false>(back)));
-  }
-  *reinterpret_cast<uint2*>(dst_hi) = make_uint2(h[0] | (static_cast<unsigned>(h[1]) << 16),
-                                                 h[2] | (static_cast<unsigned>(h[3]) << 16));
-  *reinterpret_cast<uint2*>(dst_lo) = make_uint2(l[0] | (static_cast<unsigned>(l[1]) << 16),
-                                                 l[2] | (static_cast<unsigned>(l[3]) << 16));
-}
-// fp8c timing probe MLA_FP8C_PROBE=rsvt / rsvt_ldsm (kernels/sm90/fp8c.py): P V as O^T [256 dims, 64 rows] +=
-// V^T [256 dims, 64 tokens] P^T, four m64n64k32 e4m3 WGMMAs per k-step with A = V^T from registers (RS) and
-// B = P8 [64 rows, 64 tokens] (K-major, 64-byte swizzle: the layout TileLang gives P8, descriptor as its own).
-// A rows are dims, so the dims may be permuted: row r of tile i (warp w = r / 16, g = r % 8, h = (r / 8) % 2) is dim
-// 64 i + 16 w + 2 g + h, i.e. a thread's two rows (g, g + 8) are the adjacent dims d0 = 64 i + 16 w + 2 g, d0 + 1, and
-// accumulator float v of tile i (acc[32 i + v]) is O^T[dim 64 i + 16 w + 2 g + (v / 2) % 2][row 8 (v / 4) + 2 q + v % 2]
-// (q = lane % 4). The probe's caller keeps treating acc as O (wrong output); only the data movement and arithmetic are
-// the design's. k8: the consumer's K8 tile [64 tokens, 256 dims] as TileLang lays it out for the S WGMMA (two
-// 128-dim atoms of 8192 bytes, rows of 128 bytes, 128-byte swizzle: 16-byte chunk c of row n at chunk c ^ (n % 8)).
-// kMode 0: one 16-bit load per (token, dim pair) (ld.shared.u16): A register (g, k 4q .. 4q + 3) of a k half holds
-// tokens 4q + j; thread q loads them in the order j = (u + q) % 4 (u = the load's number), so that a warp's load
-// touches rows n % 8 all different (conflict-free), and a runtime byte-permute selector puts them back in order.
-// kMode 1: ldmatrix.x4.trans of the warp's 16-byte chunk over 32 tokens per k-step (4 matrices of 8 tokens): each
-// register holds tokens 2q, 2q + 1 of a matrix; two permutes give A registers whose k 4q + j is token
-// 2q + (j & 1) + 8 (j >> 1) of the 16-token half: correct only with P8's columns permuted the same way (not done in
-// the probe). Tiles are pipelined: tile i's A is built while tile i - 1's WGMMAs run; a wait for tile i - 2 frees
-// its registers first (16 A registers live).
-__device__ __forceinline__ unsigned mla_lds_u16(unsigned addr) {
-  unsigned short v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-  return v;
-}
+// P V as O^T [256 dims, 64 rows] += V^T [256 dims, 64 tokens] P^T (mla_pv8_vt): four m64n64k32 e4m3 WGMMAs per k-step
+// with A = V^T from registers (RS) and B = P8 [64 rows, 64 tokens] (K-major, 64-byte swizzle: the layout fp8c.py
+// annotates on P8). A rows are dims, so the dims may be permuted: row r of tile i (warp w = r / 16, g = r % 8,
+// h = (r / 8) % 2) is dim 64 i + 16 w + 2 g + h, i.e. a thread's two rows (g, g + 8) are the adjacent dims
+// d0 = 64 i + 16 w + 2 g, d0 + 1. k8: the consumer's K8 tile [64 tokens, 256 dims] as TileLang lays it out for the S
+// WGMMA (two 128-dim atoms of 8192 bytes, rows of 128 bytes, 128-byte swizzle: 16-byte chunk c of row n at chunk
+// c ^ (n % 8)). ldmatrix.x4.trans of the warp's 16-byte dim chunk over 32 tokens per k-step (4 matrices of 8 tokens,
+// one wavefront each) gives each thread tokens 2q, 2q + 1 of each matrix (q = lane % 4); two byte permutes give A
+// registers whose k = 4q + j is token 2q + (j & 1) + 8 (j >> 1) of the 16-token half: P8's columns are stored in the
+// same order (mla_p8_store_ldsm), so the product sums over the same tokens.
 __device__ __forceinline__ void mla_acc32_fence(float* d) {
 #pragma unroll
   for (int v = 0; v < 32; ++v) asm volatile("" : "+f"(d[v]) :: "memory");
@@ -118,43 +71,28 @@ __device__ __forceinline__ void mla_wgmma_e4m3_rs_64x64x32(float* d, const unsig
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
-// K8 tile address of token n, 16-byte dim chunk c (of 16): (c / 8) * 8192 + n * 128 + ((c % 8) ^ (n % 8)) * 16. A
-// thread's chunk is c = 4 i + w (tile i, warp w), so with n = n0 + n1 (n0 % 8 == 0, n1 < 8) and base = n1 * 128 +
-// (w ^ n1) * 16 (+ the byte in the chunk, < 16), the address is (base ^ (i % 2) * 64) + (i / 2) * 8192 + n0 * 128:
-// one base register per n1, immediates for the rest.
-// The 4 A registers of tile i, k-step s (tokens 32 s .. 32 s + 31); base: kMode 0: the 4 load bases (token
-// 4q + (u + q) % 4, byte 2g), kMode 1: the ldmatrix row base (token lane % 32).
-template <int kMode>
-__device__ __forceinline__ void mla_rsvt_build(unsigned* a, const unsigned* base, unsigned sel, int i, int s) {
+// The 4 A registers of tile i, k-step s (tokens 32 s .. 32 s + 31). K8 address of token n, 16-byte dim chunk c (of
+// 16): (c / 8) * 8192 + n * 128 + ((c % 8) ^ (n % 8)) * 16. A thread's chunk is c = 4 i + w (tile i, warp w), so with
+// base = lane * 128 + (w ^ (lane % 8)) * 16 (the ldmatrix row of token lane) the address is
+// (base ^ (i % 2) * 64) + (i / 2) * 8192 + 32 s * 128: one base register, immediates for the rest.
+__device__ __forceinline__ void mla_vt_frags(unsigned* a, unsigned base, int i, int s) {
   const unsigned flip = (i & 1) << 6, atom = (i >> 1) * 8192;
-  if (kMode == 0) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      unsigned v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) v[u] = mla_lds_u16((base[u] ^ flip) + atom + (32 * s + 16 * h) * 128);
-      const unsigned x = __byte_perm(v[0], v[1], 0x5410), y = __byte_perm(v[2], v[3], 0x5410);
-      a[2 * h] = __byte_perm(x, y, sel);              // dim d0, tokens 4q .. 4q + 3 (+ 16 h)
-      a[2 * h + 1] = __byte_perm(x, y, sel + 0x1111u);  // dim d0 + 1
-    }
-  } else {
-    unsigned r0, r1, r2, r3;
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"((base[0] ^ flip) + atom + 32 * s * 128));
-    a[0] = __byte_perm(r0, r1, 0x6420);  // dim d0: tokens 2q, 2q + 1, 8 + 2q, 9 + 2q
-    a[1] = __byte_perm(r0, r1, 0x7531);  // dim d0 + 1
-    a[2] = __byte_perm(r2, r3, 0x6420);  // the same, tokens + 16
-    a[3] = __byte_perm(r2, r3, 0x7531);
-  }
+  unsigned r0, r1, r2, r3;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"((base ^ flip) + atom + 32 * s * 128));
+  a[0] = __byte_perm(r0, r1, 0x6420);  // dim d0: tokens 2q, 2q + 1, 8 + 2q, 9 + 2q
+  a[1] = __byte_perm(r0, r1, 0x7531);  // dim d0 + 1
+  a[2] = __byte_perm(r2, r3, 0x6420);  // the same, tokens + 16
+  a[3] = __byte_perm(r2, r3, 0x7531);
 }
-// MLA_FP8C_PV (the real kernel of the rsvt design): the accumulator is O^T. Float v of tile i (acc[32 i + v]) of
-// thread t (w = t / 32, g = (t % 32) / 4, q = t % 4) is dim 64 i + 16 w + 2 g + (v / 2) % 2 (of the consumer's 256)
-// of query row (column) 8 (v / 4) + 2 q + v % 2; a thread's 16 columns are mla_rsvt_col(q, jj), jj = 2 (v / 4) + v % 2.
-__device__ __forceinline__ int mla_rsvt_col(int q, int jj) { return 8 * (jj >> 1) + 2 * q + (jj & 1); }
+// The accumulator is O^T. Float v of tile i (acc[32 i + v]) of thread t (w = t / 32, g = (t % 32) / 4, q = t % 4) is
+// dim 64 i + 16 w + 2 g + (v / 2) % 2 (of the consumer's 256) of query row (column) 8 (v / 4) + 2 q + v % 2; a thread's
+// 16 columns are mla_ot_col(q, jj), jj = 2 (v / 4) + v % 2.
+__device__ __forceinline__ int mla_ot_col(int q, int jj) { return 8 * (jj >> 1) + 2 * q + (jj & 1); }
 // dst[jj] = src[offset + column jj of this thread] (src: 64 per-row values in shared memory: alpha, l or m). Volatile
 // loads: they stay ahead of the mbarrier arrive that hands the slots back (TileLang's arrive has no memory clobber).
-__device__ __forceinline__ void mla_rsvt_cols(float* dst, const float* src, int offset = 0) {
+__device__ __forceinline__ void mla_ot_cols(float* dst, const float* src, int offset = 0) {
   const int q = mla_wg_thread() & 3;
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(src + offset + 2 * q));
 #pragma unroll
@@ -162,35 +100,35 @@ __device__ __forceinline__ void mla_rsvt_cols(float* dst, const float* src, int 
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dst[2 * j]), "=f"(dst[2 * j + 1]) : "r"(a + 32 * j));
 }
 // acc's columns times f[jj]
-__device__ __forceinline__ void mla_rsvt_mul_cols(float* acc, const float* f) {
+__device__ __forceinline__ void mla_ot_mul_cols(float* acc, const float* f) {
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int v = 0; v < 32; ++v) acc[32 * i + v] *= f[2 * (v >> 2) + (v & 1)];
 }
 // the online-softmax rescale of O^T: column c times alpha[c] (alpha: the block's alpha slot in shared memory)
-__device__ __forceinline__ void mla_rsvt_scale_alpha(float* acc, const float* alpha) {
+__device__ __forceinline__ void mla_ot_scale_alpha(float* acc, const float* alpha) {
   float f[16];
-  mla_rsvt_cols(f, alpha);
-  mla_rsvt_mul_cols(acc, f);
+  mla_ot_cols(f, alpha);
+  mla_ot_mul_cols(acc, f);
 }
-// normalise: column c times kv_scale / l[c] (0 where l is 0); l: the thread's 16 column sums (mla_rsvt_cols)
-__device__ __forceinline__ void mla_rsvt_normalize(float* acc, const float* l, float kv_scale) {
+// normalise: column c times kv_scale / l[c] (0 where l is 0); l: the thread's 16 column sums (mla_ot_cols)
+__device__ __forceinline__ void mla_ot_normalize(float* acc, const float* l, float kv_scale) {
   float f[16];
 #pragma unroll
   for (int jj = 0; jj < 16; ++jj) f[jj] = l[jj] == 0.f ? 0.f : kv_scale / l[jj];
-  mla_rsvt_mul_cols(acc, f);
+  mla_ot_mul_cols(acc, f);
 }
-// The merging program (two-part request), after mla_rsvt_normalize: per column the weights of mla_merge2_weights
+// The merging program (two-part request), after mla_ot_normalize: per column the weights of mla_merge2_weights
 // (own LSE from the unmerged l, m: partial_lse), acc = w_own acc + w_other partial, then divided by the merged sum.
 // lse_other: the other part's LSE slot at the tile's first row; src: its partial at that row and the consumer's first
 // dim (row stride 512 floats); rows from rows_left on are padding (never read).
-__device__ __forceinline__ void mla_rsvt_merge(float* acc, const float* l, const float* m, const float* lse_other,
-                                               const float* src, int rows_left) {
+__device__ __forceinline__ void mla_ot_merge(float* acc, const float* l, const float* m, const float* lse_other,
+                                             const float* src, int rows_left) {
   const int t = mla_wg_thread(), w = t >> 5, g = (t >> 2) & 7, q = t & 3;
 #pragma unroll
   for (int jj = 0; jj < 16; ++jj) {
-    const int c = mla_rsvt_col(q, jj);
+    const int c = mla_ot_col(q, jj);
     const bool ok = c < rows_left;
     const float own = l[jj] == 0.f ? -INFINITY : log2f(l[jj]) + m[jj];
     const float other = ok ? mla_ldcg(lse_other + c) : -INFINITY;
@@ -212,11 +150,11 @@ __device__ __forceinline__ void mla_rsvt_merge(float* acc, const float* l, const
 // O^T to a row-major [rows, 512] destination: dst at row 0 and the consumer's first dim; row row0 + c of column c;
 // each float pair (dims d, d + 1 of one row) as one store: kOut 0 fp32 (the partial slot), 1 bf16, 2 fp16.
 template <int kOut>
-__device__ __forceinline__ void mla_rsvt_store(const float* acc, void* dst, int row0, int rows_left) {
+__device__ __forceinline__ void mla_ot_store(const float* acc, void* dst, int row0, int rows_left) {
   const int t = mla_wg_thread(), w = t >> 5, g = (t >> 2) & 7, q = t & 3;
 #pragma unroll
   for (int jj = 0; jj < 16; ++jj) {
-    const int c = mla_rsvt_col(q, jj), j = jj >> 1, e = jj & 1;
+    const int c = mla_ot_col(q, jj), j = jj >> 1, e = jj & 1;
     if (c < rows_left) {
       const long long row = static_cast<long long>(row0 + c) * 512;
 #pragma unroll
@@ -235,11 +173,11 @@ __device__ __forceinline__ void mla_rsvt_store(const float* acc, void* dst, int 
     }
   }
 }
-// MLA_FP8C_PV=ldsm: WG0's P8 store in the ldmatrix token order. Of each 16-token group m, the thread's four S values
-// of a row (tokens 16 m + 2q, + 1, + 8, + 9: accumulator floats 8 m + 2 h + {0, 1, 4, 5}) go times scale to e4m3 as
-// one 32-bit word at columns 16 m + 4 q .. + 3 (column 4 q' + j holds token 2 q' + (j & 1) + 8 (j >> 1)), at P8's
-// 64-byte-swizzled address (row r: r * 64 + ((column / 16) ^ ((r / 2) % 4)) * 16 + column % 16), which the B
-// descriptor of mla_pv8_rsvt reads. s: the m64n64 S accumulator (row 16 w + g + 8 h, column 8 (v / 4) + 2 q + v % 2).
+// WG0's P8 store in the ldmatrix token order. Of each 16-token group m, the thread's four S values of a row (tokens
+// 16 m + 2q, + 1, + 8, + 9: accumulator floats 8 m + 2 h + {0, 1, 4, 5}) go times scale to e4m3 as one 32-bit word at
+// columns 16 m + 4 q .. + 3 (column 4 q' + j holds token 2 q' + (j & 1) + 8 (j >> 1)), at P8's 64-byte-swizzled
+// address (row r: r * 64 + ((column / 16) ^ ((r / 2) % 4)) * 16 + column % 16), which the B descriptor of mla_pv8_vt
+// reads. s: the m64n64 S accumulator (row 16 w + g + 8 h, column 8 (v / 4) + 2 q + v % 2).
 __device__ __forceinline__ void mla_p8_store_ldsm(const float* s, void* p8, float scale) {
   const int t = mla_wg_thread(), w = t >> 5, g = (t >> 2) & 7, q = t & 3;
   unsigned char* base = static_cast<unsigned char*>(p8);
@@ -257,43 +195,31 @@ __device__ __forceinline__ void mla_p8_store_ldsm(const float* s, void* p8, floa
     }
   }
 }
-template <int kMode, bool kCols = false>
-__device__ __forceinline__ void mla_pv8_rsvt(float* acc, const void* k8, const void* p8, const float* alpha = nullptr,
-                                             int alpha_offset = 0) {
+// One consumer's P V of a block: O^T's columns times the block's alpha (alpha[alpha_offset ..]: its slot), then
+// acc += V^T P8^T from its K8 tile k8.
+__device__ __forceinline__ void mla_pv8_vt(float* acc, const void* k8, const void* p8, const float* alpha,
+                                           int alpha_offset) {
   const unsigned k8s = static_cast<unsigned>(__cvta_generic_to_shared(k8));
   const unsigned p8s = static_cast<unsigned>(__cvta_generic_to_shared(p8));
   // K-major, 64-byte swizzle (layout type 2), LBO 16 bytes (1), SBO 512 bytes (32): P8's 64-byte rows
   const unsigned long long desc =
       static_cast<unsigned long long>((p8s >> 4) & 0x3FFFu) | (1ull << 16) | (32ull << 32) | (2ull << 62);
-  // thread index by volatile asm: the bases are not hoisted out of the block loop into registers held across it
-  const int t = mla_wg_thread(), w = t >> 5, g = (t >> 2) & 7, q = t & 3;
-  unsigned base[4], sel = 0;
-  if (kMode == 0) {
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int n1 = 4 * (q & 1) + ((u + q) & 3);  // token 4q + (u + q) % 4, mod 8
-      base[u] = k8s + (4 * q + ((u + q) & 3)) * 128 + ((w ^ n1) << 4) + 2 * g;
-    }
-    // A byte j is token 4q + j: load u = (j - q) % 4, at byte 2u of the two combined loads
-#pragma unroll
-    for (int j = 0; j < 4; ++j) sel |= static_cast<unsigned>(2 * ((j - q) & 3)) << (4 * j);
-  } else {
-    const int lane = t & 31;
-    base[0] = k8s + lane * 128 + ((w ^ (lane & 7)) << 4);
-  }
+  // thread index by volatile asm: the base is not hoisted out of the block loop into a register held across it
+  const int t = mla_wg_thread(), w = t >> 5, lane = t & 31;
+  const unsigned base = k8s + lane * 128 + ((w ^ (lane & 7)) << 4);
   unsigned a[2][4];
-  if (kCols) mla_rsvt_scale_alpha(acc, alpha + alpha_offset);  // MLA_FP8C_PV: O^T's columns (query rows) by this block's alpha
+  mla_ot_scale_alpha(acc, alpha + alpha_offset);
 #pragma unroll
   for (int i = 0; i < 4; ++i) mla_acc32_fence(acc + 32 * i);
   // one WGMMA per (tile i, k-step s) unit, committed alone: unit u's A is built while unit u - 1 runs, after a wait
-  // for unit u - 2 (whose registers it takes). 8 A registers live: with 128 accumulators this fits under the
-  // function's 168-register limit, which ptxas's WGMMA pipeline check goes by (whole tiles of 8 did not: every
-  // WGMMA of the kernel was serialized, C7512)
+  // for unit u - 2 (whose registers it takes). 8 A registers live: with 128 accumulators this fits under WG1's
+  // 168-register limit, which ptxas's WGMMA pipeline check goes by (pipelined whole tiles, 16 A registers live, do
+  // not: ptxas then serialises every WGMMA of the kernel, C7512)
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
     const int i = u >> 1, s = u & 1;
     if (u >= 2) asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-    mla_rsvt_build<kMode>(a[u & 1], base, sel, i, s);
+    mla_vt_frags(a[u & 1], base, i, s);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     mla_wgmma_e4m3_rs_64x64x32(acc + 32 * i, a[u & 1], desc + 2 * s);  // k-step s: 32 bytes on in P8's rows
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");

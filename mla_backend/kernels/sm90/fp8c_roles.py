@@ -21,30 +21,30 @@ def fp8c_roles(k, c, e, f):
     num_heads, q_rows, rows = k.num_heads, k.q_rows, k.rows
     mask_scale = c.mask_scale
     score8, pv8, produce_segment = f.score8, f.pv8, f.produce_segment
-    out_kind = 1 if k.dtype == "bfloat16" else 2  # mla_rsvt_store's kOut for ``out`` (bf16 or fp16)
+    out_kind = 1 if k.dtype == "bfloat16" else 2  # mla_ot_store's kOut for ``out`` (bf16 or fp16)
 
     def make_store_t(col0: int, with_lse: bool):
         """A consumer's segment end for O^T (its dims col0 .. col0 + 256), once ``lc`` / ``mc`` hold l and m (log2
         max) of the thread's 16 columns: normalise per column, merge a two-part request if this program finishes
-        second, write each row's dims (make_store_segment's order of steps; fp8c.cuh's mla_rsvt_*). WG0
+        second, write each row's dims (make_store_segment's order of steps; fp8c.cuh's mla_ot_*). WG0
         (``with_lse``) also merges its row-layout l and m (``l_row``, ``m_row``; ``w_own`` / ``w_other`` scratch)
         for the LSE, which it writes as make_store_rows does."""
 
         @T.macro
         def store_t(acc, lc, mc, l_row, m_row, w_own, w_other, kv_scale, first, n_parts, part, req, row_block, row0,
                     tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial, lse_partial):
-            T.evaluate(T.call_extern("handle", "mla_rsvt_normalize", acc.data, lc.data, kv_scale))
+            T.evaluate(T.call_extern("handle", "mla_ot_normalize", acc.data, lc.data, kv_scale))
             if in_merge:
                 e.merge_begin(merge_count, merge_ticket, req, row_block, first, part, n_parts, merge_state)
                 if merge_state[1] == 1:
                     other = e.merge_other(first, part, req)
-                    T.evaluate(T.call_extern("handle", "mla_rsvt_merge", acc.data, lc.data, mc.data,
+                    T.evaluate(T.call_extern("handle", "mla_ot_merge", acc.data, lc.data, mc.data,
                                              T.access_ptr(lse_partial[other, row0], "r"),
                                              T.access_ptr(out_partial[other, row0, col0], "r"), rows - row0))
                     if with_lse:
                         e.merge_weights(l_row, m_row, w_own, w_other, other, row0, lse_partial)
             if e.store_direct(n_parts, merge_state):
-                T.evaluate(T.call_extern("handle", f"mla_rsvt_store<{out_kind}>", acc.data,
+                T.evaluate(T.call_extern("handle", f"mla_ot_store<{out_kind}>", acc.data,
                                          T.access_ptr(out[tok0, 0, col0], "w"), row0, rows - row0))
                 if with_lse:
                     for i in T.Parallel(block_rows):
@@ -52,7 +52,7 @@ def fp8c_roles(k, c, e, f):
                             lse[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads] = T.if_then_else(
                                 l_row[i] == 0, -T.infinity(accum), (T.log2(l_row[i]) + m_row[i]) * LN2)
             else:
-                T.evaluate(T.call_extern("handle", "mla_rsvt_store<0>", acc.data,
+                T.evaluate(T.call_extern("handle", "mla_ot_store<0>", acc.data,
                                          T.access_ptr(out_partial[part + req, row0, col0], "w"), 0, rows - row0))
                 if with_lse:
                     for i in T.Parallel(block_rows):
@@ -68,9 +68,9 @@ def fp8c_roles(k, c, e, f):
     @T.macro
     def load_cols(l_shared, lc, mc):
         """The thread's 16 columns of l (and with in_merge m) from ``l_shared`` (plain addresses)."""
-        T.evaluate(T.call_extern("handle", "mla_rsvt_cols", lc.data, T.address_of(l_shared[0]), 0))
+        T.evaluate(T.call_extern("handle", "mla_ot_cols", lc.data, T.address_of(l_shared[0]), 0))
         if in_merge:
-            T.evaluate(T.call_extern("handle", "mla_rsvt_cols", mc.data, T.address_of(l_shared[0]), q_rows))
+            T.evaluate(T.call_extern("handle", "mla_ot_cols", mc.data, T.address_of(l_shared[0]), q_rows))
 
     @T.macro
     def zero_pad_q8(q8_l, q8_r, q8_t, qscale, row0):
@@ -207,7 +207,7 @@ def fp8c_roles(k, c, e, f):
                  part_end_req, q8_l, q8_r, q8_t, qscale, qraw, kv80_l, kv80_r, k80_t, kv81_l, kv81_r, k81_t, k_ready,
                  k_free, q_ready, q_free, seg: T.Ref, t, part_lo, part_hi, row0, part):
         """The producer: per request segment Q8 and the blocks. It waits for each of its copies itself, so none is in
-        flight when it exits."""
+        flight at its exit."""
         T.set_max_nreg(k.regs_producer, grows(k.regs_producer, k.threads))
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
             req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
