@@ -205,7 +205,7 @@ def fp8c_macros(k):
 def fp8c_program(k, c, e, num_parts, batch, prelude: str):
     """The split program (kernel.build_decode_kernel's macro, same arguments) of the fp8-compute ws kernel: its
     shared tiles, barriers and one role per warpgroup (c, e: the 16-bit kernel's consumer and epilogue macros;
-    ``num_parts`` and ``batch``: the plan's dimensions; ``prelude``: protocol.PRELUDE)."""
+    ``num_parts`` and ``batch``: the plan's dimensions; ``prelude``: protocol.PRELUDE, then fp8c_prelude())."""
     r = fp8c_roles(k, c, e, fp8c_macros(k))
     accum, block_n, block_rows, q_rows, in_merge = k.accum, k.block_n, k.block_rows, k.q_rows, k.in_merge
     e4m3 = "float8_e4m3"
