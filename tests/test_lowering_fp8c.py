@@ -327,7 +327,7 @@ ROLE_MARKS = {role: f"warpgroup_reg_{'alloc' if ws.grows(regs) else 'dealloc'}<{
 def test_fp8c_kernel_lowers(lowered_fp8c, variant):
     """S as TileLang's e4m3 WGMMA (m64n64k32, three tiles, two buffers), P V as fp8c.cuh's RS e4m3 WGMMA in both
     consumers, P8 stored by WG0 in the ldmatrix order, Q quantised by the producer; the budgets' registers and
-    shared memory; named barriers role-local, none among the producer's warps; TMA only for whole pages of 64."""
+    shared memory; named barriers role-local, none in the producer's block loop; TMA only for whole pages of 64."""
     src, smem = lowered_fp8c[variant]
     assert re.search(r'extern "C" __global__ void __launch_bounds__\(384, 1\) mla_decode_split_kernel', src)
     shapes = re.findall(r"tl::wgmma_ss<tl::DataType::(\w+), tl::DataType::(\w+), tl::DataType::kFloat32, "
@@ -344,7 +344,10 @@ def test_fp8c_kernel_lowers(lowered_fp8c, variant):
     # 8 for the pipeline (k_ready, k_free: 2 each), 1 for the merge tickets
     assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 9
     assert "k_free[0].init(256);" in src and "k_ready[0].init(128);" in src
-    assert not list(named_barriers(sections["producer"])), "named barrier among the producer's warps"
+    # TileLang puts a named barrier of the producer's warps before and after a segment's Q8 stores (once per segment),
+    # none in its block loop, whose copies each thread issues and waits for on its own
+    producer_loop = sections["producer"][sections["producer"].index("for (int blk_"):]
+    assert not list(named_barriers(producer_loop)), "named barrier in the producer's block loop"
     whole_pages = variant[2] % 64 == 0
     assert ("tl::tma_load(kv_cache_desc" in sections["producer"]) is whole_pages
     assert "cp_async_gs" in sections["producer"] and "cluster_sync" not in src
@@ -374,7 +377,8 @@ def test_nvcc_compiles_fp8c_for_sm90a(lowered_fp8c, tmp_path):
     spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert regs and spills, report
     assert int(regs.group(1)) <= ws.launch_regs(384), report
-    assert max(int(x) for x in spills.groups()) <= 320, spills.group(0)  # 192 B stack, 260 B spilled at h=128
+    # TileLang 0.1.9 / 0.1.11: 192 B of stack, 260 B spilled; 0.1.12 / 0.1.15: 216 B, 284 / 316 B
+    assert max(int(x) for x in spills.groups()) <= 384, spills.group(0)
     ptx = "".join(p.read_text() for p in keep.glob("*.ptx"))
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3") >= 2
     for regs, direction in zip(ws.REGS_FP8C, ("inc", "inc", "dec")):
