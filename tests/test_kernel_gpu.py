@@ -242,13 +242,15 @@ def test_fp8_compute(heads, q_len, page_size, dtype):
           lse_tol=0.3, fp8_compute=True)
 
 
-@pytest.mark.parametrize("q_scale", [1e-3, 30.0])
+# q x 1e-3: a flat softmax, the error of q x 1 (measured within 6e-2); q x 30: a peaked one, where q's e4m3 rounding
+# (3 mantissa bits) moves the largest scores by whole units: 0.146 of the output's norm measured on an H200
+@pytest.mark.parametrize("q_scale,rel_tol", [(1e-3, 6e-2), (30.0, 0.25)])
 @pytest.mark.mla_kernels(heads=128, kv_dtype=FP8, fp8_compute=True)
-def test_fp8_compute_q_magnitudes(q_scale):
-    """q's scale is per row: tiny and large q (a peaked softmax) keep the same relative error."""
+def test_fp8_compute_q_magnitudes(q_scale, rel_tol):
+    """q's scale is per row: a tiny q keeps its relative error; a large q (a peaked softmax) stays bounded."""
     _kernel_or_skip(kv_dtype=FP8, heads=128)
     q, kv, md, k_scale = make_problem(RAGGED, 128, 1, 64, BF16, kv_dtype=FP8, seed=14)
-    check((q.float() * q_scale).to(BF16), kv, md, k_scale, BF16, rel_tol=6e-2, lse_tol=0.3 * max(q_scale, 1.0),
+    check((q.float() * q_scale).to(BF16), kv, md, k_scale, BF16, rel_tol=rel_tol, lse_tol=0.3 * max(q_scale, 1.0),
           fp8_compute=True)
 
 

@@ -9,7 +9,7 @@ Engine starts take 75-110 s; pick at most ~4 engines per invocation to stay unde
     python tests/e2e/vllm_e2e.py --cases graphs,mtp --out /tmp/e2e2.json        # 4 engines (CUSTOM/64 shared)
     python tests/e2e/vllm_e2e.py --cases fp8,mtp3 --out /tmp/e2e3.json
     python tests/e2e/vllm_e2e.py --cases forced,forced_baseline --out /tmp/e2e4.json  # teacher-forced, 3 engines
-    python tests/e2e/vllm_e2e.py --cases forced_fp8,forced_fp8_flashmla,forced_fp8_baseline --heads 128 --out /tmp/e2e5.json
+    python tests/e2e/vllm_e2e.py --cases forced_fp8c,forced_fp8c_flashmla,forced_fp8_baseline --heads 128 --out /tmp/e2e5.json
     python tests/e2e/vllm_e2e.py --serve --out /tmp/serve.json                  # vllm serve, 1 engine
     python tests/e2e/vllm_e2e.py --throughput --out /tmp/tput.json              # 3 engines
 
@@ -62,8 +62,7 @@ CASES = {
             engine("CUSTOM", 64, num_spec=1), engine("FLASHMLA", 64, num_spec=1)),
     "mtp3": ("MTP, 3 drafts (decode q_len 4), CUSTOM vs FLASHMLA, block 64",
              engine("CUSTOM", 64, num_spec=3), engine("FLASHMLA", 64, num_spec=3)),
-    "fp8": ("fp8 KV cache, CUSTOM (q quantised to e4m3 from 17 rows, MLA_BACKEND_FP8_COMPUTE=0 keeps it in bf16) vs "
-            "TRITON_MLA (q in bf16), block 64",
+    "fp8": ("fp8 KV cache, CUSTOM vs TRITON_MLA (both keep q in bf16), block 64",
             engine("CUSTOM", 64, kv_cache_dtype="fp8"), engine("TRITON_MLA", 64, kv_cache_dtype="fp8")),
     "verify": ("every CUSTOM decode call (eager, block 16) recomputed by the fp32 reference inside the engine "
                "(MLA_BACKEND_VERIFY=1); tokens vs TRITON_MLA eager shown for information",
@@ -84,16 +83,21 @@ CASES = {
                engine("CUSTOM", 64, forced=True), engine("FLASHMLA", 64, forced=True)),
     "forced16": ("teacher-forced decode (see forced), block 16",
                  engine("CUSTOM", 16, forced=True), engine("TRITON_MLA", 16, forced=True)),
-    "forced_fp8": ("teacher-forced decode (see forced), fp8 KV cache: CUSTOM (fp8 compute from 17 rows, as the "
-                   "plugin defaults) vs TRITON_MLA (q in bf16), block 64; read against forced_fp8_baseline",
+    "forced_fp8": ("teacher-forced decode (see forced), fp8 KV cache: CUSTOM vs TRITON_MLA (both keep q in bf16), "
+                   "block 64; read against forced_baseline",
                    engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True),
                    engine("TRITON_MLA", 64, kv_cache_dtype="fp8", forced=True)),
+    "forced_fp8c": ("teacher-forced decode, fp8 KV cache: CUSTOM with MLA_BACKEND_FP8_COMPUTE=1 (q quantised per "
+                    "(token, head) row from 17 rows, e4m3 products) vs TRITON_MLA (q in bf16), block 64; read against "
+                    "forced_fp8_baseline", engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True, fp8_compute=True),
+                    engine("TRITON_MLA", 64, kv_cache_dtype="fp8", forced=True)),
     "forced_baseline": ("teacher-forced decode, two built-in backends against each other (FLASHMLA vs TRITON_MLA)",
                         engine("FLASHMLA", 64, forced=True), engine("TRITON_MLA", 64, forced=True)),
-    "forced_fp8_flashmla": ("teacher-forced decode, fp8 KV cache: CUSTOM vs FLASHMLA, both quantising q to e4m3 (CUSTOM "
-                            "per (token, head) row from 17 rows, FLASHMLA per tensor); read against "
-                            "forced_fp8_baseline", engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True),
-                            engine("FLASHMLA", 64, kv_cache_dtype="fp8", forced=True)),
+    "forced_fp8c_flashmla": ("teacher-forced decode, fp8 KV cache: CUSTOM with MLA_BACKEND_FP8_COMPUTE=1 vs FLASHMLA, "
+                             "both quantising q to e4m3 (CUSTOM per (token, head) row from 17 rows, FLASHMLA per "
+                             "tensor); read against forced_fp8_baseline",
+                             engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True, fp8_compute=True),
+                             engine("FLASHMLA", 64, kv_cache_dtype="fp8", forced=True)),
     "forced_fp8_baseline": ("teacher-forced decode, fp8 KV cache, two built-ins against each other: FLASHMLA (q "
                             "quantised to fp8, e4m3 products) vs TRITON_MLA (q in bf16); the anchor for an fp8 path "
                             "that quantises q", engine("FLASHMLA", 64, kv_cache_dtype="fp8", forced=True),
@@ -153,6 +157,8 @@ def engine_label(spec: dict) -> str:
         parts.append("eager")
     if spec.get("verify"):
         parts.append("verify")
+    if spec.get("fp8_compute"):
+        parts.append("fp8c")
     if spec.get("forced"):
         parts.append("forced")
     return "-".join(parts)
@@ -191,6 +197,8 @@ def engine_main(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("verify"):  # read when mla_backend.verify is imported: before anything imports the package
         os.environ["MLA_BACKEND_VERIFY"] = "1"
+    if spec.get("fp8_compute"):
+        os.environ["MLA_BACKEND_FP8_COMPUTE"] = "1"
     if spec["init"] == "scaled":
         # The custom load format must be registered where the model loads: keep the engine in-process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
