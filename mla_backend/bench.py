@@ -34,19 +34,32 @@ from .cli import nothing_ran
 from .constants import HEAD_DIM as HEAD
 from .constants import KV_LORA_RANK as LATENT
 from .constants import ROPE_DIM as ROPE
+from .kernels.configs import FP8_COMPUTE_MIN_ROWS, fp8_compute_applies
 
 QO = HEAD + LATENT  # q (576) + out (512) elements per (token, head)
 SOFTMAX_SCALE = 192 ** -0.5
 K_SCALE = 0.5  # non-unit fp8 dequantisation scale
 MAX_SQ = 2  # ragged lengths are shared by both s_q classes, so they are clamped at the largest s_q
 IMPLS = ("ours", "flashmla", "fa3", "triton")
-FP8_IMPLS = {"ours": "ours-fp8", "flashmla": "flashmla-fp8", "triton": "triton-fp8"}
-ORDER = ("ours", "flashmla", "fa3", "triton", "ours-fp8", "flashmla-fp8", "triton-fp8")
+# ours-fp8c: ours with an fp8 cache and fp8_compute=True (q quantised per (token, head) row, e4m3 tensor cores)
+FP8_COMPUTE = "ours-fp8c"
+FP8_IMPLS = {"ours": ("ours-fp8", FP8_COMPUTE), "flashmla": ("flashmla-fp8",), "triton": ("triton-fp8",)}
+ORDER = ("ours", "flashmla", "fa3", "triton", "ours-fp8", FP8_COMPUTE, "flashmla-fp8", "triton-fp8")
+
+
+def fp8_kv(name: str) -> bool:
+    """Whether impl ``name`` reads the fp8 cache."""
+    return name.endswith("-fp8") or name == FP8_COMPUTE
+
+
+def base_impl(name: str) -> str:
+    """The implementation behind ``name``: "ours", "flashmla", "fa3" or "triton"."""
+    return "ours" if name == FP8_COMPUTE else name.removesuffix("-fp8")
 
 
 def tolerance(name: str) -> float:
-    """max|a - b| / max|b| above which a warning is printed (flashmla-fp8 quantises q to fp8 as well)."""
-    return 0.2 if name == "flashmla-fp8" else 5e-2 if name.endswith("-fp8") else 2e-2
+    """max|a - b| / max|b| above which a warning is printed (flashmla-fp8 and ours-fp8c quantise q to fp8)."""
+    return 0.2 if name == "flashmla-fp8" else 0.1 if name == FP8_COMPUTE else 5e-2 if fp8_kv(name) else 2e-2
 
 
 # ----------------------------------------------------------------------------- configs and metrics
@@ -281,7 +294,7 @@ def load_anchors(wanted) -> dict:
 
 def make_runner(name: str, c: Case, anchors: dict, graphs: bool):
     """A zero-argument call returning the output as ``[b * s_q, h, 512]``; raises Skip with the reason."""
-    cfg, kvg, fp8, base = c.cfg, c.kvg, name.endswith("-fp8"), name.removesuffix("-fp8")
+    cfg, kvg, fp8, base = c.cfg, c.kvg, fp8_kv(name), base_impl(name)
     kv = kvg.kv_fp8 if fp8 else kvg.kv
     dev = kv.device
     if base == "ours":
@@ -291,10 +304,13 @@ def make_runner(name: str, c: Case, anchors: dict, graphs: bool):
         choice = select_impl(dev, torch.bfloat16, kv.dtype, cfg.h, cfg.s_q, cfg.page)
         if choice.impl == REFERENCE:
             raise Skip(f"no kernel: {choice.reason}")
+        fp8_compute = name == FP8_COMPUTE
+        if fp8_compute and not fp8_compute_applies(choice.impl.split("-", 1)[1], cfg.h, cfg.s_q, True):
+            raise Skip(f"fp8 compute takes {FP8_COMPUTE_MIN_ROWS}+ rows (heads x s_q): ours-fp8 is this kernel")
         out = torch.empty(c.T, cfg.h, LATENT, dtype=torch.bfloat16, device=dev)
         ks = K_SCALE if fp8 else None
         return lambda: mla_decode((c.q_nope, c.q_pe), kv, c.md, SOFTMAX_SCALE, k_scale=ks, out=out,
-                                  impl=choice.impl, check_indices=False)
+                                  impl=choice.impl, check_indices=False, fp8_compute=fp8_compute)
     mod = anchors.get(base)
     if not mod or isinstance(mod, str):
         raise Skip(mod or "not requested")
@@ -354,17 +370,18 @@ def compare(name: str, out, ref, what: str) -> str:
             + ("" if rel <= tol else f"  WARNING: mismatch (tolerance {tol:g})"))
 
 
-def check_small(h: int, s_q: int, page: int, fp8: bool, device) -> str:
-    """Ours (default path, index checks on) vs the fp32 reference on a tiny ragged config of one variant."""
+def check_small(h: int, s_q: int, page: int, name: str, device) -> str:
+    """Ours ``name`` (index checks on) vs the fp32 reference on a tiny ragged config of one variant."""
     from .op import mla_decode
     from .reference import mla_decode_reference
 
     cfg = Config(3, 400, h, s_q, True, page)
+    fp8 = fp8_kv(name)
     c = Case(cfg, KVGroup(cfg, 7, device, fp8, lens=[s_q, 130, 777]), 7, device)
     kv, ks = (c.kvg.kv_fp8, K_SCALE) if fp8 else (c.kvg.kv, None)
     ref, _ = mla_decode_reference(c.q_nope, c.q_pe, kv, c.md, SOFTMAX_SCALE, ks or 1.0)
-    return compare("ours-fp8" if fp8 else "ours", mla_decode(c.q, kv, c.md, SOFTMAX_SCALE, k_scale=ks), ref,
-                   f"fp32 reference (small check: h={h} s_q={s_q} page={page})")
+    out = mla_decode(c.q, kv, c.md, SOFTMAX_SCALE, k_scale=ks, fp8_compute=name == FP8_COMPUTE)
+    return compare(name, out, ref, f"fp32 reference (small check: h={h} s_q={s_q} page={page})")
 
 
 def check_sampled(c: Case, outs: dict, n: int = 4) -> list[str]:
@@ -380,14 +397,14 @@ def check_sampled(c: Case, outs: dict, n: int = 4) -> list[str]:
                            kvg.block_table.reshape(-1), (ix * kvg.block_table.shape[1]).int(), cfg.page, cfg.s_q)
     refs = {fp8: mla_decode_reference(c.q_nope[rows], c.q_pe[rows], kvg.kv_fp8 if fp8 else kvg.kv, md,
                                       SOFTMAX_SCALE, K_SCALE if fp8 else 1.0)[0]
-            for fp8 in {n.endswith("-fp8") for n in outs}}
-    return [compare(n, o[rows], refs[n.endswith("-fp8")], f"fp32 reference ({len(idx)} requests)")
+            for fp8 in {fp8_kv(n) for n in outs}}
+    return [compare(n, o[rows], refs[fp8_kv(n)], f"fp32 reference ({len(idx)} requests)")
             for n, o in outs.items()]
 
 
 def check_cross(outs: dict) -> list[str]:
     """Each impl vs ours (bf16 KV) or ours-fp8 (fp8 KV) on the whole output."""
-    ref = {n: "ours-fp8" if n.endswith("-fp8") else "ours" for n in outs}
+    ref = {n: "ours-fp8" if fp8_kv(n) else "ours" for n in outs}
     return [compare(n, o, outs[ref[n]], ref[n]) for n, o in outs.items() if n != ref[n] and ref[n] in outs]
 
 
@@ -396,7 +413,7 @@ def impl_list(impls: str, fp8: bool) -> list[str]:
     names = [n.strip() for n in impls.split(",") if n.strip()]
     if bad := [n for n in names if n not in IMPLS]:
         raise ValueError(f"unknown impl(s) {bad}; choose from {','.join(IMPLS)}")
-    names += [FP8_IMPLS[n] for n in names if fp8 and n in FP8_IMPLS]
+    names += [m for n in names if fp8 and n in FP8_IMPLS for m in FP8_IMPLS[n]]
     return [n for n in ORDER if n in names]
 
 
@@ -408,7 +425,7 @@ def time_impl(name: str, c: Case, anchors: dict, args, timer: Timer, rec: dict, 
     if args.graphs:
         fn, graph = as_graph(fn)
     t = timer(fn, args.reps, timer.host_us(fn))
-    nbytes = rec["bytes_fp8"] if name.endswith("-fp8") else rec["bytes"]
+    nbytes = rec["bytes_fp8"] if fp8_kv(name) else rec["bytes"]
     rec["impls"][name] = {**t, "gbps": gbps(nbytes, t["us"]), "tflops": tflops(rec["flop"], t["us"])}
     if keep:
         outs[name] = fn().clone()
@@ -419,11 +436,15 @@ def precompile(cfgs: list[Config], impls: list[str], device) -> None:
     """Build every kernel variant of ours up front, in parallel processes (TileLang's disk cache)."""
     from . import warmup
 
-    kv_dtypes = [d for n, d in (("ours", torch.bfloat16), ("ours-fp8", torch.float8_e4m3fn)) if n in impls]
-    shapes = list(dict.fromkeys((c.h, c.s_q, c.page, torch.bfloat16, kvd) for c in cfgs for kvd in kv_dtypes))
-    if shapes:
+    for fp8_compute, ours in ((False, (("ours", torch.bfloat16), ("ours-fp8", torch.float8_e4m3fn))),
+                              (True, ((FP8_COMPUTE, torch.float8_e4m3fn),))):
+        kv_dtypes = [d for n, d in ours if n in impls]
+        shapes = list(dict.fromkeys((c.h, c.s_q, c.page, torch.bfloat16, kvd) for c in cfgs for kvd in kv_dtypes))
+        if not shapes:
+            continue
         try:
-            ready = warmup(device, shapes=shapes, workers=min(len(shapes), os.cpu_count() or 1, 16), strict=False)
+            ready = warmup(device, shapes=shapes, workers=min(len(shapes), os.cpu_count() or 1, 16), strict=False,
+                           fp8_compute=fp8_compute)
             if ready.variants:
                 print(f"ours: {len(ready.variants)} kernel variant(s) compiled or loaded in {ready.seconds:.0f}s")
         except Exception as e:  # noqa: BLE001 - each variant then compiles on first use
@@ -435,7 +456,7 @@ def run(args, cfgs: list[Config], impls: list[str]) -> list[dict]:
 
     device = torch.device(args.device)
     precompile(cfgs, impls, device)
-    anchors = load_anchors({n.removesuffix("-fp8") for n in impls} - {"ours"})
+    anchors = load_anchors({base_impl(n) for n in impls} - {"ours"})
     for name, mod in anchors.items():
         if isinstance(mod, str):
             print(f"skip {name}: {mod}")
@@ -457,12 +478,11 @@ def run(args, cfgs: list[Config], impls: list[str]) -> list[dict]:
         classes.add((cfg.h, cfg.s_q))
         outs = {}
         for name in impls:
-            fp8 = name.endswith("-fp8")
             try:
-                if name.startswith("ours") and (cfg.h, cfg.s_q, cfg.page, fp8) not in variants:
-                    variants.add((cfg.h, cfg.s_q, cfg.page, fp8))
+                if name.startswith("ours") and (cfg.h, cfg.s_q, cfg.page, name) not in variants:
+                    variants.add((cfg.h, cfg.s_q, cfg.page, name))
                     t0 = runtime.STATS.seconds
-                    rec["checks"].append(check_small(cfg.h, cfg.s_q, cfg.page, fp8, device))
+                    rec["checks"].append(check_small(cfg.h, cfg.s_q, cfg.page, name, device))
                     print(rec["checks"][-1] + f" [compile/load {runtime.STATS.seconds - t0:.1f}s]")
                 time_impl(name, c, anchors, args, timer, rec, outs, first_of_class)
             except Skip as e:
@@ -610,7 +630,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and; repeat the flag for or); keys: b s_k h s_q page lens kind")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--fp8", action="store_true",
-                   help=f"add float8_e4m3fn KV (scale {K_SCALE}): ours-fp8, vLLM's triton-fp8 and flashmla-fp8")
+                   help=f"add float8_e4m3fn KV (scale {K_SCALE}): ours-fp8 (q in 16 bits), {FP8_COMPUTE} (fp8_compute: q "
+                        "quantised, e4m3 tensor cores), vLLM's triton-fp8 and flashmla-fp8")
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays instead of eager calls")
     p.add_argument("--check", action="store_true",
                    help="also compare every impl with the fp32 reference on sampled requests, once per (h, s_q)")

@@ -176,8 +176,12 @@ def compile_kernels(args) -> int:
         print(f"mla-backend compile: dtype/kv-dtype {unknown or [args.dtype]} not supported; expected float16 or "
               "bfloat16 (q), and those or float8_e4m3fn (cache)", file=sys.stderr)
         return 2
-    variants = [(h, s, p, args.dtype, kv) for h in _int_list(args.heads) for s in _int_list(args.q_len)
-                for p in _int_list(args.page) for kv in kv_dtypes]
+    from .kernels.configs import fp8_compute_applies
+
+    fp8_compute = {"both": (False, True), "on": (True,), "off": (False,)}[args.fp8_compute]
+    variants = [(h, s, p, args.dtype, kv, *((True,) if c else ())) for h in _int_list(args.heads)
+                for s in _int_list(args.q_len) for p in _int_list(args.page) for kv in kv_dtypes
+                for c in (fp8_compute if fp8_compute_applies("sm90", h, s, kv == "float8_e4m3fn") else (False,))]
     plans = _int_list(args.plan_batches)
     width = 30
 
@@ -217,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     comp.add_argument("--page", default=join(map(str, prebuilt.ENGINE_PAGE_SIZES)), help="page sizes, comma list")
     comp.add_argument("--dtype", default=prebuilt.ENGINE_DTYPE, help="query dtype: bfloat16 or float16")
     comp.add_argument("--kv-dtype", default=join(prebuilt.ENGINE_KV_DTYPES), help="cache dtypes, comma list")
+    comp.add_argument("--fp8-compute", choices=("both", "on", "off"), default="both",
+                      help="an fp8 cache with more than 16 rows (heads x q_len): the e4m3-compute kernel (on), the one "
+                           "that keeps q in 16 bits (off), or both (default; engines pick with MLA_BACKEND_FP8_COMPUTE)")
     comp.add_argument("--plan-batches", default=join(map(str, prebuilt.ENGINE_PLAN_BATCHES)),
                       help="largest batch of each one-launch planner variant (powers of two from 256)")
     comp.add_argument("--workers", type=int, default=1, help="parallel compile processes")

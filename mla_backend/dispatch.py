@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .constants import MAX_HEADS, MAX_Q_LEN, SUPPORTED_PAGE_SIZES
+from .kernels.configs import fp8_compute_applies
 
 logger = logging.getLogger("mla_backend")
 
@@ -30,6 +31,22 @@ FP8_KV_DTYPES = {"sm90": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz}
 # What the engine plugins ask the op for (both engines read it at startup).
 ENV_IMPL = "MLA_BACKEND_IMPL"
 _LEGACY_ENV_IMPL = "MLA_BACKEND_SGLANG_IMPL"  # the SGLang plugin's earlier name, still honoured
+
+
+# Whether the engine plugins run an fp8 cache on e4m3 tensor cores (q quantised per (token, head) row, as the engines'
+# built-in FlashMLA fp8 paths quantise q): "0" (default: q kept in 16 bits, the cache converted) or "1". Off by
+# default: at 128 heads it is 1.08-1.12x faster than bf16, but vLLM's teacher-forced agreement with its built-in fp8
+# backends fell to 75-76% of steps, against 85% between two built-ins (benchmarks/RESULTS.md section 7).
+ENV_FP8_COMPUTE = "MLA_BACKEND_FP8_COMPUTE"
+
+
+def engine_fp8_compute() -> bool:
+    """``$MLA_BACKEND_FP8_COMPUTE`` (default "0"), the plugins' ``fp8_compute`` for an fp8 cache."""
+    value = os.environ.get(ENV_FP8_COMPUTE, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_FP8_COMPUTE}={value!r} is not supported: 0 (default) keeps q in 16 bits and converts "
+                         "an fp8 cache, 1 runs it on e4m3 tensor cores with q quantised per (token, head)")
+    return value == "1"
 
 
 def engine_impl_request() -> str:
@@ -133,7 +150,8 @@ def log_choice(choice: Choice, key: tuple) -> None:
 
 @dataclass(frozen=True)
 class Warmup:
-    """What :func:`warmup` made ready: the kernel variants ``(num_heads, q_len, page_size, dtype, kv_dtype, arch)``,
+    """What :func:`warmup` made ready: the kernel variants ``(num_heads, q_len, page_size, dtype, kv_dtype, arch,
+    fp8_compute)``,
     the planner kernel variants, and the wall time."""
 
     variants: tuple
@@ -142,9 +160,11 @@ class Warmup:
 
 
 def kernel_variants(device: torch.device, num_heads: int, q_lens, page_size: int, dtype: torch.dtype,
-                    kv_dtype: torch.dtype, impl: str = "auto", strict: bool = True) -> list[tuple]:
-    """The kernel variants ``mla_decode`` launches for these shapes on ``device``: per q_len, ``select_impl`` and its
-    arch. Where a q_len would run the reference, ``strict`` raises (an engine cannot graph-capture it); otherwise
+                    kv_dtype: torch.dtype, impl: str = "auto", strict: bool = True,
+                    fp8_compute: bool = False) -> list[tuple]:
+    """The kernel variants ``(num_heads, q_len, page_size, dtype, kv_dtype, arch, fp8_compute)`` ``mla_decode``
+    launches for these shapes on ``device``: per q_len, ``select_impl``, its arch and whether ``fp8_compute``
+    applies. Where a q_len would run the reference, ``strict`` raises (an engine cannot graph-capture it); otherwise
     that q_len is left out."""
     variants = []
     for q_len in q_lens:
@@ -154,18 +174,21 @@ def kernel_variants(device: torch.device, num_heads: int, q_lens, page_size: int
                 raise RuntimeError(f"mla_backend: no TileLang kernel for heads={num_heads} q_len={q_len} "
                                    f"page={page_size} {dtype}/{kv_dtype} on {device}: {choice.reason}")
             continue
-        variants.append((num_heads, q_len, page_size, dtype, kv_dtype, choice.impl.split("-", 1)[1]))
+        arch = choice.impl.split("-", 1)[1]
+        variants.append((num_heads, q_len, page_size, dtype, kv_dtype, arch,
+                         fp8_compute and fp8_compute_applies(arch, num_heads, q_len, kv_dtype != dtype)))
     return variants
 
 
 def warmup(device: torch.device | str, num_heads: int | None = None, q_lens=(1,), page_size: int | None = None,
            dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None, *, impl: str = "auto",
-           max_batch: int = 0, workers: int = 1, strict: bool = True, shapes=()) -> Warmup:
+           max_batch: int = 0, workers: int = 1, strict: bool = True, shapes=(), fp8_compute: bool = False) -> Warmup:
     """Compile (or load from TileLang's disk cache) every kernel ``mla_decode`` launches for these shapes, before an
     engine captures CUDA graphs: select the implementation per q_len, then compile its split and combine kernels
     and, with ``max_batch``, the one-launch planner for plans of up to ``max_batch`` requests.
 
-    ``impl``: as ``mla_decode``'s (an engine passes ``engine_impl_request()``); ``kv_dtype`` defaults to ``dtype``.
+    ``impl``, ``fp8_compute``: as ``mla_decode``'s (an engine passes ``engine_impl_request()`` and
+    ``engine_fp8_compute()``); ``kv_dtype`` defaults to ``dtype``.
     ``shapes``: more ``(num_heads, q_len, page_size, dtype, kv_dtype)`` to warm in the same pass (a benchmark's grid).
     ``workers > 1`` compiles in parallel processes (not from a daemonic process). ``strict``: raise where a shape would
     run the reference on a GPU, else leave it out. A no-op off GPU.
@@ -179,7 +202,7 @@ def warmup(device: torch.device | str, num_heads: int | None = None, q_lens=(1,)
         todo = [(num_heads, q_len, page_size, dtype, kv_dtype or dtype) for q_len in q_lens] + todo
     variants = []
     for h, q_len, page, dt, kvd in todo:
-        variants += kernel_variants(device, h, (q_len,), page, dt, kvd, impl, strict)
+        variants += kernel_variants(device, h, (q_len,), page, dt, kvd, impl, strict, fp8_compute)
     variants = list(dict.fromkeys(variants))
     if variants:
         from .kernels import runtime

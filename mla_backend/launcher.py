@@ -7,7 +7,7 @@ once, when it is built. A call picks the prepared variant by ``metadata.q_len`` 
 ``metadata.plan`` and launches the split and combine kernels through TileLang's tvm-ffi entries
 (``kernels.runtime.launch_entry``).
 
-A *variant* is the implementation of one ``(device, num_heads, q_len, page_size, dtype, kv_dtype, impl)``: the
+A *variant* is the implementation of one ``(device, num_heads, q_len, page_size, dtype, kv_dtype, impl, fp8_compute)``: the
 TileLang kernels (:class:`KernelVariant`) or the fp32 PyTorch reference (:class:`ReferenceVariant`), cached per process
 by :func:`prepare_variant`. Its ``run`` is the one launch path of the package: ``mla_decode`` calls it after its
 checks, a launcher calls it directly.
@@ -23,12 +23,13 @@ import torch
 from . import verify
 from .constants import KV_LORA_RANK, MAX_Q_LEN
 from .dispatch import REFERENCE, log_choice, select_impl
+from .kernels.configs import config_for, fp8_compute_applies
 from .metadata import MLAInputError, check_page_size, check_q_len
 from .reference import mla_decode_reference
 from .validation import FP8_DTYPES, KV_DTYPES, Q_DTYPES, check_scales, fail
 
-__all__ = ["KernelVariant", "MLADecodeLauncher", "ReferenceVariant", "Scales", "checked_k_scale", "kernel_scales",
-           "prepare_variant"]
+__all__ = ["KernelVariant", "MLADecodeLauncher", "ReferenceVariant", "Scales", "checked_fp8_compute", "checked_k_scale",
+           "kernel_scales", "prepare_variant"]
 
 
 def capturing(device: torch.device) -> bool:
@@ -78,6 +79,16 @@ def checked_k_scale(softmax_scale, k_scale, kv_dtype: torch.dtype, device: torch
     return None
 
 
+def checked_fp8_compute(fp8_compute, kv_dtype: torch.dtype, caller: str = "mla_decode") -> bool:
+    """``fp8_compute`` as a bool: True asks for e4m3 tensor cores, so it needs an fp8 cache."""
+    if not isinstance(fp8_compute, bool):
+        fail("fp8_compute", repr(fp8_compute), "True or False", caller)
+    if fp8_compute and kv_dtype not in FP8_DTYPES:
+        fail("fp8_compute", True, f"with an fp8 kv_cache (float8_e4m3fn on sm90); this cache is {kv_dtype}: pass False",
+             caller)
+    return fp8_compute
+
+
 def kernel_scales(softmax_scale: float, k_scale, device: torch.device) -> Scales:
     """:class:`Scales` with the kernels' tensors: a tensor ``k_scale`` is read in place when it is fp32 (its value at
     each launch), else converted once here."""
@@ -105,11 +116,11 @@ class KernelVariant:
     is_reference = False
 
     def __init__(self, num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 arch: str, reason: str):
+                 arch: str, reason: str, fp8_compute: bool = False):
         from .kernels import runtime
-        from .kernels.configs import config_for
 
-        cfg = config_for(arch)
+        self.fp8_compute = fp8_compute and fp8_compute_applies(arch, num_heads, q_len, kv_dtype != dtype)
+        cfg = config_for(arch, self.fp8_compute)
         self.arch, self.kernel, self.block_n, self.reason = arch, cfg.kernel, cfg.block_n, reason
         self.kernels = runtime.launch_entries(runtime.get_kernels(num_heads, q_len, page_size, dtype, kv_dtype, arch,
                                                                   cfg))
@@ -142,7 +153,8 @@ class KernelVariant:
         combine = self._runtime.pick_combine(kernels, batch, plan.rows, plan.num_parts)
         combine(md.qo_indptr, cu, plan.blocks_per_part, plan.out_partial, plan.lse_partial, out, lse)
         if verify.VERIFYING and not capturing(q_nope.device):
-            verify.verify_call(q_nope, q_pe, kv_cache, md, scales.softmax_scale, scales.k_scale, out, lse)
+            verify.verify_call(q_nope, q_pe, kv_cache, md, scales.softmax_scale, scales.k_scale, out, lse,
+                               self.fp8_compute)
         return out, lse
 
 
@@ -170,10 +182,11 @@ _VARIANTS: dict[tuple, KernelVariant | ReferenceVariant] = {}
 
 
 def prepare_variant(device: torch.device, num_heads: int, q_len: int | None, page_size: int, dtype: torch.dtype,
-                    kv_dtype: torch.dtype, impl: str = "auto") -> KernelVariant | ReferenceVariant:
+                    kv_dtype: torch.dtype, impl: str = "auto",
+                    fp8_compute: bool = False) -> KernelVariant | ReferenceVariant:
     """The variant ``mla_decode`` runs for this shape (``dispatch.select_impl``, logged once), its kernels compiled
     or loaded on first use; cached per process. Raises ValueError where an explicit ``impl`` cannot run."""
-    key = (device, num_heads, q_len, page_size, dtype, kv_dtype, impl)
+    key = (device, num_heads, q_len, page_size, dtype, kv_dtype, impl, fp8_compute)
     variant = _VARIANTS.get(key)
     if variant is None:
         choice = select_impl(device, dtype, kv_dtype, num_heads, q_len, page_size, impl)
@@ -182,7 +195,7 @@ def prepare_variant(device: torch.device, num_heads: int, q_len: int | None, pag
             variant = ReferenceVariant(choice.reason)
         else:
             variant = KernelVariant(num_heads, q_len, page_size, dtype, kv_dtype, choice.impl.split("-", 1)[1],
-                                    choice.reason)
+                                    choice.reason, fp8_compute)
         _VARIANTS[key] = variant
     return variant
 
@@ -239,6 +252,7 @@ class MLADecodeLauncher:
         impl: as ``mla_decode``'s ("auto", "reference", "tilelang-sm90", "tilelang-gfx942"). Where no kernel can run
             (a CPU, another GPU, an unsupported shape under "auto") the launcher runs the fp32 reference, logged as
             ``mla_decode`` logs it.
+        fp8_compute: as ``mla_decode``'s: an fp8 cache on e4m3 tensor cores, q quantised per (token, head) row.
 
     A call ``launch(q_nope, q_pe, kv_cache, metadata, out=None, return_lse=False)`` takes q_nope
     ``[T, num_heads, 512]`` and q_pe ``[T, num_heads, 64]`` (views are fine: rows must be 16-byte aligned or they are
@@ -255,7 +269,7 @@ class MLADecodeLauncher:
 
     def __init__(self, device: torch.device | str, num_heads: int, *, page_size: int, dtype: torch.dtype,
                  softmax_scale: float, kv_dtype: torch.dtype | None = None, k_scale=None, q_lens=(1,),
-                 impl: str = "auto"):
+                 impl: str = "auto", fp8_compute: bool = False):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -275,6 +289,7 @@ class MLADecodeLauncher:
             fail("kv_dtype", kv_dtype, f"the query dtype ({dtype}), torch.float8_e4m3fn (sm90) or "
                  "torch.float8_e4m3fnuz (gfx942)", _CALLER)
         k_scale = checked_k_scale(softmax_scale, k_scale, kv_dtype, device, _CALLER)
+        self.fp8_compute = checked_fp8_compute(fp8_compute, kv_dtype, _CALLER)
         num_heads = int(num_heads)
         self.device, self.num_heads, self.page_size, self.dtype, self.kv_dtype = device, num_heads, page_size, dtype, \
             kv_dtype
@@ -292,7 +307,7 @@ class MLADecodeLauncher:
     def _prepare(self, q_len: int | None):
         try:
             variant = prepare_variant(self.device, self.num_heads, q_len, self.page_size, self.dtype, self.kv_dtype,
-                                      self.impl)
+                                      self.impl, self.fp8_compute)
         except MLAInputError:
             raise
         except ValueError as exc:  # dispatch's refusal of an explicit impl
@@ -333,7 +348,7 @@ class MLADecodeLauncher:
         return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:
-        kinds = {q: ("reference" if v.is_reference else f"tilelang-{v.arch}")
+        kinds = {q: ("reference" if v.is_reference else f"tilelang-{v.arch}" + ("-fp8compute" if v.fp8_compute else ""))
                  for q, v in ((q, self._variants[q or 0]) for q in self.q_lens)}
         return (f"MLADecodeLauncher({self.device}, heads={self.num_heads}, page={self.page_size}, {self.dtype}/"
                 f"{self.kv_dtype}, q_lens {kinds})")

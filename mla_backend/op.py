@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .constants import KV_LORA_RANK
-from .launcher import Scales, capturing as _capturing, checked_k_scale, kernel_scales, prepare_variant
+from .launcher import Scales, capturing as _capturing, checked_fp8_compute, checked_k_scale, kernel_scales, prepare_variant
 from .metadata import MLADecodeMetadata
 from .planner import SplitPlan, plan_split_kv
 from .validation import MLAInputError, check_inputs, normalize_kv_cache, split_query
@@ -25,6 +25,7 @@ def mla_decode(
     return_lse: bool = False,
     impl: str = "auto",
     check_indices: bool | None = None,
+    fp8_compute: bool = False,
 ):
     """Multi-head latent attention over a paged latent cache (decode, MTP verify).
 
@@ -45,6 +46,11 @@ def mla_decode(
         check_indices: validate the metadata's values on the host (a device sync): lengths within each request's
             own pages, offsets, page ids (``validation.check_metadata_values``). Default: on, except during
             CUDA-graph capture. Engine adapters pass False on their hot path.
+        fp8_compute: with an fp8 cache, let the sm90 kernel quantise q to e4m3 (one scale per (token, head) row) and
+            run both products on e4m3 tensor cores, as the engines' built-in fp8 MLA backends do: faster where
+            heads x q_len is large (compute-bound), with an error of a few 1e-2 of max|out| instead of a few 1e-3
+            (docs/kernels.md, "fp8 compute"). Shapes of up to 16 rows, gfx942 and the reference keep q as it is.
+            True with a 16-bit cache is refused. The engine plugins pass True with ``MLA_BACKEND_FP8_COMPUTE=1``.
     Returns:
         ``out``, or ``(out, lse)`` when ``return_lse``. A query that sees no KV gives zeros and LSE -inf; a NaN or
         inf in q or in a visible cache row gives NaN in that query's output row (never zeros).
@@ -56,9 +62,10 @@ def mla_decode(
         check_indices = not capturing
     check_inputs(q_nope, q_pe, kv_cache, metadata, out, check_indices)
     k_scale = checked_k_scale(softmax_scale, k_scale, kv_cache.dtype, q_nope.device)
+    fp8_compute = checked_fp8_compute(fp8_compute, kv_cache.dtype)
     num_tokens, num_heads, _ = q_nope.shape
     variant = prepare_variant(q_nope.device, num_heads, metadata.q_len, metadata.page_size, q_nope.dtype,
-                              kv_cache.dtype, impl)
+                              kv_cache.dtype, impl, fp8_compute)
     if variant.is_reference:
         if capturing:
             raise variant.capture_error()

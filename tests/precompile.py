@@ -6,7 +6,7 @@ done: it reads the variants off the selected items and compiles them, one proces
 cache (``prebuilt.compile_variants``), where the tests then load them.
 
 An item takes part when it is marked ``gpu`` and ``mla_kernels`` (the GPU test modules mark themselves). Its variant
-``(heads, q_len, page_size, dtype, kv_dtype)`` is :data:`DEFAULTS`, updated by the ``mla_kernels`` markers' keywords
+``(heads, q_len, page_size, dtype, kv_dtype)`` (and ``True`` for the e4m3-compute kernel) is :data:`DEFAULTS`, updated by the ``mla_kernels`` markers' keywords
 (module, then function) and then by the item's parameters of those names (``fp8=True`` meaning an e4m3fn cache);
 ``kv_dtype=None`` is the q dtype, as in the tests' ``make_problem``. A test that builds other kernels names them in its
 marker: its variant's fields, and ``plans=`` the planner kernels beyond the one every decode plans with, as max
@@ -24,7 +24,7 @@ import time
 import torch
 
 FP8 = torch.float8_e4m3fn
-DEFAULTS = dict(heads=16, q_len=1, page_size=64, dtype=torch.bfloat16, kv_dtype=None)
+DEFAULTS = dict(heads=16, q_len=1, page_size=64, dtype=torch.bfloat16, kv_dtype=None, fp8_compute=False)
 # mla_decode without a plan, and every SplitPlanner the tests build for up to 256 requests, plan with the planner
 # kernel sized 256 (plan_kernel.scan_size)
 DEFAULT_PLAN_BATCH = 256
@@ -47,7 +47,7 @@ def item_kernels(item) -> tuple[set[tuple], set[tuple]]:
     if "fp8" in params:
         fields["kv_dtype"] = FP8 if params["fp8"] else None
     variant = (fields["heads"], fields["q_len"], fields["page_size"], fields["dtype"],
-               fields["kv_dtype"] or fields["dtype"])
+               fields["kv_dtype"] or fields["dtype"], *((True,) if fields["fp8_compute"] else ()))
     return {variant}, plans
 
 
@@ -78,7 +78,7 @@ def compile_for_sm90(variants, plans, workers: int | None = None) -> tuple[list[
 
     block_n = config_for("sm90").block_n
     # select_impl's rules for sm90: the sizes and dtypes the kernels take, and Hopper's e4m3fn as the fp8 cache
-    specs = [(h, q, p, torch_name(dt), torch_name(kv)) for h, q, p, dt, kv in variants
+    specs = [(h, q, p, torch_name(dt), torch_name(kv), *c) for h, q, p, dt, kv, *c in variants
              if kernel_unsupported(dt, kv, h, q, p) is None and kv in (dt, FP8)]
     # the planner kernel is keyed by the max batch rounded up to a power of two: one compile per size
     plan_specs = sorted({(scan_size(b), n or block_n) for b, n in plans})
@@ -116,7 +116,7 @@ def not_precompiled(names) -> list[str]:
     """The kernels this process launched that are not among ``names`` (what :func:`precompile` returned)."""
     from mla_backend.kernels import plan_kernel, prebuilt, runtime
 
-    launched = {prebuilt.variant_name(h, q, p, runtime.torch_name(dt), runtime.torch_name(kv))
-                for h, q, p, dt, kv, arch, _cfg in runtime.STATS.variants if arch == "sm90"}
+    launched = {prebuilt.variant_name(h, q, p, runtime.torch_name(dt), runtime.torch_name(kv), cfg.fp8_compute)
+                for h, q, p, dt, kv, arch, cfg in runtime.STATS.variants if arch == "sm90"}
     launched |= {prebuilt.plan_name(size, block_n) for size, block_n, _pdl in plan_kernel._KERNELS}
     return sorted(launched - set(names))

@@ -114,13 +114,44 @@ def test_warmup_selects_per_shape(monkeypatch):
     monkeypatch.setattr(runtime, "warmup", lambda variants, workers=1: compiled.extend(variants) or 0.0)
     gpu = torch.device("cuda", 0)
     ready = dispatch.warmup(gpu, 16, (1, 2), 64, BF16, torch.float8_e4m3fn)
-    assert ready.variants == tuple(compiled) == ((16, 1, 64, BF16, torch.float8_e4m3fn, "sm90"),
-                                                 (16, 2, 64, BF16, torch.float8_e4m3fn, "sm90"))
+    assert ready.variants == tuple(compiled) == ((16, 1, 64, BF16, torch.float8_e4m3fn, "sm90", False),
+                                                 (16, 2, 64, BF16, torch.float8_e4m3fn, "sm90", False))
+    # fp8 compute: only the ws kernel's shapes (more than 16 rows) of an fp8 cache take it
+    ready = dispatch.warmup(gpu, 16, (1, 2), 64, BF16, torch.float8_e4m3fn, fp8_compute=True)
+    assert ready.variants == ((16, 1, 64, BF16, torch.float8_e4m3fn, "sm90", False),
+                              (16, 2, 64, BF16, torch.float8_e4m3fn, "sm90", True))
+    assert dispatch.warmup(gpu, 128, (1,), 64, BF16, BF16, fp8_compute=True).variants == (
+        (128, 1, 64, BF16, BF16, "sm90", False),)
     with pytest.raises(RuntimeError, match=r"no TileLang kernel for heads=16 q_len=5"):
         dispatch.warmup(gpu, 16, (1, 5), 64, BF16, BF16)
     assert dispatch.warmup(gpu, 16, (5,), 64, BF16, BF16, strict=False).variants == ()
     shapes = [(128, 2, 1, BF16, BF16), (128, 2, 1, BF16, BF16), (16, 1, 3, BF16, BF16)]
-    assert dispatch.warmup(gpu, shapes=shapes, strict=False).variants == ((128, 2, 1, BF16, BF16, "sm90"),)
+    assert dispatch.warmup(gpu, shapes=shapes, strict=False).variants == ((128, 2, 1, BF16, BF16, "sm90", False),)
+
+
+def test_engine_fp8_compute(monkeypatch):
+    from mla_backend.dispatch import engine_fp8_compute
+
+    monkeypatch.delenv("MLA_BACKEND_FP8_COMPUTE", raising=False)
+    assert engine_fp8_compute() is False
+    monkeypatch.setenv("MLA_BACKEND_FP8_COMPUTE", "1")
+    assert engine_fp8_compute() is True
+    monkeypatch.setenv("MLA_BACKEND_FP8_COMPUTE", "yes")
+    with pytest.raises(ValueError, match=r"MLA_BACKEND_FP8_COMPUTE='yes' is not supported: 0 \(default\)"):
+        engine_fp8_compute()
+
+
+def test_fp8_compute_applies_and_its_config():
+    from mla_backend.kernels.configs import SM90, config_for, fp8_compute_applies
+
+    assert fp8_compute_applies("sm90", 128, 1, True) and fp8_compute_applies("sm90", 16, 2, True)
+    assert not fp8_compute_applies("sm90", 16, 1, True)  # the memory-bound transposed kernel
+    assert not fp8_compute_applies("sm90", 128, 1, False) and not fp8_compute_applies("gfx942", 128, 1, True)
+    assert not fp8_compute_applies("sm90", 128, None, True)  # ragged: the reference
+    assert config_for("sm90", True).fp8_compute and config_for("sm90", True).block_n == SM90.block_n
+    assert not config_for("sm90").fp8_compute
+    with pytest.raises(ValueError, match="sm90 kernel, not gfx942"):
+        config_for("gfx942", True)
 
 
 def test_engine_impl_request(monkeypatch):

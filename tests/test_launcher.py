@@ -74,6 +74,22 @@ def test_fp8_cache_with_tensor_and_float_scales():
                        mla_decode(p.q, cache, md, SCALE, k_scale=0.25))
 
 
+def test_fp8_compute_off_gpu_runs_the_reference():
+    """fp8_compute lets the sm90 kernel quantise q; without one (here: a CPU) the reference keeps q exact, so the
+    answer is mla_decode's without it, and a bf16 cache refuses it in mla_decode as in the launcher."""
+    p = make_problem([30, 65, 1], 32, 2, 16, seed=6)
+    cache = (p.kv_cache.float() / 0.5).to(torch.float8_e4m3fn)
+    md = planned(p, 32, 2)
+    launch = launcher(heads=32, kv_dtype=torch.float8_e4m3fn, k_scale=0.5, q_lens=(2,), fp8_compute=True)
+    assert launch.variant(2).is_reference and "fp8compute" not in repr(launch)
+    want = mla_decode(p.q, cache, md, SCALE, k_scale=0.5)
+    assert torch.equal(launch(p.q[..., :512], p.q[..., 512:], cache, md), want)
+    assert torch.equal(mla_decode(p.q, cache, md, SCALE, k_scale=0.5, fp8_compute=True), want)
+    with pytest.raises(MLAInputError, match=r"mla_decode: fp8_compute=True is not supported; expected with an fp8 "
+                                            r"kv_cache"):
+        mla_decode(p.q, p.kv_cache, md, SCALE, fp8_compute=True)
+
+
 def test_zero_tokens():
     md = MLADecodeMetadata.from_block_table(torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
                                             16, q_len=1)
@@ -121,6 +137,10 @@ def test_changing_batch_sizes():
      r"k_scale=a torch\.float32 tensor of shape \(2,\) on cpu is not supported; expected one float"),
     (dict(kv_dtype=torch.float8_e4m3fn, k_scale=0.0), r"k_scale=0\.0 is not supported; expected a finite positive"),
     (dict(impl="cuda-magic"), r"MLADecodeLauncher: impl='cuda-magic' is not supported; expected one of"),
+    (dict(fp8_compute=True), r"MLADecodeLauncher: fp8_compute=True is not supported; expected with an fp8 kv_cache "
+                             r"\(float8_e4m3fn on sm90\); this cache is torch\.bfloat16"),
+    (dict(kv_dtype=torch.float8_e4m3fn, k_scale=1.0, fp8_compute=1),
+     r"MLADecodeLauncher: fp8_compute=1 is not supported; expected True or False"),
     (dict(impl="tilelang-sm90"), r"MLADecodeLauncher: impl='tilelang-sm90' cannot run here: no GPU kernel for "
                                  r"device type 'cpu'"),
 ])

@@ -123,9 +123,10 @@ def _role_marks(variant) -> dict[str, str]:
             for role, regs in _budget(variant).items()}
 
 
-def _role_sections(src: str, variant) -> dict[str, str]:
-    """The CUDA source of each warpgroup role (the branches start with their setmaxnreg call)."""
-    marks = _role_marks(variant)
+def _role_sections(src: str, variant, marks: dict[str, str] | None = None) -> dict[str, str]:
+    """The CUDA source of each warpgroup role (the branches start with their setmaxnreg call, ``marks``: by default
+    the variant's)."""
+    marks = marks or _role_marks(variant)
     pos = {name: src.index(m) for name, m in marks.items()}
     order = sorted(pos, key=pos.get)
     bounds = [pos[n] for n in order] + [len(src)]
@@ -192,14 +193,16 @@ def test_producer_reads_page_ids_before_the_buffer_wait(dtype):
         assert ("pages[0]" if page_size == 64 else "pages[r]") in loop[wait:], page_size
 
 
-def check_named_barriers_role_local(src: str, variant) -> dict[str, str]:
+def check_named_barriers_role_local(src: str, variant, marks: dict[str, str] | None = None) -> dict[str, str]:
     """A __syncthreads() after the role split, a named barrier shared by two roles, or one inside a
-    thread-dependent branch of a role would deadlock or mis-synchronise. Returns the role sections."""
-    first_role = min(src.index(m) for m in _role_marks(variant).values())
+    thread-dependent branch of a role would deadlock or mis-synchronise. Returns the role sections (``marks``: each
+    role's setmaxnreg call, by default the variant's)."""
+    marks = marks or _role_marks(variant)
+    first_role = min(src.index(m) for m in marks.values())
     assert "__syncthreads()" not in src[first_role:], "CTA-wide barrier inside a warp role"
     role_conditions = ("((int)threadIdx.x) < 128", "((int)threadIdx.x) < 256")
     ids_by_role = {}
-    sections = _role_sections(src, variant)
+    sections = _role_sections(src, variant, marks)
     for role, text in sections.items():
         ids = set()
         for m, bar, count in named_barriers(text):

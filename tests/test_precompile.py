@@ -26,7 +26,9 @@ KERNEL_GPU = ([(16, 1, p, BF16, BF16) for p in (1, 16, 32, 64, 128)] + [(h, 1, 6
                  (128, 4, 16, BF16, BF16), (16, 1, 64, FP16, FP16), (16, 1, 64, BF16, FP8), (16, 1, 64, FP16, FP8),
                  (16, 1, 1, BF16, FP8), (128, 2, 16, BF16, FP8), (16, 1, 16, BF16, FP8), (16, 1, 128, FP16, FP8),
                  (8, 2, 32, BF16, FP8), (128, 1, 1, BF16, BF16), (128, 1, 16, BF16, BF16), (128, 1, 32, BF16, BF16),
-                 (64, 2, 16, BF16, BF16), (128, 2, 1, FP16, FP16)])
+                 (64, 2, 16, BF16, BF16), (128, 2, 1, FP16, FP16)]
+              + [(h, q, p, dt, FP8, True) for h, q, p, dt in ((128, 1, 64, BF16), (128, 2, 64, BF16), (64, 2, 16, BF16),
+                                                            (32, 1, 64, BF16), (128, 1, 1, BF16), (16, 2, 64, FP16))])
 ADVERSARIAL = [(16, 1, 1, BF16, BF16), (16, 1, 64, BF16, BF16), (16, 2, 64, BF16, BF16)]
 LAUNCHER = [(h, q, 64, BF16, kv) for h in (16, 32, 128) for q in (1, 2) for kv in (BF16, FP8)]
 
@@ -125,7 +127,7 @@ def test_nothing_without_a_gpu_or_when_switched_off(gpu_items, monkeypatch):
 
 
 def test_on_hopper_one_line_and_no_failure(gpu_items, monkeypatch):
-    """With an sm90 GPU (stood in for here) all 33 variants and 4 planners go to one compile_variants call, reported in
+    """With an sm90 GPU (stood in for here) all 39 variants and 4 planners go to one compile_variants call, reported in
     one line; a failed compile is reported and leaves the tests to compile."""
     pytest.importorskip("tilelang")
     from mla_backend import dispatch
@@ -141,8 +143,8 @@ def test_on_hopper_one_line_and_no_failure(gpu_items, monkeypatch):
     monkeypatch.setattr(dispatch, "device_arch", lambda device: ("sm90", "an H100"))
     monkeypatch.setattr(prebuilt, "compile_variants", record)
     lines = []
-    assert len(precompile.precompile(gpu_items, lines.append)) == 37 and calls == [37]
-    assert len(lines) == 1 and lines[0].startswith("mla_backend: 37 kernel variants and planners compiled"), lines
+    assert len(precompile.precompile(gpu_items, lines.append)) == 43 and calls == [43]
+    assert len(lines) == 1 and lines[0].startswith("mla_backend: 43 kernel variants and planners compiled"), lines
 
     def fail(*args, **kwargs):
         raise RuntimeError("BrokenProcessPool")

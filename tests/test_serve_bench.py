@@ -741,7 +741,8 @@ def test_scaled_weights_load_format_is_known_in_a_fresh_worker_process(verify):
     assert done.returncode == 0, done.stderr[-3000:]
     report, loader = done.stdout.strip().splitlines()[-2:]
     assert loader == "ScaledDummyModelLoader"
-    assert report == ("{'calls': 0, 'max_rel_err': 0.0, 'max_lse_err': 0.0, 'calls_by_q_len': {}, 'rank': 1} "
+    assert report == ("{'calls': 0, 'max_rel_err': 0.0, 'max_lse_err': 0.0, 'calls_by_q_len': {}, "
+                      "'fp8_compute_calls': 0, 'over_limit': 0, 'rank': 1} "
                       "{'mla_backend.vllm.decode_call': 1, 'mla_backend.vllm.metadata_build': 1}" if verify
                       else "None None")
 

@@ -18,6 +18,8 @@ Variants (the default sm90 config, so the kernel the op builds for each shape):
 * 128 heads, q_len 2, page 1, bf16: 4 row blocks, cp.async gather through the page table.
 * 16 heads, q_len 1, page 64, fp8 cache: transposed consumers, register conversion in the producer(s); also
   nvcc-compiled.
+* 128 heads, q_len 1, page 64, fp8 cache with ``fp8_compute``: e4m3 WGMMA, q quantised in the kernel, fp8c.cuh's
+  inline PTX (``tests/test_lowering_fp8c.py`` checks its source under the main install).
 * the combine kernels (per row and wide) and the one-launch planner.
 """
 
@@ -43,7 +45,7 @@ from mla_backend.kernels import configs  # noqa: E402
 CUDA = configs.target_for_arch("sm90")
 SM90_SMEM_LIMIT = 232448  # 227 KiB: static + dynamic shared memory one block may use on H100 / H200
 
-# (num_heads, q_len, page_size, dtype, kv_dtype). The default run (``-m 'not slow'``) lowers the first; the others
+# (num_heads, q_len, page_size, dtype, kv_dtype[, fp8_compute]). The default run (``-m 'not slow'``) lowers the first; the others
 # and the nvcc compiles (1.5-3.5 min each on 2 busy cores) are marked slow: .ci/tilelang_matrix.sh runs them all
 # (``-m ''``) under each version, .ci/run's second pass under the main install.
 SPLIT_VARIANTS = [
@@ -51,6 +53,7 @@ SPLIT_VARIANTS = [
     (16, 2, 64, "bfloat16", "bfloat16"),
     (128, 2, 1, "bfloat16", "bfloat16"),
     (16, 1, 64, "bfloat16", "float8_e4m3"),
+    (128, 1, 64, "bfloat16", "float8_e4m3", True),
 ]
 NVCC_VARIANTS = [SPLIT_VARIANTS[0], SPLIT_VARIANTS[3]]
 
@@ -74,11 +77,13 @@ def test_expected_tilelang_is_imported():
 
 
 def _split_kernel(variant):
-    """The split prim_func the op builds for ``variant`` under the default sm90 settings."""
-    cfg = configs.config_for("sm90")
+    """The split prim_func the op builds for ``variant`` under the default sm90 settings (``fp8_compute`` when the
+    variant's sixth field says so)."""
+    shape, fp8_compute = variant[:5], len(variant) > 5 and variant[5]
+    cfg = configs.config_for("sm90", fp8_compute)
     from mla_backend.kernels.sm90 import build_decode_kernel
 
-    return build_decode_kernel(*variant, cfg=cfg)
+    return build_decode_kernel(*shape, cfg=cfg)
 
 
 def _prim_func(kind: str, variant: tuple):
@@ -144,7 +149,10 @@ def test_split_kernel_lowers(lowered, variant):
     assert "warpgroup_reg_alloc<" in src, "no setmaxnreg: the warpgroup roles are gone"
     smem = _smem_bytes(art.device_mod)
     assert 0 < smem <= SM90_SMEM_LIMIT, f"needs {smem} B of dynamic shared memory"
-    heads, q_len, page, dtype, kv_dtype = variant
+    heads, q_len, page, dtype, kv_dtype, *fp8_compute = variant
+    if fp8_compute:  # S by TileLang's e4m3 WGMMA, P V by fp8c.cuh's
+        assert src.count("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3") >= 1, "no e4m3 P V WGMMA"
+        return
     whole_blocks = page % 64 == 0 and kv_dtype == dtype
     if whole_blocks and heads * q_len > 64:  # two row blocks: the pair shares each block by TMA multicast
         assert src.count("MLA_TMA_MC(k_ready") == 6 and "cluster_sync" in src

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # What the kernels accept (the op validates against these before launching), re-exported for older imports
 from ..constants import (MAX_HEADS, MAX_PARTS, MAX_Q_LEN, SUPPORTED_DTYPES, SUPPORTED_KV_DTYPES,  # noqa: F401
@@ -28,6 +28,9 @@ class KernelConfig:
     # the first 64 blocks of this part (row block 0; ws consumers and the 16-bit producer) into the plan's unused
     # last partial slot
     trace_part: int = -1
+    # sm90 with an fp8 cache where the ws kernel runs (h x q_len > 16): q quantised per (token, head) row to e4m3, S
+    # and P V on e4m3 WGMMA (kernels/sm90/fp8c.py); False converts the cache to fp16 and keeps q in 16 bits
+    fp8_compute: bool = False
 
 
 # Hopper (kernels/sm90/): 2 consumer warpgroups + 1 producer (FlashMLA-style), 64-token blocks, 2 buffers; the
@@ -42,10 +45,26 @@ GFX942 = KernelConfig(block_rows=16, block_n=32, threads=128, num_stages=1, kern
 
 CONFIGS = {"sm90": SM90, "gfx942": GFX942}
 
+SM90_FP8_COMPUTE = replace(SM90, fp8_compute=True)
+# Rows (heads x q_len) from which an fp8 cache may run on e4m3 tensor cores: the ws kernel's (the transposed tws kernel
+# of up to 16 rows is memory-bound, and its fp8 path already moves half the bytes of the 16-bit one).
+FP8_COMPUTE_MIN_ROWS = 17
 
-def config_for(arch: str) -> KernelConfig:
-    """The tile configuration the kernels of ``arch`` ("sm90" or "gfx942") are built and planned with."""
+
+def config_for(arch: str, fp8_compute: bool = False) -> KernelConfig:
+    """The tile configuration the kernels of ``arch`` ("sm90" or "gfx942") are built and planned with; with
+    ``fp8_compute`` (sm90, see ``fp8_compute_applies``) the e4m3-compute one."""
+    if fp8_compute:
+        if arch != "sm90":
+            raise ValueError(f"fp8 compute is an sm90 kernel, not {arch}'s")
+        return SM90_FP8_COMPUTE
     return CONFIGS[arch]
+
+
+def fp8_compute_applies(arch: str, num_heads: int, q_len: int | None, fp8_cache: bool) -> bool:
+    """Whether ``fp8_compute=True`` changes the kernel of this shape: an fp8 cache on sm90 with at least
+    ``FP8_COMPUTE_MIN_ROWS`` rows; everywhere else the cache is converted to 16 bits and q kept as it is."""
+    return fp8_cache and arch == "sm90" and q_len is not None and num_heads * q_len >= FP8_COMPUTE_MIN_ROWS
 
 
 def merged_parts(cfg: KernelConfig) -> int:

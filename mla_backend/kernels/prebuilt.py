@@ -33,13 +33,14 @@ ENGINE_HEADS = (16, 32, 64, 128)
 ENGINE_Q_LENS = (1, 2)
 ENGINE_PAGE_SIZES = (1, 16, 64)
 ENGINE_DTYPE = "bfloat16"  # of q
-ENGINE_KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+ENGINE_KV_DTYPES = ("bfloat16", "float8_e4m3fn")  # an fp8 cache: with and without fp8 compute where it applies
 # One planner kernel per power of two of the largest batch, up to 4096 requests.
 ENGINE_PLAN_BATCHES = (256, 512, 1024, 2048, 4096)
 
 
-def variant_name(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str) -> str:
-    return f"h{num_heads}-q{q_len}-p{page_size}-{dtype}-{kv_dtype}"
+def variant_name(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtype: str,
+                 fp8_compute: bool = False) -> str:
+    return f"h{num_heads}-q{q_len}-p{page_size}-{dtype}-{kv_dtype}" + ("-fp8compute" if fp8_compute else "")
 
 
 def plan_name(max_batch: int, block_n: int) -> str:
@@ -156,10 +157,12 @@ def _compile_into(task: tuple) -> tuple[str, list[str], float]:
 
         get_plan_kernel(spec[1], spec[2])
     else:
+        from .configs import config_for
         from .runtime import get_kernels
 
-        heads, q_len, page, dtype, kv_dtype = spec
-        get_kernels(heads, q_len, page, getattr(torch, dtype), getattr(torch, kv_dtype), "sm90")
+        heads, q_len, page, dtype, kv_dtype, *fp8_compute = spec
+        get_kernels(heads, q_len, page, getattr(torch, dtype), getattr(torch, kv_dtype), "sm90",
+                    config_for("sm90", bool(fp8_compute and fp8_compute[0])))
     kernels_dir = _entries_dir(Path(cache_dir))
     keys = sorted(p.name for p in kernels_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
     return name, keys, time.perf_counter() - start
@@ -167,7 +170,8 @@ def _compile_into(task: tuple) -> tuple[str, list[str], float]:
 
 def compile_variants(variants: list[tuple], plan_batches: tuple[int, ...] = (), block_n: int = 64,
                      into_package: bool = False, workers: int = 1, progress=None) -> dict:
-    """Compiles ``(num_heads, q_len, page_size, dtype, kv_dtype)`` variants for sm_90a (no GPU needed; nvcc is).
+    """Compiles ``(num_heads, q_len, page_size, dtype, kv_dtype[, fp8_compute])`` variants for sm_90a (no GPU
+    needed; nvcc is).
 
     Without ``into_package`` each lands in TileLang's own cache (ahead-of-time warm-up of this machine). With it, the
     installed TileLang's release folder (``release_dir()``) is rebuilt from scratch: ``entries/<key>/`` and

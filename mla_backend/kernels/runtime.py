@@ -114,16 +114,18 @@ def torch_name(dtype: torch.dtype) -> str:
 
 
 def _variant_key(variant: tuple, cfg: KernelConfig | None = None) -> tuple:
-    """``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` plus the arch's tile config."""
-    return (*variant, cfg if cfg is not None else config_for(variant[-1]))
+    """``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` plus its tile config: ``cfg``, else the one of
+    ``config_for(arch, fp8_compute)`` for a variant that carries ``fp8_compute`` as a 7th element."""
+    shape, fp8_compute = variant[:6], len(variant) > 6 and bool(variant[6])
+    return (*shape, cfg if cfg is not None else config_for(shape[5], fp8_compute))
 
 
 def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype, arch: str,
                 cfg: KernelConfig | None = None):
     """Returns the compiled :class:`Kernels` of one variant, compiling on first use.
 
-    The tile config (and so the kernel source) is ``config_for(arch)``; plans must use its ``block_n``. A caller may
-    pass it as ``cfg`` (mla_decode's host path, which has just looked it up).
+    The tile config (and so the kernel source) is ``cfg``, by default ``config_for(arch)``; plans must use its
+    ``block_n``. ``config_for(arch, fp8_compute=True)`` selects the e4m3-compute kernel of an fp8 cache.
     """
     key = _variant_key((num_heads, q_len, page_size, dtype, kv_dtype, arch), cfg)
     cfg = key[-1]
@@ -141,7 +143,7 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
 
         # The wheel's compiled kernels (prebuilt.py) land in TileLang's cache first, so the compiles below load them.
         shipped = arch == "sm90" and prebuilt.seed(prebuilt.variant_name(
-            num_heads, q_len, page_size, torch_name(dtype), torch_name(kv_dtype)))
+            num_heads, q_len, page_size, torch_name(dtype), torch_name(kv_dtype), cfg.fp8_compute))
         if not shipped:
             logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s is not among the prebuilt kernels: "
                         "TileLang compiles it (nvcc) or loads it from its disk cache", num_heads, q_len, page_size,
@@ -169,20 +171,21 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         STATS.variants += (key,)
         # A disk-cache hit takes well under a second; a real compile takes several.
         source = "prebuilt" if shipped else ("disk cache hit" if seconds < 1.5 else "compiled")
-        logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s (%s) ready in %.2fs (%s)", num_heads, q_len,
-                    page_size, dtype, kv_dtype, arch, cfg.kernel, seconds, source)
+        logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s (%s%s) ready in %.2fs (%s)", num_heads,
+                    q_len, page_size, dtype, kv_dtype, arch, cfg.kernel, ", e4m3 compute" if cfg.fp8_compute else "",
+                    seconds, source)
         _KERNELS[key] = kernels = Kernels(split, combine, combine_wide, combine_tiled, merged)
         return kernels
 
 
 def _compile_one(variant: tuple) -> float:
     start = time.perf_counter()
-    get_kernels(*variant)
+    get_kernels(*variant[:6], cfg=_variant_key(variant)[-1])
     return time.perf_counter() - start
 
 
 def warmup(variants: list[tuple], workers: int = 1) -> float:
-    """Compile ``(num_heads, q_len, page_size, dtype, kv_dtype, arch)`` variants before serving.
+    """Compile ``(num_heads, q_len, page_size, dtype, kv_dtype, arch[, fp8_compute])`` variants before serving.
 
     With ``workers > 1`` the variants compile in parallel subprocesses that fill TileLang's disk cache,
     then this process loads them from it. Returns the wall time in seconds.
@@ -202,7 +205,7 @@ def warmup(variants: list[tuple], workers: int = 1) -> float:
             logger.warning("mla_backend: parallel kernel compile failed (%s: %s); compiling serially",
                            type(exc).__name__, exc)
     for variant in todo:
-        get_kernels(*variant)
+        get_kernels(*variant[:6], cfg=_variant_key(variant)[-1])
     seconds = time.perf_counter() - start
     logger.info("mla_backend: %d kernel variant(s) ready in %.1fs", len(dict.fromkeys(variants)), seconds)
     return seconds

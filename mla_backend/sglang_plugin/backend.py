@@ -38,7 +38,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from ..constants import HEAD_DIM, KV_LORA_RANK, MAX_HEADS, MAX_Q_LEN, ROPE_DIM, SUPPORTED_PAGE_SIZES
-from ..dispatch import ENV_IMPL, REFERENCE, engine_impl_request, select_impl, warmup
+from ..dispatch import ENV_IMPL, REFERENCE, engine_fp8_compute, engine_impl_request, select_impl, warmup
 from ..host_trace import host_range
 from ..launcher import MLADecodeLauncher
 from ..metadata import INDEX_DTYPE, MLADecodeMetadata
@@ -145,6 +145,7 @@ class SupportedConfig:
     q_lens: tuple
     impl: str  # resolved implementation ("tilelang-sm90", ... or "reference")
     impl_request: str  # what MLA_BACKEND_IMPL asked for
+    fp8_compute: bool = False  # an fp8 pool on e4m3 tensor cores (MLA_BACKEND_FP8_COMPUTE=1)
 
 
 def check_supported(model_runner) -> SupportedConfig:
@@ -214,6 +215,7 @@ def check_supported(model_runner) -> SupportedConfig:
 
     try:
         impl_request = engine_impl_request()
+        fp8_compute = kv_dtype == torch.float8_e4m3fn and engine_fp8_compute()
     except ValueError as exc:
         _refuse(f"{exc}")
     device = model_runner.req_to_token_pool.req_to_token.device
@@ -229,7 +231,7 @@ def check_supported(model_runner) -> SupportedConfig:
                     f"for debugging only, {ENV_IMPL}=reference runs the slow PyTorch reference "
                     "(needs --disable-cuda-graph).")
     return SupportedConfig(num_heads, page_size, dtype, kv_dtype, algo, n_draft, q_lens, choice.impl,
-                           impl_request)
+                           impl_request, fp8_compute)
 
 
 #: Where SGLang keeps its FlashMLA block-table kernel: 0.5.17 re-exports it from attention.utils (defined in
@@ -382,7 +384,8 @@ class TileLangMLABackend(AttentionBackend):
             # req_to_token has max_running_requests + 1 rows; a batch holds at most max_running_requests requests
             # (4096 by default: the largest planner the package ships, where one more row would compile another)
             ready = warmup(self.device, self.num_heads, self.config.q_lens, self.page_size, self.config.dtype,
-                           self.config.kv_dtype, impl=self.config.impl, max_batch=max(1, self.req_to_token.shape[0] - 1))
+                           self.config.kv_dtype, impl=self.config.impl, max_batch=max(1, self.req_to_token.shape[0] - 1),
+                           fp8_compute=self.config.fp8_compute)
         except Exception as exc:
             _refuse(f"kernel compilation failed for heads={self.num_heads} q_lens={self.config.q_lens} "
                     f"page={self.page_size}: {type(exc).__name__}: {exc}")
@@ -396,7 +399,8 @@ class TileLangMLABackend(AttentionBackend):
             os.makedirs(self._report_dir, exist_ok=True)
             info = {"backend": BACKEND_NAME, "pid": os.getpid(), "tp_rank": self._tp_rank, "impl": self.config.impl,
                     "heads": self.num_heads, "page_size": self.page_size, "dtype": str(self.config.dtype),
-                    "kv_dtype": str(self.config.kv_dtype), "q_lens": list(self.config.q_lens),
+                    "kv_dtype": str(self.config.kv_dtype), "fp8_compute": self.config.fp8_compute,
+                    "q_lens": list(self.config.q_lens),
                     "spec_algorithm": self.config.spec_algorithm, "num_draft_tokens": self.num_draft_tokens,
                     "page_table_fill": getattr(self._fill, "__name__", "?"),
                     "prefill_backend": self.prefill_backend_name, **self._stats,
@@ -635,7 +639,8 @@ class TileLangMLABackend(AttentionBackend):
             k_scale = 1.0 if getattr(layer, "k_scale", None) is None else layer.k_scale
         launch = self._launchers[layer.layer_id] = MLADecodeLauncher(
             self.device, heads, page_size=self.page_size, dtype=self.q_data_type, kv_dtype=self.kv_cache_dtype,
-            softmax_scale=layer.scaling, k_scale=k_scale, q_lens=self.config.q_lens, impl=self.impl)
+            softmax_scale=layer.scaling, k_scale=k_scale, q_lens=self.config.q_lens, impl=self.impl,
+            fp8_compute=self.config.fp8_compute)
         return launch
 
     def init_mha_chunk_metadata(self, forward_batch, *args, **kwargs):

@@ -26,7 +26,8 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
 
 from ..constants import HEAD_DIM, KV_LORA_RANK, MAX_HEADS, MAX_Q_LEN, ROPE_DIM
-from ..dispatch import ENV_IMPL, TILELANG_GFX942, engine_impl_request, tilelang_available, warmup
+from ..dispatch import (ENV_IMPL, TILELANG_GFX942, engine_fp8_compute, engine_impl_request, tilelang_available,
+                        warmup)
 from ..host_trace import host_range
 from ..launcher import MLADecodeLauncher
 from ..metadata import MLADecodeMetadata
@@ -209,7 +210,7 @@ class TileLangMLAMetadataBuilder(MLACommonMetadataBuilder[TileLangMLAMetadata]):
         model_dtype = self.model_config.dtype
         kv_dtype = kv_torch_dtype(vllm_config.cache_config.cache_dtype, model_dtype)
         warm_up_kernels(torch.device(device), model_dtype, kv_dtype, heads, self.page_size, self._decode.q_lens,
-                        self._decode.plan_buffer_bytes())
+                        self._decode.plan_buffer_bytes(), kv_dtype != model_dtype and engine_fp8_compute())
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor, max_seq_len: int,
                       query_start_loc_cpu: torch.Tensor, query_start_loc_device: torch.Tensor,
@@ -253,8 +254,10 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
                                       + "; ".join(unsupported))
         self._fp8_cache = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         self._impl = engine_impl_request()  # "auto", or e.g. tilelang-gfx942 on an MI300X (opt-in)
-        # Keep q in the model dtype with an fp8 cache: the kernels dequantise K/V with k_scale.
+        # q arrives in the model dtype: with an fp8 cache the kernels quantise it per (token, head) row themselves
+        # (fp8_compute, MLA_BACKEND_FP8_COMPUTE) or keep it and dequantise K/V with k_scale.
         self.supports_quant_query_input = False
+        self._fp8_compute = self._fp8_cache and engine_fp8_compute()
         # The decode query lengths the metadata builder plans for (its reorder threshold), compiled at the launcher's
         # build; built at this layer's first decode (vLLM's warm-up runs eagerly before it captures graphs).
         self._q_lens = tuple(q for q in decode_q_lens(get_current_vllm_config()) if q <= MAX_Q_LEN)
@@ -282,7 +285,7 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
         self._launch = MLADecodeLauncher(q_nope.device, q_nope.shape[1], page_size=kv_cache.shape[1],
                                          dtype=q_nope.dtype, kv_dtype=kv_cache.dtype, softmax_scale=self.scale,
                                          k_scale=layer._k_scale if self._fp8_cache else None, q_lens=self._q_lens,
-                                         impl=self._impl)
+                                         impl=self._impl, fp8_compute=self._fp8_compute)
         return self._launch
 
 
@@ -299,7 +302,7 @@ def route_core_logs() -> None:
 
 
 def warm_up_kernels(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, num_heads: int, page_size: int,
-                    q_lens, plan_bytes: int = 0) -> list[tuple]:
+                    q_lens, plan_bytes: int = 0, fp8_compute: bool = False) -> list[tuple]:
     """Compile (or load from TileLang's disk cache) every kernel variant the engine can launch, before vLLM
     captures CUDA graphs (``mla_backend.warmup``). Returns the variant keys. Raises where the op would fall back to
     the reference implementation on a GPU (it syncs the host and cannot be graph-captured)."""
@@ -307,7 +310,8 @@ def warm_up_kernels(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dt
         return []
     try:
         # One process at a time: vLLM's workers may be daemonic and cannot start a compile pool.
-        ready = warmup(device, num_heads, q_lens, page_size, dtype, kv_dtype, impl=engine_impl_request(), workers=1)
+        ready = warmup(device, num_heads, q_lens, page_size, dtype, kv_dtype, impl=engine_impl_request(), workers=1,
+                       fp8_compute=fp8_compute)
     except RuntimeError as exc:
         raise RuntimeError(f"mla_backend (CUSTOM): {exc}") from exc
     logger.info("mla_backend (vLLM CUSTOM): %d TileLang decode kernel(s) ready in %.1fs: heads=%d page=%d %s/%s "

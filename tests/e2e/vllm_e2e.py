@@ -9,7 +9,7 @@ Engine starts take 75-110 s; pick at most ~4 engines per invocation to stay unde
     python tests/e2e/vllm_e2e.py --cases graphs,mtp --out /tmp/e2e2.json        # 4 engines (CUSTOM/64 shared)
     python tests/e2e/vllm_e2e.py --cases fp8,mtp3 --out /tmp/e2e3.json
     python tests/e2e/vllm_e2e.py --cases forced,forced_baseline --out /tmp/e2e4.json  # teacher-forced, 3 engines
-    python tests/e2e/vllm_e2e.py --cases forced_fp8,forced_fp8_baseline --heads 128 --out /tmp/e2e5.json  # fp8 KV
+    python tests/e2e/vllm_e2e.py --cases forced_fp8c,forced_fp8c_flashmla,forced_fp8_baseline --heads 128 --out /tmp/e2e5.json
     python tests/e2e/vllm_e2e.py --serve --out /tmp/serve.json                  # vllm serve, 1 engine
     python tests/e2e/vllm_e2e.py --throughput --out /tmp/tput.json              # 3 engines
 
@@ -87,8 +87,17 @@ CASES = {
                    "block 64; read against forced_baseline",
                    engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True),
                    engine("TRITON_MLA", 64, kv_cache_dtype="fp8", forced=True)),
+    "forced_fp8c": ("teacher-forced decode, fp8 KV cache: CUSTOM with MLA_BACKEND_FP8_COMPUTE=1 (q quantised per "
+                    "(token, head) row from 17 rows, e4m3 products) vs TRITON_MLA (q in bf16), block 64; read against "
+                    "forced_fp8_baseline", engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True, fp8_compute=True),
+                    engine("TRITON_MLA", 64, kv_cache_dtype="fp8", forced=True)),
     "forced_baseline": ("teacher-forced decode, two built-in backends against each other (FLASHMLA vs TRITON_MLA)",
                         engine("FLASHMLA", 64, forced=True), engine("TRITON_MLA", 64, forced=True)),
+    "forced_fp8c_flashmla": ("teacher-forced decode, fp8 KV cache: CUSTOM with MLA_BACKEND_FP8_COMPUTE=1 vs FLASHMLA, "
+                             "both quantising q to e4m3 (CUSTOM per (token, head) row from 17 rows, FLASHMLA per "
+                             "tensor); read against forced_fp8_baseline",
+                             engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True, fp8_compute=True),
+                             engine("FLASHMLA", 64, kv_cache_dtype="fp8", forced=True)),
     "forced_fp8_baseline": ("teacher-forced decode, fp8 KV cache, two built-ins against each other: FLASHMLA (q "
                             "quantised to fp8, e4m3 products) vs TRITON_MLA (q in bf16); the anchor for an fp8 path "
                             "that quantises q", engine("FLASHMLA", 64, kv_cache_dtype="fp8", forced=True),
@@ -148,6 +157,8 @@ def engine_label(spec: dict) -> str:
         parts.append("eager")
     if spec.get("verify"):
         parts.append("verify")
+    if spec.get("fp8_compute"):
+        parts.append("fp8c")
     if spec.get("forced"):
         parts.append("forced")
     return "-".join(parts)
@@ -186,6 +197,8 @@ def engine_main(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("verify"):  # read when mla_backend.verify is imported: before anything imports the package
         os.environ["MLA_BACKEND_VERIFY"] = "1"
+    if spec.get("fp8_compute"):
+        os.environ["MLA_BACKEND_FP8_COMPUTE"] = "1"
     if spec["init"] == "scaled":
         # The custom load format must be registered where the model loads: keep the engine in-process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

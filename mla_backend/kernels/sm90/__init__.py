@@ -11,7 +11,8 @@ depend on the block size).
 
 Modules: ``protocol`` (budgets, barrier parities, the CUDA prelude ``prelude.cuh``), ``producer`` (Q and KV into
 shared memory), ``consumers`` (S, mask, P V), ``epilogue`` (normalise, merge, write), ``roles`` (each warpgroup's
-request walk), ``kernel`` (one variant's choices and the prim_func).
+request walk), ``kernel`` (one variant's choices and the prim_func); ``fp8c`` and ``fp8c_roles`` (with its device
+helpers ``fp8c.cuh``): the ws kernel for an fp8 cache with ``KernelConfig.fp8_compute``, S and P V on e4m3 WGMMA.
 
 Layout of one program (part, 64-row block), 384 threads = 3 warpgroups (tws with an fp8 cache: 512, two
 producer warpgroups taking blocks in turn, ``TWS_FP8_PRODUCERS``):

@@ -15,6 +15,7 @@ from ..common import LOG2E, make_store_rows, num_row_blocks, split_dims, split_p
 from ..configs import SM90, KernelConfig, kernel_launch, merged_parts
 from .consumers import consumer_macros
 from .epilogue import epilogue_macros, make_store_cols
+from .fp8c import fp8c_prelude, fp8c_program
 from .producer import producer_macros
 from .roles import wg0_roles, wg1_roles
 from .protocol import (HALF, N_PARTS, PART_L, PART_T, PRELUDE, Q_F16_SHIFT, TWS_COLS, TWS_TILE, grows, kernel_threads,
@@ -40,6 +41,8 @@ def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtyp
     rows = num_heads * q_len
     # tws: transposed consumers where the rows fit one m64n16 tile (one row block); the ws kernel otherwise
     transposed = rows <= TWS_COLS
+    # fp8 compute (fp8c.py): the ws kernel with an fp8 cache, S and P V on e4m3 WGMMA
+    fp8c = is_fp8 and cfg.fp8_compute and rows > TWS_COLS
     q_rows = TWS_COLS if transposed else block_rows  # rows of the Q and P tiles
     s_regs = block_n * q_rows // 128  # fp32 registers of S per consumer thread (128 per warpgroup)
     n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
@@ -62,11 +65,11 @@ def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtyp
     fp8_rows = 2  # KV rows of raw bytes a producer thread holds (fp8)
     # ws with an fp8 cache computes in fp16 (shared tiles, P): e4m3 -> fp16 is one instruction per pair
     # (bf16 takes five), exact, and fp16 holds P and the e4m3 values with more precision than bf16. A bf16
-    # q is converted in shared memory, times 2^-Q_F16_SHIFT (undone in the softmax scale).
-    cdtype = "float16" if is_fp8 else dtype
-    q_to_f16 = cdtype != dtype
+    # q is converted in shared memory, times 2^-Q_F16_SHIFT (undone in the softmax scale). fp8c: Q, K and P in e4m3.
+    cdtype = "float8_e4m3" if fp8c else "float16" if is_fp8 else dtype
+    q_to_f16 = cdtype == "float16" and dtype != "float16"
     convert = "mla_e4m3x16_store<true>" if cdtype == "bfloat16" else "mla_e4m3x16_store<false>"
-    regs_wg0, regs_wg1, regs_producer = register_budget(is_fp8, transposed)
+    regs_wg0, regs_wg1, regs_producer = register_budget(is_fp8, transposed, fp8c)
     # 16-bit cache, blocks never straddle pages: a whole block is nine TMA boxes of 64 tokens x 64 dims (one
     # thread issues them; the tensor map views the cache as [num_pages, page_size, 576]). A request's last,
     # partial block keeps the cp.async gather, which re-reads its last row instead of stale slots.
@@ -125,11 +128,14 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     q_rows, q_to_f16, regs_producer = k.q_rows, k.q_to_f16, k.regs_producer
     rs_pv, threads, tile_ready, tracing = k.rs_pv, k.threads, k.tile_ready, k.tracing
     transposed = k.transposed
-    p, c, e = producer_macros(k), consumer_macros(k), epilogue_macros(k)
-    (wg0_tws, wg0_ws), (wg1_tws, wg1_ws, producer) = wg0_roles(k, c, e, p), wg1_roles(k, c, e, p)
 
     dims = split_dims()
     batch, num_parts, num_slots = dims.batch, dims.num_parts, dims.num_slots
+    p, c, e = producer_macros(k), consumer_macros(k), epilogue_macros(k)
+    if k.fp8c:
+        program = fp8c_program(k, c, e, num_parts, batch, PRELUDE + fp8c_prelude())
+        return split_prim_func(num_heads, q_len, page_size, dtype, kv_dtype, dims, program)
+    (wg0_tws, wg0_ws), (wg1_tws, wg1_ws, producer) = wg0_roles(k, c, e, p), wg1_roles(k, c, e, p)
 
     @T.macro
     def split_program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,

@@ -39,6 +39,9 @@ REGS_WG1_FP8, REGS_PRODUCER_FP8 = 160, 104
 # buffer's fills in between are another producer's), which a parity wait cannot tell apart (tests/test_lowering_ws.py).
 TWS_FP8_PRODUCERS = 2
 REGS_TWS_FP8_RR = (120, 80, 152)  # 4 x 128 registers per thread slot at 512 threads
+# fp8 compute (fp8c.py): WG1's 128 accumulators and the 8 A registers of its RS WGMMAs in flight do not fit 160 (ptxas
+# then serialises every WGMMA of the kernel, C7512); the producer, which converts nothing, peaks at R85.
+REGS_FP8C = (240, 168, 96)
 
 
 def kernel_threads(fp8: bool, transposed: bool) -> int:
@@ -46,9 +49,11 @@ def kernel_threads(fp8: bool, transposed: bool) -> int:
     return 256 + 128 * (TWS_FP8_PRODUCERS if fp8 and transposed else 1)
 
 
-def register_budget(fp8: bool, transposed: bool = False) -> tuple[int, int, int]:
+def register_budget(fp8: bool, transposed: bool = False, fp8c: bool = False) -> tuple[int, int, int]:
     """setmaxnreg of (WG0, WG1, producer) for a kernel variant (``transposed``: tws with h x q_len <= 16; each of
-    tws fp8's producer warpgroups gets the producer's)."""
+    tws fp8's producer warpgroups gets the producer's; ``fp8c``: the fp8-compute ws kernel)."""
+    if fp8c:
+        return REGS_FP8C
     if transposed and fp8:
         return REGS_TWS_FP8_RR
     return (REGS_WG0, REGS_WG1_FP8, REGS_PRODUCER_FP8) if fp8 else (REGS_WG0, REGS_WG1, REGS_PRODUCER)
@@ -80,6 +85,9 @@ SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one block may opt into on H10
 
 # A bf16 q read by the fp16 (fp8-cache) kernel is stored as fp16 x 2^-Q_F16_SHIFT.
 Q_F16_SHIFT = 8
+# The fp8-compute kernel (fp8c.py) stores P in e4m3 times P8_SCALE: P <= 1, and 256 keeps most of it above e4m3's
+# subnormal range (2^-6); the epilogue divides it out.
+P8_SCALE = 256.0
 
 # Device helpers pasted into the generated CUDA (T.Kernel prelude). Among them, e4m3 -> bf16 / fp16: put each byte in
 # the high byte of a 16-bit lane, move exponent + mantissa down into the target's fields (sign stays); the value is
@@ -147,7 +155,7 @@ FP8_PREFETCH_AHEAD = 2
 
 
 def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, transposed: bool = False,
-                rs_pv: bool = False, merge: bool = False) -> dict:
+                rs_pv: bool = False, merge: bool = False, fp8c: bool = False) -> dict:
     """Shared-memory bytes of the warp-specialised kernel (the docstring's table).
 
     ``dynamic`` is what TileLang allocates (``dyn_shared_memory_buf``); the mbarriers are static
@@ -155,8 +163,11 @@ def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, tr
     ``transposed`` (tws): Q and P have TWS_COLS rows, plus 128 floats each for the column max exchange
     (``mla_colmax4``, two halves by block parity) and TileLang's scratch for the column sums. ``rs_pv``: two
     alpha slots instead of one. ``merge`` (merge_pairs): WG0 hands WG1 its row maxima beside l, and the merge
-    ticket's two slots (16 B with TileLang's alignment).
+    ticket's two slots (16 B with TileLang's alignment). ``fp8c`` (the fp8-compute ws kernel): Q, the KV buffers and P
+    in e4m3, two alpha slots, and each Q row's scale.
     """
+    if fp8c:
+        elem_bytes, rs_pv = 1, True
     q_rows = TWS_COLS if transposed else block_rows
     parts = {
         "q": q_rows * HEAD_DIM * elem_bytes,
@@ -167,6 +178,8 @@ def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, tr
     if merge:
         parts["alpha_l"] += q_rows * 4
         parts["merge_ticket"] = 16
+    if fp8c:
+        parts["qscale"] = q_rows * 4
     if transposed:
         parts["reduce"] = 2 * 128 * 4
     parts["dynamic"] = sum(parts.values())
