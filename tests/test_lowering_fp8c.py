@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
+import functools
 import multiprocessing
 import os
 import random
@@ -26,16 +26,15 @@ if os.environ.get("CI"):
 else:
     pytest.importorskip("tilelang")
 
-from test_lowering_ws import CUDA, check_named_barriers_role_local, named_barriers  # noqa: E402
+from test_lowering_ws import _lower, check_named_barriers_role_local, named_barriers  # noqa: E402
 from test_lowering_ws_protocol import (EDGE_CASES, Buffer, Deadlock, MBarrier, ProtocolError,  # noqa: E402
-                                       part_segments, plan_parts, run_warps)
+                                       part_segments, plan_parts, random_plans, run_warps)
 
 from mla_backend.kernels import configs, sm90  # noqa: E402
-from mla_backend.kernels.configs import compat_pass_configs  # noqa: E402
 from mla_backend.kernels.sm90 import protocol as ws  # noqa: E402
 from mla_backend.kernels.sm90.fp8c import fp8c_prelude  # noqa: E402
 
-FP8C = dataclasses.replace(configs.SM90, fp8_compute=True)
+FP8C = configs.SM90_FP8_COMPUTE
 SM90_SMEM_LIMIT = 232448
 
 # (num_heads, q_len, page_size, dtype, kv_dtype)
@@ -258,17 +257,9 @@ def test_fp8c_protocol_edge_cases(case, tma):
 
 
 def test_fp8c_protocol_random_plans():
-    rng = random.Random(2025)
     blocks = 0
-    for trial in range(120):
-        lens = [rng.choice((0, 1, 64, 65, 127, 128, 129, rng.randrange(1, 1500))) for _ in range(rng.randrange(1, 10))]
-        total = sum(-(-n // 64) for n in lens)
-        num_parts = rng.randrange(1, 6)
-        width = max(rng.choice((1, 2, 3, 4)), -(-total // num_parts))
-        cu, begin, end = plan_parts(lens, width, num_parts)
-        for part in range(num_parts):
-            blocks += simulate_fp8c_part(part_segments(cu, width, part, begin, end), seed=trial * 31 + part,
-                                         kv_lens=lens if trial % 2 else None)
+    for trial, lens, part, segs in random_plans(2025, 120):
+        blocks += simulate_fp8c_part(segs, seed=trial * 31 + part, kv_lens=lens if trial % 2 else None)
     assert blocks > 1000
 
 
@@ -295,26 +286,11 @@ def test_fp8c_protocol_simulation_catches_broken_protocols(mutation, error):
 
 
 # ============================================================================ lowering + nvcc
-def _lower(variant):
-    """Runs in a worker process: (kernel source, dynamic shared memory bytes) of the fp8c split kernel."""
-    import tilelang
-    from tilelang import tvm
-    from tvm.target import Target
-
-    func = sm90.build_decode_kernel(*variant, cfg=FP8C)
-    target = Target(CUDA)
-    with tvm.transform.PassContext(config=compat_pass_configs()), target:
-        art = tilelang.lower(func, target=target, enable_device_compile=False)
-    sizes = [int(f.attrs["dyn_shared_memory_buf"]) for _, f in art.device_mod.functions.items()
-             if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs]
-    return art.kernel_source, max(sizes, default=0)
-
-
 @pytest.fixture(scope="module")
 def lowered_fp8c():
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as pool:
-        results = list(pool.map(_lower, LOWER_VARIANTS))
+        results = list(pool.map(functools.partial(_lower, fp8_compute=True), LOWER_VARIANTS))
     return dict(zip(LOWER_VARIANTS, results))
 
 

@@ -538,24 +538,30 @@ def test_protocol_three_producers_alias_k_free():
     assert ws.TWS_FP8_PRODUCERS in (1, 2)
 
 
-def test_protocol_random_plans():
-    rng = random.Random(2024)
-    runs = 0
-    for trial in range(150):
+def random_plans(seed: int, trials: int):
+    """``(trial, lens, part, segments)`` of every part of ``trials`` random plans: ragged lengths around the 64-token
+    block edges, 1-5 parts, blocks per part from 1 up."""
+    rng = random.Random(seed)
+    for trial in range(trials):
         lens = [rng.choice((0, 1, 64, 65, 127, 128, 129, rng.randrange(1, 1500))) for _ in range(rng.randrange(1, 10))]
         total = sum(-(-n // 64) for n in lens)
         num_parts = rng.randrange(1, 6)
         width = max(rng.choice((1, 2, 3, 4)), -(-total // num_parts))
         cu, begin, end = plan_parts(lens, width, num_parts)
         for part in range(num_parts):
-            segs = part_segments(cu, width, part, begin, end)
-            simulate_part(segs, fp8=trial % 3 != 1, producers=1 + (trial % 3 == 2), seed=trial * 31 + part,
-                          rs_pv=trial % 3 != 2 and trial % 2 == 0)
-            if trial % 3 == 1:  # the 16-bit cache's kernel, also with TMA blocks, per-tile k_ready or not
-                simulate_part(segs, seed=trial * 31 + part, kv_lens=lens, rs_pv=trial % 2 == 1,
-                              tile_ready=trial % 4 != 1)
-                simulate_part(segs, seed=trial * 37 + part, tile_ready=True)  # gathers only
-            runs += 1
+            yield trial, lens, part, part_segments(cu, width, part, begin, end)
+
+
+def test_protocol_random_plans():
+    runs = 0
+    for trial, lens, part, segs in random_plans(2024, 150):
+        simulate_part(segs, fp8=trial % 3 != 1, producers=1 + (trial % 3 == 2), seed=trial * 31 + part,
+                      rs_pv=trial % 3 != 2 and trial % 2 == 0)
+        if trial % 3 == 1:  # the 16-bit cache's kernel, also with TMA blocks, per-tile k_ready or not
+            simulate_part(segs, seed=trial * 31 + part, kv_lens=lens, rs_pv=trial % 2 == 1,
+                          tile_ready=trial % 4 != 1)
+            simulate_part(segs, seed=trial * 37 + part, tile_ready=True)  # gathers only
+        runs += 1
     assert runs > 150
 
 
