@@ -424,6 +424,14 @@ def test_graph_metadata_switch_other_than_0_or_1_is_refused(kit_env, monkeypatch
         _build(page_size=64)
 
 
+def test_fp8_compute_switch_other_than_0_or_1_is_refused(kit_env, monkeypatch):
+    monkeypatch.setenv("MLA_BACKEND_FP8_COMPUTE", "on")
+    with pytest.raises(ValueError, match=f"^{BACKEND_NAME}: MLA_BACKEND_FP8_COMPUTE='on' is not supported: 0 "):
+        _build(page_size=64)
+    monkeypatch.setenv("MLA_BACKEND_FP8_COMPUTE", "1")
+    assert _build(page_size=64).backend.config.fp8_compute is False  # a bf16 pool: nothing to quantise
+
+
 def test_graph_steps_reuse_one_metadata_per_batch_size_with_fresh_values(kit_env, monkeypatch):
     """Metadata out of graph: before each replay the graph buffers are refilled in place; the metadata over them is
     built at a batch size's first step only, and later steps read the same values as metadata built afresh."""

@@ -215,7 +215,7 @@ def check_supported(model_runner) -> SupportedConfig:
 
     try:
         impl_request = engine_impl_request()
-        fp8_compute = kv_dtype == torch.float8_e4m3fn and engine_fp8_compute()
+        fp8_compute = engine_fp8_compute() and kv_dtype == torch.float8_e4m3fn  # a bad value refused always
     except ValueError as exc:
         _refuse(f"{exc}")
     device = model_runner.req_to_token_pool.req_to_token.device

@@ -210,7 +210,7 @@ class TileLangMLAMetadataBuilder(MLACommonMetadataBuilder[TileLangMLAMetadata]):
         model_dtype = self.model_config.dtype
         kv_dtype = kv_torch_dtype(vllm_config.cache_config.cache_dtype, model_dtype)
         warm_up_kernels(torch.device(device), model_dtype, kv_dtype, heads, self.page_size, self._decode.q_lens,
-                        self._decode.plan_buffer_bytes(), kv_dtype != model_dtype and engine_fp8_compute())
+                        self._decode.plan_buffer_bytes(), engine_fp8_compute() and kv_dtype != model_dtype)
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor, max_seq_len: int,
                       query_start_loc_cpu: torch.Tensor, query_start_loc_device: torch.Tensor,
@@ -257,7 +257,7 @@ class TileLangMLAImpl(MLACommonImpl[TileLangMLAMetadata]):
         # q arrives in the model dtype: with an fp8 cache the kernels quantise it per (token, head) row themselves
         # (fp8_compute, MLA_BACKEND_FP8_COMPUTE) or keep it and dequantise K/V with k_scale.
         self.supports_quant_query_input = False
-        self._fp8_compute = self._fp8_cache and engine_fp8_compute()
+        self._fp8_compute = engine_fp8_compute() and self._fp8_cache
         # The decode query lengths the metadata builder plans for (its reorder threshold), compiled at the launcher's
         # build; built at this layer's first decode (vLLM's warm-up runs eagerly before it captures graphs).
         self._q_lens = tuple(q for q in decode_q_lens(get_current_vllm_config()) if q <= MAX_Q_LEN)
