@@ -630,8 +630,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and; repeat the flag for or); keys: b s_k h s_q page lens kind")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--fp8", action="store_true",
-                   help=f"add float8_e4m3fn KV (scale {K_SCALE}): ours-fp8 (q in 16 bits), {FP8_COMPUTE} (fp8_compute: q "
-                        "quantised, e4m3 tensor cores), vLLM's triton-fp8 and flashmla-fp8")
+                   help=f"add float8_e4m3fn KV (scale {K_SCALE}): ours-fp8 (q in 16 bits), {FP8_COMPUTE} "
+                        "(fp8_compute: q quantised, e4m3 tensor cores), vLLM's triton-fp8 and flashmla-fp8")
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays instead of eager calls")
     p.add_argument("--check", action="store_true",
                    help="also compare every impl with the fp32 reference on sampled requests, once per (h, s_q)")

@@ -222,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     comp.add_argument("--dtype", default=prebuilt.ENGINE_DTYPE, help="query dtype: bfloat16 or float16")
     comp.add_argument("--kv-dtype", default=join(prebuilt.ENGINE_KV_DTYPES), help="cache dtypes, comma list")
     comp.add_argument("--fp8-compute", choices=("both", "on", "off"), default="both",
-                      help="an fp8 cache with more than 16 rows (heads x q_len): the e4m3-compute kernel (on), the one "
-                           "that keeps q in 16 bits (off), or both (default; engines pick with MLA_BACKEND_FP8_COMPUTE)")
+                      help="an fp8 cache with more than 16 rows (heads x q_len): the e4m3-compute kernel (on), the "
+                           "one that keeps q in 16 bits (off), or both (default; engines pick with "
+                           "MLA_BACKEND_FP8_COMPUTE)")
     comp.add_argument("--plan-batches", default=join(map(str, prebuilt.ENGINE_PLAN_BATCHES)),
                       help="largest batch of each one-launch planner variant (powers of two from 256)")
     comp.add_argument("--workers", type=int, default=1, help="parallel compile processes")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .constants import KV_LORA_RANK
-from .launcher import Scales, capturing as _capturing, checked_fp8_compute, checked_k_scale, kernel_scales, prepare_variant
+from .launcher import (Scales, capturing as _capturing, checked_fp8_compute, checked_k_scale, kernel_scales,
+                       prepare_variant)
 from .metadata import MLADecodeMetadata
 from .planner import SplitPlan, plan_split_kv
 from .validation import MLAInputError, check_inputs, normalize_kv_cache, split_query

@@ -26,6 +26,12 @@ ENV_VERIFY = "MLA_BACKEND_VERIFY"
 VERIFYING = os.environ.get(ENV_VERIFY) == "1"
 
 
+def limits(fp8_compute: bool = False) -> tuple[float, float]:
+    """``(max relative error, max LSE error)`` a checked call may have: the ``*_FP8_COMPUTE`` pair for the e4m3-compute
+    kernel."""
+    return (MAX_REL_ERR_FP8_COMPUTE, MAX_LSE_ERR_FP8_COMPUTE) if fp8_compute else (MAX_REL_ERR, MAX_LSE_ERR)
+
+
 def verifying() -> bool:
     """MLA_BACKEND_VERIFY=1 at import: eager kernel calls are recomputed by the reference (results in ``VERIFY``)."""
     return VERIFYING
@@ -45,7 +51,7 @@ def verify_call(q_nope, q_pe, kv_cache, metadata, softmax_scale: float, k_scale,
     by_q_len[str(metadata.q_len)] = by_q_len.get(str(metadata.q_len), 0) + 1
     VERIFY["max_rel_err"] = _worst(VERIFY["max_rel_err"], err)
     VERIFY["max_lse_err"] = _worst(VERIFY["max_lse_err"], lse_err)
-    max_rel, max_lse = (MAX_REL_ERR_FP8_COMPUTE, MAX_LSE_ERR_FP8_COMPUTE) if fp8_compute else (MAX_REL_ERR, MAX_LSE_ERR)
+    max_rel, max_lse = limits(fp8_compute)
     VERIFY["fp8_compute_calls"] += int(fp8_compute)
     if not (err <= max_rel and lse_err <= max_lse):  # a NaN error counts as past the limit
         VERIFY["over_limit"] += 1
@@ -71,6 +77,5 @@ def within_limits(report: dict) -> bool:
     ``*_FP8_COMPUTE`` ones for the e4m3-compute kernel's calls)."""
     if report.get("calls", 0) <= 0 or report.get("over_limit", 0):
         return False
-    if report.get("fp8_compute_calls", 0):
-        return report["max_rel_err"] <= MAX_REL_ERR_FP8_COMPUTE and report["max_lse_err"] <= MAX_LSE_ERR_FP8_COMPUTE
-    return report["max_rel_err"] <= MAX_REL_ERR and report["max_lse_err"] <= MAX_LSE_ERR
+    max_rel, max_lse = limits(bool(report.get("fp8_compute_calls", 0)))
+    return report["max_rel_err"] <= max_rel and report["max_lse_err"] <= max_lse

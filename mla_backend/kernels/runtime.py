@@ -205,7 +205,7 @@ def warmup(variants: list[tuple], workers: int = 1) -> float:
             logger.warning("mla_backend: parallel kernel compile failed (%s: %s); compiling serially",
                            type(exc).__name__, exc)
     for variant in todo:
-        get_kernels(*variant[:6], cfg=_variant_key(variant)[-1])
+        _compile_one(variant)
     seconds = time.perf_counter() - start
     logger.info("mla_backend: %d kernel variant(s) ready in %.1fs", len(dict.fromkeys(variants)), seconds)
     return seconds

@@ -383,9 +383,9 @@ class TileLangMLABackend(AttentionBackend):
         try:
             # req_to_token has max_running_requests + 1 rows; a batch holds at most max_running_requests requests
             # (4096 by default: the largest planner the package ships, where one more row would compile another)
-            ready = warmup(self.device, self.num_heads, self.config.q_lens, self.page_size, self.config.dtype,
-                           self.config.kv_dtype, impl=self.config.impl, max_batch=max(1, self.req_to_token.shape[0] - 1),
-                           fp8_compute=self.config.fp8_compute)
+            cfg = self.config
+            ready = warmup(self.device, self.num_heads, cfg.q_lens, self.page_size, cfg.dtype, cfg.kv_dtype,
+                           impl=cfg.impl, max_batch=max(1, self.req_to_token.shape[0] - 1), fp8_compute=cfg.fp8_compute)
         except Exception as exc:
             _refuse(f"kernel compilation failed for heads={self.num_heads} q_lens={self.config.q_lens} "
                     f"page={self.page_size}: {type(exc).__name__}: {exc}")

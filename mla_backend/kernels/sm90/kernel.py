@@ -12,7 +12,7 @@ import tilelang.language as T
 
 from ...constants import ROPE_DIM
 from ..common import LOG2E, make_store_rows, num_row_blocks, split_dims, split_prim_func, wait_for_inputs
-from ..configs import SM90, KernelConfig, kernel_launch, merged_parts
+from ..configs import SM90, KernelConfig, fp8_compute_applies, kernel_launch, merged_parts
 from .consumers import consumer_macros
 from .epilogue import epilogue_macros, make_store_cols
 from .fp8c import fp8c_prelude, fp8c_program
@@ -42,7 +42,7 @@ def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtyp
     # tws: transposed consumers where the rows fit one m64n16 tile (one row block); the ws kernel otherwise
     transposed = rows <= TWS_COLS
     # fp8 compute (fp8c.py): the ws kernel with an fp8 cache, S and P V on e4m3 WGMMA
-    fp8c = is_fp8 and cfg.fp8_compute and rows > TWS_COLS
+    fp8c = cfg.fp8_compute and fp8_compute_applies("sm90", num_heads, q_len, is_fp8)
     q_rows = TWS_COLS if transposed else block_rows  # rows of the Q and P tiles
     s_regs = block_n * q_rows // 128  # fp32 registers of S per consumer thread (128 per warpgroup)
     n_row_blocks = num_row_blocks(num_heads, q_len, block_rows)
