@@ -7,9 +7,9 @@ once, when it is built. A call picks the prepared variant by ``metadata.q_len`` 
 ``metadata.plan`` and launches the split and combine kernels through TileLang's tvm-ffi entries
 (``kernels.runtime.launch_entry``).
 
-A *variant* is the implementation of one ``(device, num_heads, q_len, page_size, dtype, kv_dtype, impl,
-fp8_compute)``: the TileLang kernels (:class:`KernelVariant`) or the fp32 PyTorch reference (:class:`ReferenceVariant`), cached per process
-by :func:`prepare_variant`. Its ``run`` is the one launch path of the package: ``mla_decode`` calls it after its
+A *variant* is the implementation of one ``(device, num_heads, q_len, page_size, dtype, kv_dtype, impl, fp8_compute)``:
+the TileLang kernels (:class:`KernelVariant`) or the fp32 PyTorch reference (:class:`ReferenceVariant`), cached per
+process by :func:`prepare_variant`. Its ``run`` is the one launch path of the package: ``mla_decode`` calls it after its
 checks, a launcher calls it directly.
 """
 

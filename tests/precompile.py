@@ -6,11 +6,11 @@ done: it reads the variants off the selected items and compiles them, one proces
 cache (``prebuilt.compile_variants``), where the tests then load them.
 
 An item takes part when it is marked ``gpu`` and ``mla_kernels`` (the GPU test modules mark themselves). Its variant
-``(heads, q_len, page_size, dtype, kv_dtype)`` (and ``True`` for the e4m3-compute kernel) is :data:`DEFAULTS`, updated by the ``mla_kernels`` markers' keywords
-(module, then function) and then by the item's parameters of those names (``fp8=True`` meaning an e4m3fn cache);
-``kv_dtype=None`` is the q dtype, as in the tests' ``make_problem``. A test that builds other kernels names them in its
-marker: its variant's fields, and ``plans=`` the planner kernels beyond the one every decode plans with, as max
-batches or ``(max_batch, block_n)``.
+``(heads, q_len, page_size, dtype, kv_dtype)`` (and ``True`` for the e4m3-compute kernel) is :data:`DEFAULTS`, updated
+by the ``mla_kernels`` markers' keywords (module, then function) and then by the item's parameters of those names
+(``fp8=True`` meaning an e4m3fn cache); ``kv_dtype=None`` is the q dtype, as in the tests' ``make_problem``. A test that
+builds other kernels names them in its marker: its variant's fields, and ``plans=`` the planner kernels beyond the one
+every decode plans with, as max batches or ``(max_batch, block_n)``.
 
 The ``gpu`` tests on a Hopper GPU report at the end of the run any kernel they launched that was not precompiled (a
 variant a test builds that its marker does not declare).

@@ -45,9 +45,9 @@ from mla_backend.kernels import configs  # noqa: E402
 CUDA = configs.target_for_arch("sm90")
 SM90_SMEM_LIMIT = 232448  # 227 KiB: static + dynamic shared memory one block may use on H100 / H200
 
-# (num_heads, q_len, page_size, dtype, kv_dtype[, fp8_compute]). The default run (``-m 'not slow'``) lowers the first; the others
-# and the nvcc compiles (1.5-3.5 min each on 2 busy cores) are marked slow: .ci/tilelang_matrix.sh runs them all
-# (``-m ''``) under each version, .ci/run's second pass under the main install.
+# (num_heads, q_len, page_size, dtype, kv_dtype[, fp8_compute]). The default run (``-m 'not slow'``) lowers the first;
+# the others and the nvcc compiles (1.5-3.5 min each on 2 busy cores) are marked slow: .ci/tilelang_matrix.sh runs
+# them all (``-m ''``) under each version, .ci/run's second pass under the main install.
 SPLIT_VARIANTS = [
     (128, 1, 64, "bfloat16", "bfloat16"),
     (16, 2, 64, "bfloat16", "bfloat16"),

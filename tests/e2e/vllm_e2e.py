@@ -9,7 +9,8 @@ Engine starts take 75-110 s; pick at most ~4 engines per invocation to stay unde
     python tests/e2e/vllm_e2e.py --cases graphs,mtp --out /tmp/e2e2.json        # 4 engines (CUSTOM/64 shared)
     python tests/e2e/vllm_e2e.py --cases fp8,mtp3 --out /tmp/e2e3.json
     python tests/e2e/vllm_e2e.py --cases forced,forced_baseline --out /tmp/e2e4.json  # teacher-forced, 3 engines
-    python tests/e2e/vllm_e2e.py --cases forced_fp8c,forced_fp8c_flashmla,forced_fp8_baseline --heads 128 --out /tmp/e2e5.json
+    python tests/e2e/vllm_e2e.py --cases forced_fp8c,forced_fp8c_flashmla,forced_fp8_baseline --heads 128 \
+        --out /tmp/e2e5.json                                                    # fp8 compute, 3 engines
     python tests/e2e/vllm_e2e.py --serve --out /tmp/serve.json                  # vllm serve, 1 engine
     python tests/e2e/vllm_e2e.py --throughput --out /tmp/tput.json              # 3 engines
 
