@@ -254,6 +254,55 @@ def test_fp8_compute_q_magnitudes(q_scale, rel_tol):
           fp8_compute=True)
 
 
+def _flashmla_fp8():
+    """FlashMLA's dense fp8 decode as an engine ships it: (metadata fn, forward fn), or skip."""
+    try:
+        from vllm.v1.attention.ops import flashmla
+
+        if flashmla._is_flashmla_available()[0]:
+            return (lambda lens, rows: flashmla.get_mla_metadata_dense_fp8(lens, rows, 1)), \
+                flashmla.flash_mla_with_kvcache_fp8
+    except ImportError:
+        pass
+    try:
+        from sgl_kernel import flash_mla
+
+        return (lambda lens, rows: flash_mla.get_mla_metadata(lens, rows, 1, is_fp8_kvcache=True)), \
+            flash_mla.flash_mla_with_kvcache
+    except ImportError:
+        pytest.skip("neither vLLM's nor sgl_kernel's FlashMLA is installed")
+
+
+# Both quantise q to e4m3 and run both products on e4m3 tensor cores; on the same inputs the error against the fp32
+# reference differs by under 5% between them at every q magnitude measured (H200), from a flat softmax to a peaked one
+@pytest.mark.parametrize("q_scale", [0.3, 1.0, 3.0, 10.0, 30.0])
+@pytest.mark.mla_kernels(heads=128, kv_dtype=FP8, fp8_compute=True)
+def test_fp8_compute_error_matches_flashmla_fp8(q_scale):
+    _kernel_or_skip(kv_dtype=FP8, heads=128)
+    metadata_fn, flashmla_fn = _flashmla_fp8()
+    g = torch.Generator(device="cpu").manual_seed(int(q_scale * 10))
+    lens = [int(n) for n in torch.randint(200, 4100, (32,), generator=g)]
+    pages = [-(-n // 64) for n in lens]
+    perm = torch.randperm(sum(pages), generator=g).int()
+    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+    for r, n in enumerate(pages):
+        table[r, :n] = perm[sum(pages[:r]): sum(pages[:r]) + n]
+    kv = torch.randn(sum(pages), 64, 576, generator=g).to(FP8).cuda()
+    q = (torch.randn(len(lens), 128, 576, generator=g) * q_scale).to(BF16).cuda()
+    table, seq_lens = table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    md = MLADecodeMetadata.from_block_table(table, seq_lens, 64, q_len=1)
+    ref, _ = mla_decode_reference(q[..., :512].float(), q[..., 512:].float(), kv, md, SCALE, 1.0)
+    ours = mla_decode(q, kv, md, SCALE, k_scale=1.0, fp8_compute=True)
+    q_descale = q.float().abs().max() / 448.0  # per tensor, as the engines' FlashMLA fp8 paths take it
+    tile_metadata, num_splits = metadata_fn(seq_lens, 128)
+    theirs = flashmla_fn(q=(q.float() / q_descale).to(FP8).view(len(lens), 1, 128, 576), k_cache=kv.unsqueeze(-2),
+                         block_table=table, cache_seqlens=seq_lens, head_dim_v=512,
+                         tile_scheduler_metadata=tile_metadata, num_splits=num_splits, softmax_scale=SCALE,
+                         causal=True, descale_q=q_descale.reshape(1), descale_k=torch.ones(1, device="cuda"))[0]
+    err = [(o.float().view_as(ref) - ref).norm() / ref.norm() for o in (ours, theirs)]
+    assert err[0] <= 1.15 * err[1], f"fp8 compute {err[0]:.3e} against FlashMLA fp8 {err[1]:.3e}"
+
+
 @pytest.mark.parametrize("q_scale", [1e-3, 30.0])
 @pytest.mark.mla_kernels(kv_dtype=FP8)
 def test_fp8_cache_q_magnitudes(q_scale):
