@@ -34,18 +34,20 @@ _LEGACY_ENV_IMPL = "MLA_BACKEND_SGLANG_IMPL"  # the SGLang plugin's earlier name
 
 
 # Whether the engine plugins run an fp8 cache on e4m3 tensor cores (q quantised per (token, head) row, as the engines'
-# built-in FlashMLA fp8 paths quantise q): "0" (default: q kept in 16 bits, the cache converted) or "1". Off by
-# default: at 128 heads it is 1.08-1.12x faster than bf16, but vLLM's teacher-forced agreement with its built-in fp8
-# backends fell to 75-76% of steps, against 85% between two built-ins (benchmarks/RESULTS.md section 7).
+# built-in FlashMLA fp8 paths quantise q): "1" (default) or "0" (q kept in 16 bits, the cache converted). On by
+# default: from 32 heads it is 1.08-1.28x our bf16 kernel where the converting one is 0.81-1.04x, and its error is
+# FlashMLA fp8's (vLLM's own fp8 MLA backend on Hopper): the same in-engine agreement with TRITON_MLA fp8 as FLASHMLA
+# fp8 has (benchmarks/RESULTS.md sections 5 and 7). "0" buys about 10x smaller error for that speed.
 ENV_FP8_COMPUTE = "MLA_BACKEND_FP8_COMPUTE"
 
 
 def engine_fp8_compute() -> bool:
-    """``$MLA_BACKEND_FP8_COMPUTE`` (default "0"), the plugins' ``fp8_compute`` for an fp8 cache."""
-    value = os.environ.get(ENV_FP8_COMPUTE, "0").strip()
+    """``$MLA_BACKEND_FP8_COMPUTE`` (default "1"), the plugins' ``fp8_compute`` for an fp8 cache."""
+    value = os.environ.get(ENV_FP8_COMPUTE, "1").strip()
     if value not in ("0", "1"):
-        raise ValueError(f"{ENV_FP8_COMPUTE}={value!r} is not supported: 0 (default) keeps q in 16 bits and converts "
-                         "an fp8 cache, 1 runs it on e4m3 tensor cores with q quantised per (token, head)")
+        raise ValueError(f"{ENV_FP8_COMPUTE}={value!r} is not supported: 1 (default) runs an fp8 cache on e4m3 tensor "
+                         "cores with q quantised per (token, head) where heads x q_len > 16, 0 keeps q in 16 bits "
+                         "and converts the cache")
     return value == "1"
 
 

@@ -51,7 +51,7 @@ def mla_decode(
             run both products on e4m3 tensor cores, as the engines' built-in fp8 MLA backends do: faster where
             heads x q_len is large (compute-bound), with an error of a few 1e-2 of max|out| instead of a few 1e-3
             (docs/kernels.md, "fp8 compute"). Shapes of up to 16 rows, gfx942 and the reference keep q as it is.
-            True with a 16-bit cache is refused. The engine plugins pass True with ``MLA_BACKEND_FP8_COMPUTE=1``.
+            True with a 16-bit cache is refused. The engine plugins pass True unless ``MLA_BACKEND_FP8_COMPUTE=0``.
     Returns:
         ``out``, or ``(out, lse)`` when ``return_lse``. A query that sees no KV gives zeros and LSE -inf; a NaN or
         inf in q or in a visible cache row gives NaN in that query's output row (never zeros).

@@ -133,11 +133,11 @@ def test_engine_fp8_compute(monkeypatch):
     from mla_backend.dispatch import engine_fp8_compute
 
     monkeypatch.delenv("MLA_BACKEND_FP8_COMPUTE", raising=False)
-    assert engine_fp8_compute() is False
-    monkeypatch.setenv("MLA_BACKEND_FP8_COMPUTE", "1")
     assert engine_fp8_compute() is True
+    monkeypatch.setenv("MLA_BACKEND_FP8_COMPUTE", "0")
+    assert engine_fp8_compute() is False
     monkeypatch.setenv("MLA_BACKEND_FP8_COMPUTE", "yes")
-    with pytest.raises(ValueError, match=r"MLA_BACKEND_FP8_COMPUTE='yes' is not supported: 0 \(default\)"):
+    with pytest.raises(ValueError, match=r"MLA_BACKEND_FP8_COMPUTE='yes' is not supported: 1 \(default\)"):
         engine_fp8_compute()
 
 

@@ -426,7 +426,7 @@ def test_graph_metadata_switch_other_than_0_or_1_is_refused(kit_env, monkeypatch
 
 def test_fp8_compute_switch_other_than_0_or_1_is_refused(kit_env, monkeypatch):
     monkeypatch.setenv("MLA_BACKEND_FP8_COMPUTE", "on")
-    with pytest.raises(ValueError, match=f"^{BACKEND_NAME}: MLA_BACKEND_FP8_COMPUTE='on' is not supported: 0 "):
+    with pytest.raises(ValueError, match=f"^{BACKEND_NAME}: MLA_BACKEND_FP8_COMPUTE='on' is not supported: 1 "):
         _build(page_size=64)
     monkeypatch.setenv("MLA_BACKEND_FP8_COMPUTE", "1")
     assert _build(page_size=64).backend.config.fp8_compute is False  # a bf16 pool: nothing to quantise

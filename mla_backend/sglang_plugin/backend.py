@@ -145,7 +145,7 @@ class SupportedConfig:
     q_lens: tuple
     impl: str  # resolved implementation ("tilelang-sm90", ... or "reference")
     impl_request: str  # what MLA_BACKEND_IMPL asked for
-    fp8_compute: bool = False  # an fp8 pool on e4m3 tensor cores (MLA_BACKEND_FP8_COMPUTE=1)
+    fp8_compute: bool = False  # an fp8 pool on e4m3 tensor cores (unless MLA_BACKEND_FP8_COMPUTE=0)
 
 
 def check_supported(model_runner) -> SupportedConfig:

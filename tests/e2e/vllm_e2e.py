@@ -63,8 +63,9 @@ CASES = {
             engine("CUSTOM", 64, num_spec=1), engine("FLASHMLA", 64, num_spec=1)),
     "mtp3": ("MTP, 3 drafts (decode q_len 4), CUSTOM vs FLASHMLA, block 64",
              engine("CUSTOM", 64, num_spec=3), engine("FLASHMLA", 64, num_spec=3)),
-    "fp8": ("fp8 KV cache, CUSTOM vs TRITON_MLA (both keep q in bf16), block 64",
-            engine("CUSTOM", 64, kv_cache_dtype="fp8"), engine("TRITON_MLA", 64, kv_cache_dtype="fp8")),
+    "fp8": ("fp8 KV cache, CUSTOM vs TRITON_MLA (both keep q in bf16: MLA_BACKEND_FP8_COMPUTE=0), block 64",
+            engine("CUSTOM", 64, kv_cache_dtype="fp8", fp8_compute=False),
+            engine("TRITON_MLA", 64, kv_cache_dtype="fp8")),
     "verify": ("every CUSTOM decode call (eager, block 16) recomputed by the fp32 reference inside the engine "
                "(MLA_BACKEND_VERIFY=1); tokens vs TRITON_MLA eager shown for information",
                engine("CUSTOM", 16, eager=True, verify=True), engine("TRITON_MLA", 16, eager=True)),
@@ -84,17 +85,17 @@ CASES = {
                engine("CUSTOM", 64, forced=True), engine("FLASHMLA", 64, forced=True)),
     "forced16": ("teacher-forced decode (see forced), block 16",
                  engine("CUSTOM", 16, forced=True), engine("TRITON_MLA", 16, forced=True)),
-    "forced_fp8": ("teacher-forced decode (see forced), fp8 KV cache: CUSTOM vs TRITON_MLA (both keep q in bf16), "
-                   "block 64; read against forced_baseline",
-                   engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True),
+    "forced_fp8": ("teacher-forced decode (see forced), fp8 KV cache: CUSTOM vs TRITON_MLA (both keep q in bf16: "
+                   "MLA_BACKEND_FP8_COMPUTE=0), block 64; read against forced_baseline",
+                   engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True, fp8_compute=False),
                    engine("TRITON_MLA", 64, kv_cache_dtype="fp8", forced=True)),
-    "forced_fp8c": ("teacher-forced decode, fp8 KV cache: CUSTOM with MLA_BACKEND_FP8_COMPUTE=1 (q quantised per "
+    "forced_fp8c": ("teacher-forced decode, fp8 KV cache: CUSTOM with fp8 compute (the default; q quantised per "
                     "(token, head) row from 17 rows, e4m3 products) vs TRITON_MLA (q in bf16), block 64; read against "
                     "forced_fp8_baseline", engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True, fp8_compute=True),
                     engine("TRITON_MLA", 64, kv_cache_dtype="fp8", forced=True)),
     "forced_baseline": ("teacher-forced decode, two built-in backends against each other (FLASHMLA vs TRITON_MLA)",
                         engine("FLASHMLA", 64, forced=True), engine("TRITON_MLA", 64, forced=True)),
-    "forced_fp8c_flashmla": ("teacher-forced decode, fp8 KV cache: CUSTOM with MLA_BACKEND_FP8_COMPUTE=1 vs FLASHMLA, "
+    "forced_fp8c_flashmla": ("teacher-forced decode, fp8 KV cache: CUSTOM with fp8 compute (the default) vs FLASHMLA, "
                              "both quantising q to e4m3 (CUSTOM per (token, head) row from 17 rows, FLASHMLA per "
                              "tensor); read against forced_fp8_baseline",
                              engine("CUSTOM", 64, kv_cache_dtype="fp8", forced=True, fp8_compute=True),
@@ -158,8 +159,8 @@ def engine_label(spec: dict) -> str:
         parts.append("eager")
     if spec.get("verify"):
         parts.append("verify")
-    if spec.get("fp8_compute"):
-        parts.append("fp8c")
+    if spec.get("fp8_compute") is not None:
+        parts.append("fp8c" if spec["fp8_compute"] else "q16")
     if spec.get("forced"):
         parts.append("forced")
     return "-".join(parts)
@@ -198,8 +199,8 @@ def engine_main(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("verify"):  # read when mla_backend.verify is imported: before anything imports the package
         os.environ["MLA_BACKEND_VERIFY"] = "1"
-    if spec.get("fp8_compute"):
-        os.environ["MLA_BACKEND_FP8_COMPUTE"] = "1"
+    if spec.get("fp8_compute") is not None:  # else the plugin's default
+        os.environ["MLA_BACKEND_FP8_COMPUTE"] = "1" if spec["fp8_compute"] else "0"
     if spec["init"] == "scaled":
         # The custom load format must be registered where the model loads: keep the engine in-process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
