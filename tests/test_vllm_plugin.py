@@ -492,6 +492,14 @@ def test_forward_mqa_matches_naive_attention(q_len, page_size, kv_cache_dtype, n
         assert out[len(seq_lens) * q_len:].abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("env,kv_cache_dtype,want", [(None, "fp8", True), ("0", "fp8_e4m3", False), (None, "auto", False)])
+def test_fp8_compute_is_the_default_with_an_fp8_cache(env, kv_cache_dtype, want, monkeypatch):
+    monkeypatch.delenv("MLA_BACKEND_FP8_COMPUTE", raising=False)
+    if env is not None:
+        monkeypatch.setenv("MLA_BACKEND_FP8_COMPUTE", env)
+    assert _impl(kv_cache_dtype, 128)._fp8_compute is want
+
+
 @pytest.mark.parametrize("dcp,page_size", [(2, 16), (4, 64)])
 def test_decode_context_parallel_shards_merge_by_the_returned_lse(dcp, page_size):
     """Under DCP each rank holds every dcp-th token of a request (vLLM's interleave size 1) in its own pages and
