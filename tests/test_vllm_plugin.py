@@ -492,7 +492,8 @@ def test_forward_mqa_matches_naive_attention(q_len, page_size, kv_cache_dtype, n
         assert out[len(seq_lens) * q_len:].abs().max().item() == 0.0
 
 
-@pytest.mark.parametrize("env,kv_cache_dtype,want", [(None, "fp8", True), ("0", "fp8_e4m3", False), (None, "auto", False)])
+@pytest.mark.parametrize("env,kv_cache_dtype,want",
+                         [(None, "fp8", True), ("0", "fp8_e4m3", False), (None, "auto", False)])
 def test_fp8_compute_is_the_default_with_an_fp8_cache(env, kv_cache_dtype, want, monkeypatch):
     monkeypatch.delenv("MLA_BACKEND_FP8_COMPUTE", raising=False)
     if env is not None:

@@ -32,10 +32,10 @@ equal, and every engine emitted the scripted tokens. With ``--fp8`` the engines 
 ours with q in 16 bit (``MLA_BACKEND_FP8_COMPUTE=0``) and with fp8 compute (``=1``, the default), flashmla
 and triton, and ours passes by the relative rule of ``--fp8`` below. ``--heads N`` runs the model with N
 attention heads (128: DeepSeek-V3's at TP1 or DP attention, where fp8 compute applies; at 16 heads one
-token's 16 rows stay on the 16-bit products). On a fresh machine the first engine with an fp8 pool also builds
-SGLang's own fp8 KV-write kernel in its first ``generate``, which can take longer than the default
-``--engine-timeout`` of 300 s: run that engine again, or give it 600. MTP (``--mtp``) adds an eager engine in which every
-decode / verify call of ours is recomputed by the fp32 reference (``MLA_BACKEND_VERIFY=1``).
+token's 16 rows stay on the 16-bit products). On a fresh machine the first engine with an fp8 pool also
+builds SGLang's own fp8 KV-write kernel in its first ``generate``, which can take longer than the default
+``--engine-timeout`` of 300 s: run that engine again, or give it 600. MTP (``--mtp``) adds an eager engine
+in which every decode / verify call of ours is recomputed by the fp32 reference (``MLA_BACKEND_VERIFY=1``).
 
 Each invocation keeps to ``--budget`` seconds (default 510): engines that would not fit are skipped
 and listed. Env knobs forwarded to engines: TILELANG_CACHE_DIR etc. as usual.
