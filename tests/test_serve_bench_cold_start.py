@@ -30,14 +30,29 @@ class ColdSession(StubSession):
         self.stopped += 1
 
 
+class LazyJitSession(ColdSession):
+    """A warm start whose first requests compile a kernel (SGLang's fp8 KV-cache write builds in the first forward)."""
+
+    def start(self):
+        self.warmed = False
+        return {"kv_capacity_tokens": self.kv_capacity_tokens, "compiled_at_start": False, "start_s": 40.0}
+
+    def warmup(self):
+        self.warmed = True
+
+    def compiled_since_start(self):
+        return self.warmed
+
+
+@pytest.mark.parametrize("session_class", [ColdSession, LazyJitSession])
 @pytest.mark.parametrize("restart", [True, False])
-def test_an_engine_that_compiled_at_start_ends_before_any_workload_when_asked(tmp_path, restart):
-    session = ColdSession()
+def test_an_engine_that_compiled_at_start_ends_before_any_workload_when_asked(tmp_path, restart, session_class):
+    session = session_class()
     result = run_engine_process(_spec(tmp_path, [DecodeCell(1, 1024)], restart_cold=restart), session)
-    assert session.stopped == 1
+    assert session.stopped == 1 and result["engine_info"]["compiled_at_start"] is True
+    assert json.loads((tmp_path / "result.json").read_text()) == result
     if restart:
         assert result["status"] == COMPILED and result["workloads"] == []
-        assert json.loads((tmp_path / "result.json").read_text())["status"] == COMPILED
     else:
         assert result["status"] == "done" and [w["status"] for w in result["workloads"]] == ["ok"]
 
@@ -101,7 +116,8 @@ def test_sglang_start_is_judged_by_the_jit_caches_it_fills(tmp_path, monkeypatch
     from mla_backend.serve_bench.runner_common import cache_files
     from mla_backend.serve_bench.sglang_runner import compile_cache_dirs
 
-    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "DG_JIT_CACHE_DIR", "TILELANG_CACHE_DIR"):
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "DG_JIT_CACHE_DIR", "TILELANG_CACHE_DIR",
+                 "TVM_FFI_CACHE_DIR"):
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
     monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "fi"))
     dirs = compile_cache_dirs()
@@ -112,8 +128,11 @@ def test_sglang_start_is_judged_by_the_jit_caches_it_fills(tmp_path, monkeypatch
     (kernel / "kernel.cubin").write_bytes(b"")
     (tmp_path / "fi" / ".cache" / "flashinfer" / "90a").mkdir(parents=True)
     (tmp_path / "fi" / ".cache" / "flashinfer" / "90a" / "mla.so").write_bytes(b"")
+    jit = tmp_path / "tvm_ffi_cache_dir" / "sgl_kernel_jit_store_fp8"  # SGLang's own JIT kernels
+    jit.mkdir(parents=True)
+    (jit / "store.so").write_bytes(b"")
     (tmp_path / "elsewhere.txt").write_text("")  # outside every cache
-    assert cache_files(dirs) == 2
+    assert cache_files(dirs) == 3
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")

@@ -116,10 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S,
                    help="seconds one backend's engine process may take (start and every workload)")
     p.add_argument("--cold-start", choices=("restart", "measure"), default="restart",
-                   help="an engine whose start filled a compile cache (vLLM's torch.compile graphs; SGLang's Triton, "
-                        "FlashInfer, TorchInductor, DeepGEMM and TileLang caches) ends and starts again warm before "
-                        "it is measured (restart); in our runs the engine that compiled ran its host loop slower "
-                        "afterwards. measure: keep the first engine")
+                   help="an engine whose start or warm-up requests filled a compile cache (vLLM's torch.compile "
+                        "graphs; SGLang's Triton, FlashInfer, TorchInductor, DeepGEMM, TileLang and tvm-ffi JIT "
+                        "caches) ends and starts again warm before it is measured (restart); in our runs the engine "
+                        "that compiled ran its host loop slower afterwards. measure: keep the first engine")
     p.add_argument("--dry-run", action="store_true", help="print the model, workloads and engine settings; run nothing")
     return p
 

@@ -226,8 +226,9 @@ def read_server_info(engine, keys) -> tuple[dict, dict]:
 
 
 def compile_cache_dirs() -> list[str]:
-    """The JIT caches an SGLang engine's start fills on a machine where none has started: Triton's (SGLang's Triton
-    kernels), FlashInfer's, TorchInductor's, DeepGEMM's and TileLang's (our kernels, seeded from the package)."""
+    """The JIT caches an SGLang engine's start and first requests fill on a machine where none has started: Triton's
+    (SGLang's Triton kernels), FlashInfer's, TorchInductor's, DeepGEMM's, TileLang's (our kernels, seeded from the
+    package) and tvm-ffi's (SGLang's own JIT kernels, e.g. the fp8 KV-cache write, built in the first forward)."""
     home = os.path.expanduser("~")
     try:
         user = getpass.getuser()
@@ -237,7 +238,8 @@ def compile_cache_dirs() -> list[str]:
             os.path.join(os.environ.get("FLASHINFER_WORKSPACE_BASE") or home, ".cache", "flashinfer"),
             os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"),
             os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(home, ".deep_gemm"),
-            os.environ.get("TILELANG_CACHE_DIR") or os.path.join(home, ".tilelang", "cache")]
+            os.environ.get("TILELANG_CACHE_DIR") or os.path.join(home, ".tilelang", "cache"),
+            os.path.expanduser(os.environ.get("TVM_FFI_CACHE_DIR") or os.path.join(home, ".cache", "tvm-ffi"))]
 
 
 def streamed_indices(count: int, streamed: int = STREAMED_REQUESTS) -> list[int]:
@@ -250,6 +252,7 @@ def streamed_indices(count: int, streamed: int = STREAMED_REQUESTS) -> list[int]
 class SglangSession(EngineSession):
     def __init__(self, spec: EngineSpec):
         self.spec = spec
+        self.cached_before = 0  # files in the compile caches when the start began
         self.engine = None
         self._rids: dict[asyncio.Future, str] = {}  # each submitted request's task -> its SGLang request id
         self._submitted = 0
@@ -266,12 +269,11 @@ class SglangSession(EngineSession):
             from ..kernels import prebuilt
 
             prebuilt.seed_all()  # the package's kernels copied now, so the cache grows at start only by compiles
-        caches = compile_cache_dirs()
-        cached_before = cache_files(caches)
+        self.cached_before = cache_files(compile_cache_dirs())
         t0 = time.perf_counter()
         self.engine = bench_engine_class()(**server_kwargs(self.spec))
         info = {"sglang": sglang.__version__, "start_s": round(time.perf_counter() - t0, 1),
-                "compiled_at_start": cache_files(caches) > cached_before}
+                "compiled_at_start": self.compiled_since_start()}
         info.update(self._introspect())
         self.kv_capacity_tokens = info.get("kv_capacity_tokens")
         self.prefill_chunk_tokens = info.get("prefill_chunk_tokens") or self.prefill_chunk_tokens
@@ -288,6 +290,9 @@ class SglangSession(EngineSession):
             chunk = server.get("chunked_prefill_size")
             info["prefill_chunk_tokens"] = chunk if chunk and chunk > 0 else None
         return info
+
+    def compiled_since_start(self) -> bool:
+        return cache_files(compile_cache_dirs()) > self.cached_before
 
     def warmup(self) -> None:
         prompts = token_prompts(WARMUP_PROMPTS, WARMUP_LEN, self.spec.vocab_size, seed=12345)

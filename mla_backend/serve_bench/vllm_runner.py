@@ -130,6 +130,7 @@ def compile_cache_files() -> int:
 class VllmSession(EngineSession):
     def __init__(self, spec: EngineSpec):
         self.spec = spec
+        self.cached_before = 0  # files in the compile caches when the start began
         self.llm = None
         self.engine = None
 
@@ -148,13 +149,13 @@ class VllmSession(EngineSession):
             from mla_backend.vllm_plugin import register
 
             register()  # without the entry point nothing else would (one process: this registration is seen)
-        cached_before = compile_cache_files()
+        self.cached_before = compile_cache_files()
         t0 = time.perf_counter()
         self.llm = LLM(**engine_kwargs(self.spec))
         self.engine = self.llm.llm_engine
         info = {"vllm": vllm.__version__, "start_s": round(time.perf_counter() - t0, 1),
                 "engine_process": "in-process" if self.spec.in_process else "multiprocess",
-                "compiled_at_start": compile_cache_files() > cached_before}
+                "compiled_at_start": self.compiled_since_start()}
         info.update(self._introspect())
         self.kv_capacity_tokens = info.get("kv_capacity_tokens")
         self.prefill_chunk_tokens = info.get("prefill_chunk_tokens") or self.prefill_chunk_tokens
@@ -185,6 +186,9 @@ class VllmSession(EngineSession):
         except Exception as e:  # noqa: BLE001
             info["introspection_error"] = f"{type(e).__name__}: {e}"
         return info
+
+    def compiled_since_start(self) -> bool:
+        return compile_cache_files() > self.cached_before
 
     def warmup(self) -> None:
         from vllm import SamplingParams
