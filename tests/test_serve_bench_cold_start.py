@@ -160,3 +160,16 @@ def test_seeding_the_package_s_kernels_before_a_start_copies_every_variant_once(
     assert (cached / "k1" / "executable.so").read_bytes() == b"k1"
     before = cache_files([tmp_path / "cache"])
     assert prebuilt.seed_all() == 2 and cache_files([tmp_path / "cache"]) == before  # nothing copied twice
+
+
+def test_warmup_prompts_include_one_longer_than_a_prefill_chunk(tmp_path):
+    """The warm-up prefills one prompt in two chunks, so that a chunked prefill over a cached prefix is built before
+    any timing; it stays within the model's length."""
+    session = StubSession()
+    session.spec = _spec(tmp_path, [DecodeCell(1, 1024)])
+    prompts = session.warmup_prompts()
+    chunk = session.prefill_chunk_tokens
+    assert [len(p) for p in prompts[:-1]] == [512] * 4 and chunk < len(prompts[-1]) < 2 * chunk
+    assert all(2 <= t < session.spec.vocab_size for p in prompts for t in p)
+    session.spec.max_model_len = chunk  # a short model: the long prompt is cut to fit with its decoded tokens
+    assert len(session.warmup_prompts()[-1]) + 8 < chunk

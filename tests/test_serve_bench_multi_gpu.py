@@ -291,11 +291,14 @@ def test_runner_parallel_arguments_without_the_engines(tmp_path):
         vllm_runner.parallel_kwargs(spec, {"tensor_parallel_size"})
     spec = _spec("sglang", "tilelang_mla", tmp_path, "--tensor-parallel-size", "4", "--dp-attention",
                  "--speculative-tokens", "3", "--gpu-memory-gib", "80")
+    # SGLang's draft worker takes only built-in backends: ours drafts on flashmla, a built-in on itself
     eagle = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
-             "speculative_num_draft_tokens": 4}
+             "speculative_num_draft_tokens": 4, "speculative_draft_attention_backend": "flashmla"}
     assert sglang_runner.parallel_kwargs(spec, {"attn_dp_size"}) == {"tp_size": 4, "attn_dp_size": 4, **eagle}
     assert sglang_runner.parallel_kwargs(spec, {"enable_dp_attention", "dp_size"}) == {
         "tp_size": 4, "enable_dp_attention": True, "dp_size": 4, **eagle}
+    builtin = _spec("sglang", "flashmla", tmp_path, "--speculative-tokens", "1", "--gpu-memory-gib", "80")
+    assert "speculative_draft_attention_backend" not in sglang_runner.parallel_kwargs(builtin, set())
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (CI installs it with .ci/install_vllm.sh)")
@@ -348,6 +351,7 @@ def test_sglang_server_args_accept_tensor_parallel_dp_attention_and_eagle(tmp_pa
     resolved = ServerArgs(**{**kwargs, "device": "cpu"})
     resolved.resolve_once()
     assert resolved.tp_size == 4 and resolved.speculative_eagle_topk == 1
+    assert resolved.speculative_draft_attention_backend == "flashmla"  # the draft worker takes no out-of-tree backend
     if dp_attention:  # one attention replica per GPU, in either spelling of the installed SGLang
         assert getattr(resolved, "attn_dp_size", None) == 4 or resolved.dp_size == 4
     # the older spelling is accepted too

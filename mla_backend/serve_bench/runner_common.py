@@ -26,6 +26,9 @@ from .workloads import (FORCED, MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, Mea
 
 # A workload does not start with less than this left before the deadline (a decode cell takes 5-60 s).
 MIN_WORKLOAD_S = 30.0
+#: The warm-up before any timing: short prompts, each decoding a few tokens (EngineSession.warmup_prompts).
+WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 4, 512, 8
+
 #: Status of an engine process that ended after a start that filled a compile cache (``EngineSpec.restart_cold``): the
 #: driver starts it again, now with warm compile caches, and measures that one.
 COMPILED = "compiled"
@@ -353,6 +356,15 @@ class EngineSession:
 
     def warmup(self) -> None:
         """Runs a few short requests so that lazily compiled kernels are built before anything is timed."""
+
+    def warmup_prompts(self) -> list[list[int]]:
+        """The warm-up's prompts: a few short ones, and one a little longer than a prefill chunk, whose second chunk
+        attends to its first as a cached prefix: a path an engine may build lazily on its first long prompt (with
+        short prompts only, an SGLang engine with an fp8 cache stalled 19 s, its main thread mostly idle, in the
+        first repeat of a mixed load)."""
+        long_len = min(self.prefill_chunk_tokens + WARMUP_LEN, self.spec.max_model_len - WARMUP_TOKENS - 1)
+        return (token_prompts(WARMUP_PROMPTS, WARMUP_LEN, self.spec.vocab_size, seed=12345)
+                + token_prompts(1, long_len, self.spec.vocab_size, seed=12346))
 
     def compiled_since_start(self) -> bool:
         """Whether the engine's compile caches grew since its start began (the start's own growth included)."""

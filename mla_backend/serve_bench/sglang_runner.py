@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 
 from ..host_trace import TIMING
-from ..sglang_plugin import ENV_REPORT
+from ..sglang_plugin import BACKEND_NAME, ENV_REPORT
 from .measure import TokenTracker
 from .random_weights import patch_sglang_dummy_weights
-from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, cache_files, check_deadline,
-                            decode_record, engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
+from .runner_common import (WARMUP_PROMPTS, WARMUP_TOKENS, EngineChoice, EngineSession, EngineSpec, OutOfTime,
+                            cache_files, check_deadline, decode_record, engine_process_main, forced_record, measurement,
+                            mixed_repeat, read_profile)
 from .sglang_timers import read_host_timings, time_attention_backends
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
@@ -46,9 +47,11 @@ POLL_S = 0.001
 PROFILE_POLL_S = 0.05
 PROFILE_WAIT_S = 30.0  # for the trace file after the profiled steps
 ABORT_WAIT_S = 60.0
-WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 4, 512, 8
 #: SGLang's speculative algorithm for DeepSeek's MTP layer (it loads the layer from the target's own checkpoint).
 MTP_ALGORITHM = "EAGLE"
+#: The MTP draft's attention backend when ours is the target's: SGLang 0.5.17's draft worker builds its backend from
+#: a table of built-ins only, and flashmla takes the same page size (the flashmla engine drafts on flashmla too).
+OURS_DRAFT_BACKEND = "flashmla"
 #: Newer SGLang's width of attention data parallelism; older ones spell it enable_dp_attention with dp_size.
 ATTENTION_DP_FIELD = "attn_dp_size"
 
@@ -80,6 +83,8 @@ def parallel_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
     if spec.speculative_tokens:
         kwargs.update(speculative_algorithm=MTP_ALGORITHM, speculative_num_steps=spec.speculative_tokens,
                       speculative_eagle_topk=1, speculative_num_draft_tokens=spec.speculative_tokens + 1)
+        if spec.backend == BACKEND_NAME:
+            kwargs["speculative_draft_attention_backend"] = OURS_DRAFT_BACKEND
     return kwargs
 
 
@@ -295,7 +300,7 @@ class SglangSession(EngineSession):
         return cache_files(compile_cache_dirs()) > self.cached_before
 
     def warmup(self) -> None:
-        prompts = token_prompts(WARMUP_PROMPTS, WARMUP_LEN, self.spec.vocab_size, seed=12345)
+        prompts = self.warmup_prompts()
         self.engine.generate(input_ids=prompts, sampling_params=_sampling(WARMUP_TOKENS))
 
     def shutdown(self) -> None:

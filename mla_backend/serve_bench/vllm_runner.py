@@ -20,8 +20,9 @@ from .. import installed
 from .hostile_vllm import rank1_tokens
 from .measure import TokenTracker, median_or_none, request_tpots
 from .random_weights import vllm_worker_kwargs
-from .runner_common import (EngineChoice, EngineSession, EngineSpec, OutOfTime, cache_files, check_deadline,
-                            decode_record, engine_process_main, forced_record, measurement, mixed_repeat, read_profile)
+from .runner_common import (WARMUP_PROMPTS, WARMUP_TOKENS, EngineChoice, EngineSession, EngineSpec, OutOfTime,
+                            cache_files, check_deadline, decode_record, engine_process_main, forced_record, measurement,
+                            mixed_repeat, read_profile)
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
 
@@ -32,7 +33,6 @@ ENGINE = EngineChoice("vllm", "mla_backend.serve_bench.vllm_runner",
                       {"auto": "auto", "fp8": "fp8"}, page_size=64)
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT = "mla_backend.vllm_plugin:register"
-WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 4, 512, 8
 #: EngineArgs' field for decode context parallelism (not in every vLLM release).
 DECODE_CONTEXT_PARALLEL_FIELD = "decode_context_parallel_size"
 #: vLLM's speculative method that drafts with DeepSeek-V3's own MTP layer (num_nextn_predict_layers in the config).
@@ -194,7 +194,7 @@ class VllmSession(EngineSession):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts = token_prompts(WARMUP_PROMPTS, WARMUP_LEN, self.spec.vocab_size, seed=12345)
+        prompts = self.warmup_prompts()
         self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                           SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True, detokenize=False),
                           use_tqdm=False)
