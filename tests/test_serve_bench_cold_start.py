@@ -1,5 +1,5 @@
 """CPU tests of serve-bench's cold-start handling: the engines' compile caches tell whether an engine compiled
-at start (vllm_runner.compile_cache_files, sglang_runner.compile_cache_dirs); such an engine ends and the driver measures a second, warm start
+at start (vllm_runner.compile_cache_counts, sglang_runner.compile_cache_dirs); such an engine ends and the driver measures a second, warm start
 (``--cold-start restart``), or the report flags it (``--cold-start measure``)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class LazyJitSession(ColdSession):
         self.warmed = True
 
     def compiled_since_start(self):
-        return self.warmed
+        return ["/cache/tvm-ffi"] if self.warmed else []
 
 
 @pytest.mark.parametrize("session_class", [ColdSession, LazyJitSession])
@@ -66,7 +66,8 @@ print("engine log of", "a warm start" if os.path.exists(marker) else "the first 
 if spec.restart_cold and not os.path.exists(marker):  # the first start fills the compile cache
     open(marker, "w").close()
     write_result(spec.result_path, {"backend": spec.backend, "status": "compiled", "workloads": [],
-                                    "engine_info": {"start_s": 150.0, "compiled_at_start": True}})
+                                    "engine_info": {"start_s": 150.0, "compiled_at_start": True,
+                                                    "grown_caches": ["/root/.triton/cache"]}})
 else:
     write_result(spec.result_path, {"backend": spec.backend, "status": "done", "engine_info": {"start_s": 60.0},
                                     "workloads": [{"workload": "decode b1 1k", "status": "ok",
@@ -82,11 +83,13 @@ def test_driver_measures_a_second_start_of_an_engine_that_compiled(tmp_path, stu
     logs = tmp_path / "out" / "vllm-logs"
     assert results["OURS"]["status"] == "done"
     if cold_start == "restart":
-        assert results["OURS"]["engine_info"] == {"start_s": 60.0, "cold_start_s": 150.0}
+        assert results["OURS"]["engine_info"] == {"start_s": 60.0, "cold_start_s": 150.0,
+                                                  "cold_start_caches": ["/root/.triton/cache"]}
         assert "a warm start" in (logs / "OURS.log").read_text()
         assert "the first start" in (logs / "OURS.cold.log").read_text()
         data = report.assemble(dict(REPORT_ENV), run, results, wall_s=1.0)
-        assert "measured on its second start: the first (150.0 s) filled a compile cache" in report.markdown(data)
+        assert ("measured on its second start: the first (150.0 s) filled a compile cache (`/root/.triton/cache`)"
+                in report.markdown(data))
     else:
         assert results["OURS"]["engine_info"] == {"start_s": 60.0} and not (logs / "OURS.cold.log").exists()
 
@@ -99,21 +102,21 @@ def test_engine_table_flags_an_engine_that_compiled_at_its_start():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (CI: .ci/install_vllm.sh)")
-def test_compile_cache_files_counts_vllm_s_torch_compile_cache(tmp_path, monkeypatch):
-    from mla_backend.serve_bench.vllm_runner import compile_cache_files
+def test_compile_cache_counts_vllm_s_torch_compile_cache(tmp_path, monkeypatch):
+    from mla_backend.serve_bench.vllm_runner import compile_cache_counts
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
-    assert compile_cache_files() == 0
+    assert sum(compile_cache_counts().values()) == 0
     graphs = tmp_path / "torch_compile_cache" / "abc123" / "rank_0_0" / "backbone"
     graphs.mkdir(parents=True)
     (graphs / "computation_graph.py").write_text("")
     (tmp_path / "torch_compile_cache" / "abc123" / "cache_key_factors.json").write_text("{}")
     (tmp_path / "modelinfos.json").write_text("{}")  # elsewhere in vLLM's cache: not a compiled graph
-    assert compile_cache_files() == 2
+    assert compile_cache_counts() == {str(tmp_path / "torch_compile_cache"): 2}
 
 
 def test_sglang_start_is_judged_by_the_jit_caches_it_fills(tmp_path, monkeypatch):
-    from mla_backend.serve_bench.runner_common import cache_files
+    from mla_backend.serve_bench.runner_common import cache_counts, grown_caches
     from mla_backend.serve_bench.sglang_runner import compile_cache_dirs
 
     for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "DG_JIT_CACHE_DIR", "TILELANG_CACHE_DIR",
@@ -122,7 +125,8 @@ def test_sglang_start_is_judged_by_the_jit_caches_it_fills(tmp_path, monkeypatch
     monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "fi"))
     dirs = compile_cache_dirs()
     assert str(tmp_path / "fi" / ".cache" / "flashinfer") in dirs and str(tmp_path / "tilelang_cache_dir") in dirs
-    assert cache_files(dirs) == 0  # none exists yet
+    before = cache_counts(dirs)
+    assert sum(before.values()) == 0  # none exists yet
     kernel = tmp_path / "triton_cache_dir" / "ab12"
     kernel.mkdir(parents=True)
     (kernel / "kernel.cubin").write_bytes(b"")
@@ -132,7 +136,10 @@ def test_sglang_start_is_judged_by_the_jit_caches_it_fills(tmp_path, monkeypatch
     jit.mkdir(parents=True)
     (jit / "store.so").write_bytes(b"")
     (tmp_path / "elsewhere.txt").write_text("")  # outside every cache
-    assert cache_files(dirs) == 3
+    assert sum(cache_counts(dirs).values()) == 3
+    assert grown_caches(before, cache_counts(dirs)) == [
+        str(tmp_path / "triton_cache_dir"), str(tmp_path / "fi" / ".cache" / "flashinfer"),
+        str(tmp_path / "tvm_ffi_cache_dir")]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang is not installed")
@@ -152,14 +159,14 @@ def test_seeding_the_package_s_kernels_before_a_start_copies_every_variant_once(
     monkeypatch.setattr(prebuilt, "PACKAGE_DIR", tmp_path / "prebuilt")
     monkeypatch.setattr(prebuilt, "_manifest", None)
     monkeypatch.setattr(prebuilt, "_tilelang_cache_dir", lambda: tmp_path / "cache")
-    from mla_backend.serve_bench.runner_common import cache_files
+    from mla_backend.serve_bench.runner_common import cache_counts
 
     assert prebuilt.seed_all() == 2
     cached = tmp_path / "cache" / "v-x" / "kernels"
     assert sorted(p.name for p in cached.iterdir()) == ["k0", "k1", "kc"]
     assert (cached / "k1" / "executable.so").read_bytes() == b"k1"
-    before = cache_files([tmp_path / "cache"])
-    assert prebuilt.seed_all() == 2 and cache_files([tmp_path / "cache"]) == before  # nothing copied twice
+    before = cache_counts([tmp_path / "cache"])
+    assert prebuilt.seed_all() == 2 and cache_counts([tmp_path / "cache"]) == before  # nothing copied twice
 
 
 def test_warmup_prompts_include_one_longer_than_a_prefill_chunk(tmp_path):

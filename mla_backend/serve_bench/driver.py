@@ -394,7 +394,8 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
             result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
                                 engine_deadline + KILL_GRACE_S - time.time())
             if result.get("status") == COMPILED:  # the caches are warm now: measure a second start
-                cold_start_s = (result.get("engine_info") or {}).get("start_s")
+                cold_info = result.get("engine_info") or {}
+                cold_start_s = cold_info.get("start_s")
                 print(f"[serve-bench] {backend}: its start filled a compile cache ({cold_start_s} s); starting it again "
                       "warm", flush=True)
                 spec.restart_cold = False
@@ -402,6 +403,8 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
                 result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
                                     engine_deadline + KILL_GRACE_S - time.time())
                 result.setdefault("engine_info", {})["cold_start_s"] = cold_start_s
+                if cold_info.get("grown_caches"):
+                    result["engine_info"]["cold_start_caches"] = cold_info["grown_caches"]
         except KeyboardInterrupt as stop:  # SIGTERM or Ctrl-C: run_engine ended the engine; keep what was measured
             stopped = f"serve-bench was stopped ({stop or 'interrupt'})"
             results[backend] = {"backend": backend, "status": "failed", "workloads": [],

@@ -307,9 +307,13 @@ def thread_cpu_table(data: dict) -> list[str]:
 
 
 #: Engine-table note for a measured engine that filled a compile cache at its start (``--cold-start measure``;
-#: vllm_runner.compile_cache_files, sglang_runner.compile_cache_dirs).
+#: vllm_runner.compile_cache_counts, sglang_runner.compile_cache_dirs).
 COLD_START_NOTE = ("filled a compile cache at start: in our runs such an engine's host loop ran slower afterwards, "
                    "so compare its host-bound cells (small batches) only with care")
+
+
+def _caches(roots) -> str:
+    return f" ({', '.join(f'`{r}`' for r in roots)})" if roots else ""
 
 
 def engine_table(data: dict) -> list[str]:
@@ -323,9 +327,10 @@ def engine_table(data: dict) -> list[str]:
             notes.append(f"kept from the run of {earlier.get('date')} (commit {earlier.get('git')}): "
                          f"`{earlier.get('command')}`")
         if info.get("compiled_at_start"):
-            notes.append(COLD_START_NOTE)
+            notes.append(COLD_START_NOTE + _caches(info.get("grown_caches")))
         if info.get("cold_start_s") is not None:
-            notes.append(f"measured on its second start: the first ({info['cold_start_s']} s) filled a compile cache")
+            notes.append(f"measured on its second start: the first ({info['cold_start_s']} s) filled a compile cache"
+                         + _caches(info.get("cold_start_caches")))
         ran = str(info.get("attention_backend") or "")
         if ran and not ran.lower().endswith(backend.lower()):  # an engine may swap a backend it cannot run
             notes.append(f"the engine reports attention backend {ran}")

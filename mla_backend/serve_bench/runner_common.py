@@ -35,10 +35,15 @@ COMPILED = "compiled"
 TRACE_READ_ATTEMPTS = 10
 
 
-def cache_files(roots) -> int:
-    """Files under the directories ``roots`` (absent ones count 0): a compile cache that holds more after an
+def cache_counts(roots) -> dict[str, int]:
+    """Files under each of the directories ``roots`` (absent ones count 0): a compile cache that holds more after an
     engine's start than before it was filled by that start."""
-    return sum(len(files) for root in roots for _, _, files in os.walk(root))
+    return {str(root): sum(len(files) for _, _, files in os.walk(root)) for root in roots}
+
+
+def grown_caches(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """The caches of ``after`` that hold more files than in ``before``."""
+    return [root for root, count in after.items() if count > before.get(root, 0)]
 
 
 @dataclass
@@ -255,8 +260,9 @@ def run_engine_process(spec: EngineSpec, session) -> dict:
         session.warmup()
         # Kernels that compile lazily (SGLang's fp8 KV-cache writes, say) fill their cache in the warmup's first
         # forward, so the engine counts as cold if its start or its warmup compiled.
-        if session.compiled_since_start():
-            result["engine_info"]["compiled_at_start"] = True
+        grown = session.compiled_since_start()
+        if grown:
+            result["engine_info"].update(compiled_at_start=True, grown_caches=grown)
         if spec.restart_cold and result["engine_info"].get("compiled_at_start"):
             # An engine that compiled in its own process ran its host loop slower afterwards (docs: serve-bench):
             # measure a second start instead, which finds the caches this one filled.
@@ -366,9 +372,9 @@ class EngineSession:
         return (token_prompts(WARMUP_PROMPTS, WARMUP_LEN, self.spec.vocab_size, seed=12345)
                 + token_prompts(1, long_len, self.spec.vocab_size, seed=12346))
 
-    def compiled_since_start(self) -> bool:
-        """Whether the engine's compile caches grew since its start began (the start's own growth included)."""
-        return False
+    def compiled_since_start(self) -> list[str]:
+        """The engine's compile caches that grew since its start began (the start's own growth included)."""
+        return []
 
     def traces_written(self, directory: str | Path, since: float, pattern: str) -> bool:
         """Every GPU's profiler trace since ``since`` is in ``directory``: each GPU's worker writes its own, and

@@ -31,8 +31,8 @@ from ..sglang_plugin import BACKEND_NAME, ENV_REPORT
 from .measure import TokenTracker
 from .random_weights import patch_sglang_dummy_weights
 from .runner_common import (WARMUP_PROMPTS, WARMUP_TOKENS, EngineChoice, EngineSession, EngineSpec, OutOfTime,
-                            cache_files, check_deadline, decode_record, engine_process_main, forced_record, measurement,
-                            mixed_repeat, read_profile)
+                            cache_counts, check_deadline, decode_record, engine_process_main, forced_record, measurement,
+                            grown_caches, mixed_repeat, read_profile)
 from .sglang_timers import read_host_timings, time_attention_backends
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
@@ -257,7 +257,7 @@ def streamed_indices(count: int, streamed: int = STREAMED_REQUESTS) -> list[int]
 class SglangSession(EngineSession):
     def __init__(self, spec: EngineSpec):
         self.spec = spec
-        self.cached_before = 0  # files in the compile caches when the start began
+        self.cached_before: dict[str, int] = {}  # files in each compile cache when the start began
         self.engine = None
         self._rids: dict[asyncio.Future, str] = {}  # each submitted request's task -> its SGLang request id
         self._submitted = 0
@@ -274,11 +274,11 @@ class SglangSession(EngineSession):
             from ..kernels import prebuilt
 
             prebuilt.seed_all()  # the package's kernels copied now, so the cache grows at start only by compiles
-        self.cached_before = cache_files(compile_cache_dirs())
+        self.cached_before = cache_counts(compile_cache_dirs())
         t0 = time.perf_counter()
         self.engine = bench_engine_class()(**server_kwargs(self.spec))
         info = {"sglang": sglang.__version__, "start_s": round(time.perf_counter() - t0, 1),
-                "compiled_at_start": self.compiled_since_start()}
+                "compiled_at_start": bool(self.compiled_since_start())}
         info.update(self._introspect())
         self.kv_capacity_tokens = info.get("kv_capacity_tokens")
         self.prefill_chunk_tokens = info.get("prefill_chunk_tokens") or self.prefill_chunk_tokens
@@ -296,8 +296,8 @@ class SglangSession(EngineSession):
             info["prefill_chunk_tokens"] = chunk if chunk and chunk > 0 else None
         return info
 
-    def compiled_since_start(self) -> bool:
-        return cache_files(compile_cache_dirs()) > self.cached_before
+    def compiled_since_start(self) -> list[str]:
+        return grown_caches(self.cached_before, cache_counts(compile_cache_dirs()))
 
     def warmup(self) -> None:
         prompts = self.warmup_prompts()
