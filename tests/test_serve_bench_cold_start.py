@@ -1,6 +1,6 @@
-"""CPU tests of serve-bench's cold-start handling: the engines' compile caches tell whether an engine compiled
-at start (vllm_runner.compile_cache_counts, sglang_runner.compile_cache_dirs); such an engine ends and the driver measures a second, warm start
-(``--cold-start restart``), or the report flags it (``--cold-start measure``)."""
+"""CPU tests of serve-bench's cold-start handling: the engines' compile caches tell whether an engine compiled in its
+start or warm-up (vllm_runner.compile_cache_counts, sglang_runner.compile_cache_dirs); such an engine ends and the
+driver measures a second, warm start (``--cold-start restart``), or the report flags it (``--cold-start measure``)."""
 
 from __future__ import annotations
 

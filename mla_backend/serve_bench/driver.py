@@ -396,8 +396,8 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
             if result.get("status") == COMPILED:  # the caches are warm now: measure a second start
                 cold_info = result.get("engine_info") or {}
                 cold_start_s = cold_info.get("start_s")
-                print(f"[serve-bench] {backend}: its start filled a compile cache ({cold_start_s} s); starting it again "
-                      "warm", flush=True)
+                print(f"[serve-bench] {backend}: its start or warm-up filled a compile cache ({cold_start_s} s "
+                      "start); starting it again warm", flush=True)
                 spec.restart_cold = False
                 Path(spec.log_path).replace(Path(spec.log_path).with_suffix(".cold.log"))
                 result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",

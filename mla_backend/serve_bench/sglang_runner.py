@@ -31,8 +31,8 @@ from ..sglang_plugin import BACKEND_NAME, ENV_REPORT
 from .measure import TokenTracker
 from .random_weights import patch_sglang_dummy_weights
 from .runner_common import (WARMUP_PROMPTS, WARMUP_TOKENS, EngineChoice, EngineSession, EngineSpec, OutOfTime,
-                            cache_counts, check_deadline, decode_record, engine_process_main, forced_record, measurement,
-                            grown_caches, mixed_repeat, read_profile)
+                            cache_counts, check_deadline, decode_record, engine_process_main, forced_record,
+                            grown_caches, measurement, mixed_repeat, read_profile)
 from .sglang_timers import read_host_timings, time_attention_backends
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)

@@ -21,8 +21,8 @@ from .hostile_vllm import rank1_tokens
 from .measure import TokenTracker, median_or_none, request_tpots
 from .random_weights import vllm_worker_kwargs
 from .runner_common import (WARMUP_PROMPTS, WARMUP_TOKENS, EngineChoice, EngineSession, EngineSpec, OutOfTime,
-                            cache_counts, check_deadline, decode_record, engine_process_main, forced_record, measurement,
-                            grown_caches, mixed_repeat, read_profile)
+                            cache_counts, check_deadline, decode_record, engine_process_main, forced_record,
+                            grown_caches, measurement, mixed_repeat, read_profile)
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
 
