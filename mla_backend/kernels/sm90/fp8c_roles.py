@@ -12,6 +12,7 @@ import tilelang.language as T
 from ..common import LN2, partial_lse, request_inputs, request_parts, segment_span
 from .protocol import (HALF, P8_SCALE, REGS_WG0, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer, kv_ready_parity,
                        p_free_parity, p_ready_parity, seg_ready_parity, segment_first_block)
+from .roles import wg0_segment
 
 
 def fp8c_roles(k, c, e, f):
@@ -102,10 +103,7 @@ def fp8c_roles(k, c, e, f):
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
             req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
             if blk_hi > blk_lo:
-                tok0 = qo_indptr[req]
-                vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
-                g0 = segment_first_block(part_lo, req_lo, blk_lo)
-                n_blk = blk_hi - blk_lo
+                tok0, vis0, g0, n_blk = wg0_segment(kv_lens, qo_indptr, q_len, req, part_lo, req_lo, blk_lo, blk_hi)
                 T.fill(acc_o_l, 0)
                 T.fill(l_sum, 0)
                 T.fill(m_cur, -T.infinity(accum))

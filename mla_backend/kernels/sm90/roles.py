@@ -13,6 +13,18 @@ from .protocol import (HALF, PART_R, REGS_WG0, TWS_TILE, WG0_NAMED_BARRIER, alph
                        p_free_parity, p_ready_parity, part_barrier, seg_ready_parity, segment_first_block)
 
 
+@T.macro
+def wg0_segment(kv_lens, qo_indptr, q_len, req, part_lo, req_lo, blk_lo, blk_hi):
+    """What WG0 needs of a request segment, as let-bound values: the request's first query token ``tok0``, ``vis0``
+    (row r sees KV positions < vis0 + r // H: causal over the request's q_len queries), g of the segment's first block
+    and its number of blocks."""
+    tok0 = qo_indptr[req]
+    vis0 = kv_lens[req] - q_len + 1
+    g0 = segment_first_block(part_lo, req_lo, blk_lo)
+    n_blk = blk_hi - blk_lo
+    return tok0, vis0, g0, n_blk
+
+
 def wg0_roles(k, c, e, p):
     """WG0 of variant ``k`` (c, e, p: the consumer, epilogue and producer macros): (tws, ws)."""
     accum, block_n, block_rows = k.accum, k.block_n, k.block_rows
@@ -50,10 +62,7 @@ def wg0_roles(k, c, e, p):
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
             req_lo, req_hi, blk_lo, blk_hi = segment_span(cu_blocks, req, part_lo, part_hi)
             if blk_hi > blk_lo:
-                tok0 = qo_indptr[req]
-                vis0 = kv_lens[req] - q_len + 1  # row r sees positions < vis0 + r // H
-                g0 = segment_first_block(part_lo, req_lo, blk_lo)
-                n_blk = blk_hi - blk_lo
+                tok0, vis0, g0, n_blk = wg0_segment(kv_lens, qo_indptr, q_len, req, part_lo, req_lo, blk_lo, blk_hi)
                 segment_start(acc_o_l, l_acc, m_cur, q_ready, seg, q_l, q_r, q_t, tx)
                 for blk in T.serial(n_blk):
                     g = g0 + blk
