@@ -20,8 +20,8 @@ import torch
 
 from mla_backend.host_trace import host_range
 from mla_backend.serve_bench import report
-from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, kernel_breakdown, load_trace_events,
-                                                  range_children, traces_since)
+from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, host_step_ops, kernel_breakdown,
+                                                  load_trace_events, range_children, traces_since)
 from mla_backend.serve_bench.runner_common import EngineSession, read_profile
 from mla_backend.serve_bench.thread_cpu import ThreadCpu
 from test_serve_bench import _synthetic_report
@@ -120,6 +120,34 @@ def test_range_children_split_a_range_into_its_direct_children():
     assert children["children"] == {"cudaLaunchKernelExC": 25.0, "aten::as_strided": 10.0, "(self)": 20.0}
 
 
+def test_host_step_ops_sum_the_busiest_thread_s_top_level_events_per_step():
+    """Two steps on thread 1 (a step marker and a Python frame around them count as nothing), a busier-looking nested
+    op that is not top-level, and a quieter thread 2."""
+    def event(name, ts, dur, cat="cpu_op", tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+    events = [event("ProfilerStep#3", 0, 1000, "user_annotation"), event("forward", 0, 1000, "python_function"),
+              event("aten::copy_", 10, 40), event("aten::copy_", 500, 20), event("cudaGraphLaunch", 60, 100,
+                                                                                  "cuda_runtime"),
+              event("sglang.metadata_build", 200, 200, "user_annotation"), event("aten::index", 210, 150),
+              event("aten::mm", 0, 30, tid=2), event("mla_decode_split", 0, 900, "kernel")]
+    step = host_step_ops(events, steps=2, top=2)
+    assert step == {"busy_us_per_step": 180.0, "events_per_step": 2.0,
+                    "ops": {"sglang.metadata_build": 100.0, "cudaGraphLaunch": 50.0}}
+    assert host_step_ops([], steps=2) == {}
+
+
+def test_host_step_ops_read_a_real_profiler_trace(tmp_path):
+    x = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            x = torch.matmul(x, x) / 64
+    path = tmp_path / "t.json"
+    prof.export_chrome_trace(str(path))
+    step = host_step_ops(load_trace_events(path), steps=4)
+    assert {"aten::matmul", "aten::div"} <= set(step["ops"]) and "aten::mm" not in step["ops"]  # mm: inside matmul
+    assert step["events_per_step"] >= 2 and step["busy_us_per_step"] >= sum(step["ops"].values()) - 0.5
+
+
 def test_range_children_read_a_real_profiler_trace(tmp_path):
     x = torch.randn(64, 64)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -215,3 +243,13 @@ def test_report_gives_each_rank_s_main_thread_and_its_busy_threads():
     assert "#### Engine process threads: CPU time over each workload" in text
     assert "| decode b16 8k | CUSTOM | 0 | 12.5 | 95% (3) | `output_thread` 33% |" in text
 
+
+
+def test_markdown_host_step_table_shows_the_busiest_thread_s_step():
+    data = _synthetic_report()
+    assert "The busiest host thread" not in report.markdown(data)  # no trace read: no table
+    data["backends"]["CUSTOM"]["workloads"][0]["profile"]["host_step"] = {
+        "busy_us_per_step": 812.4, "events_per_step": 95.0, "ops": {"cudaGraphLaunch": 410.2, "aten::copy_": 88.0}}
+    text = report.markdown(data)
+    assert "#### The busiest host thread in the profiled steps, µs per step" in text
+    assert "| decode b16 8k | CUSTOM | 812 | 95 | `cudaGraphLaunch` 410, `aten::copy_` 88 |" in text

@@ -147,6 +147,47 @@ def range_children(events: list[dict], prefix: str = PREFIX, top: int = TOP_CHIL
     return result
 
 
+#: Top-level host events kept per step by :func:`host_step_ops`.
+TOP_STEP_OPS = 8
+#: Events that span others without being host work of their own (the profiler's step markers and its own span; under
+#: with_stack, Python frames), or are not host events at all. Events inside them still count as top-level.
+TRANSPARENT_CATEGORIES = ("python_function", "Trace", "kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation",
+                          "ac2g")
+TRANSPARENT_NAME = re.compile(r"^ProfilerStep#")
+
+
+def host_step_ops(events: list[dict], steps: int, top: int = TOP_STEP_OPS) -> dict:
+    """Where the busiest host thread's time goes in the profiled steps: its top-level events (torch ops, CUDA runtime
+    calls, annotated ranges that lie inside no other event of that thread) summed by name, in µs per step, the
+    heaviest ``top`` kept, with ``busy_us_per_step`` their total and ``events_per_step``. Plain Python between two
+    events is in none of them, so a host-bound step's time beyond ``busy_us_per_step`` is the interpreter's own."""
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        if (e.get("ph", "X") == "X" and "dur" in e and e.get("cat") not in TRANSPARENT_CATEGORIES
+                and not TRANSPARENT_NAME.match(e.get("name", ""))):
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    busiest, busiest_us = None, -1.0
+    for thread_events in by_thread.values():
+        thread_events.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        per_name: dict[str, float] = defaultdict(float)
+        covered_to, count = float("-inf"), 0
+        for e in thread_events:
+            start = float(e["ts"])
+            if start < covered_to:  # inside a top-level event already counted
+                continue
+            per_name[e.get("name", "?")] += float(e["dur"])
+            covered_to, count = start + float(e["dur"]), count + 1
+        busy = sum(per_name.values())
+        if busy > busiest_us:
+            busiest, busiest_us = (per_name, count), busy
+    if busiest is None or steps <= 0:
+        return {}
+    per_name, count = busiest
+    heaviest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"busy_us_per_step": round(busiest_us / steps, 1), "events_per_step": round(count / steps, 1),
+            "ops": {name: round(us / steps, 1) for name, us in heaviest}}
+
+
 def traces_since(directory: str | Path, since: float, pattern: str = "*.json*") -> list[Path]:
     """The trace files in ``directory`` modified at or after ``since`` (epoch seconds), oldest first: one per GPU
     where the engine runs on several."""

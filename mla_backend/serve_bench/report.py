@@ -247,6 +247,25 @@ def host_children_table(data: dict) -> list[str]:
             "them; `(self)`: the time no child covers (Python). The profiler inflates every op.", ""]
 
 
+def host_step_table(data: dict) -> list[str]:
+    """The busiest host thread's profiled step (profile_trace.host_step_ops): per workload and backend, its busy µs
+    per step and the heaviest top-level events."""
+    rows = []
+    for workload, backend, record in workload_records(data):
+        step = (record.get("profile") or {}).get("host_step") or {}
+        if step:
+            ops = ", ".join(f"`{name}` {us:.0f}" for name, us in step["ops"].items())
+            rows.append(f"| {workload} | {backend} | {step['busy_us_per_step']:.0f} | {step['events_per_step']:.0f} | "
+                        f"{ops} |")
+    if not rows:
+        return []
+    return ["#### The busiest host thread in the profiled steps, µs per step", "",
+            "| workload | backend | in events | events | heaviest top-level events |", "|---|---|---|---|---|", *rows,
+            "", "Top-level host events of the thread with the most (torch ops, CUDA runtime calls, annotated ranges "
+            "inside no other event), summed per step; a host-bound step's time beyond them is plain Python. The "
+            "profiler inflates every op.", ""]
+
+
 def worst_rank_timings(ranks: list[dict]) -> dict[str, dict]:
     """Per range, the largest p50 and p99 over the ranks and their calls together (a step waits for its slowest
     rank)."""
@@ -390,6 +409,7 @@ def markdown(data: dict) -> str:
     lines += verification.markdown(data)
     lines += host_table(data)
     lines += host_children_table(data)
+    lines += host_step_table(data)
     lines += host_timer_table(data)
     lines += thread_cpu_table(data)
     lines += engine_table(data)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
-from .profile_trace import host_ranges, kernel_breakdown, load_trace_events, range_children, traces_since
+from .profile_trace import (host_ranges, host_step_ops, kernel_breakdown, load_trace_events, range_children,
+                            traces_since)
 from .workloads import (FORCED, MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad,
                         Workload, decode_max_tokens, kv_tokens_needed, mixed_decoder_max_tokens, prompt_seed,
                         token_prompts, workload_from_dict, workload_to_dict)
@@ -203,8 +204,8 @@ def read_profile(directory: str | Path, since: float, steps: int, pattern: str =
     if breakdown is None:
         return {"error": f"could not read the profiler trace {paths[-1]}"}
     # the host ranges of the kept trace only
-    breakdown.update(host=host_ranges(kept_events), host_children=range_children(kept_events), trace=kept.name,
-                     traces_read=read)
+    breakdown.update(host=host_ranges(kept_events), host_children=range_children(kept_events),
+                     host_step=host_step_ops(kept_events, steps), trace=kept.name, traces_read=read)
     return breakdown
 
 
