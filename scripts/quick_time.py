@@ -57,10 +57,10 @@ def q_dtype() -> torch.dtype:
 
 
 def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, ragged: bool = False,
-                   seq: bool = False):
+                   seq: bool = False, fp8_compute: bool = False):
     """A bf16 problem (fixed lengths, or the bench's ragged ones) with pages in random order (``seq``: in order, a
-    diagnostic of page locality), planned: the eager
-    call, its metadata (``md.plan`` holds the workspaces) and (bytes, flops) for the rates."""
+    diagnostic of page locality), planned: the eager call (``fp8_compute``: mla_decode's, for an e4m3 cache), its
+    metadata (``md.plan`` holds the workspaces) and (bytes, flops) for the rates."""
     from mla_backend.bench import Config, seq_lens
 
     len_list = seq_lens(Config(b, s, h, sq, ragged, ps))
@@ -76,7 +76,7 @@ def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, 
     md.plan = SplitPlanner(b, h, sq, "cuda").plan(lens)
     out = torch.empty(b * sq, h, 512, dtype=dtype, device="cuda")
     eager = lambda: mla_decode(q, kv, md, 0.07, out=out, check_indices=False,  # noqa: E731
-                               k_scale=0.5 if fp8 else None)
+                               k_scale=0.5 if fp8 else None, fp8_compute=fp8_compute)
     sum_len = sum(len_list)
     return eager, md, (bytes_moved(sum_len, b, sq, h, kv.element_size()), flops(sum_len, sq, h))
 

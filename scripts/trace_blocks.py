@@ -1,6 +1,6 @@
 """Per-block timeline of one program of the ws split kernel (GPU): every role's clock at each step of blocks 0..63.
 
-    python scripts/trace_blocks.py [--part P] [--shapes "128,16384,128,2,64;..."] [--raw FILE]
+    python scripts/trace_blocks.py [--part P] [--shapes "128,16384,128,2,64;..."] [--fp8c] [--raw FILE]
 
 Builds the Hopper kernel with ``KernelConfig.trace_part = P`` (clock64 per step into the plan's unused last partial
 slot), runs a few eager decodes of each shape and reports, over the steady blocks (4..59) of the last launch, the
@@ -9,8 +9,10 @@ median cycles of:
        P V issue (+ row sums), P V wait, and the block period;
   WG1: k wait, p_ready wait, P V (rescale, GEMM, wait);
   producer: page ids, k_free wait (buffer reuse), copy issue;
-and each role's clock rate over the whole program (clock64 against %globaltimer). A traced decode's outputs are
-not checked (the trace shares nothing with them, but this is a profiling run)."""
+and each role's clock rate over the whole program (clock64 against %globaltimer). ``--fp8c``: the fp8-compute
+kernel on an e4m3 cache (FP8C_STEPS: its P V is one step, issue and wait, and its producer only issues the next
+block's copy and waits for its own). A traced decode's outputs are not checked (the trace shares nothing with them,
+but this is a profiling run)."""
 import argparse
 import dataclasses
 import os
@@ -24,10 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 STEPS = {0: ("k wait", "S", "softmax", "p_free wait", "P store", "PV issue", "PV wait"),
          1: ("k wait", "p_ready wait", "PV"),
          2: ("pages", "k_free wait", "issue")}
+FP8C_STEPS = {0: ("k wait", "S", "softmax", "p_free wait", "P8 store", "PV"),
+              1: ("p_ready wait", "k wait", "PV"),
+              2: ("next copy", "own copy wait")}
 ROLES = {0: "WG0", 1: "WG1", 2: "producer"}
 
 
-def summarise(words: list, shape: str, call_us: float) -> str:
+def summarise(words: list, shape: str, call_us: float, steps: dict = STEPS) -> str:
     """``words``: the traced program's int64 record (kernels/sm90/protocol.py's TRACE_PRELUDE layout)."""
     from mla_backend.kernels.sm90.protocol import TRACE_BLOCKS, TRACE_HEAD, TRACE_ROLES, TRACE_STEPS
 
@@ -41,7 +46,7 @@ def summarise(words: list, shape: str, call_us: float) -> str:
             out.append(f"  {ROLES[role]}: {c1 - c0} cycles in {(ns1 - ns0) / 1e3:.1f} us "
                        f"({(c1 - c0) / (ns1 - ns0):.3f} GHz)")
     steady = range(4, 60)
-    for role, names in STEPS.items():
+    for role, names in steps.items():
         if not all(clock[role, g][len(names)] for g in range(4, 61)):
             out.append(f"  {ROLES[role]}: no trace (fewer than 61 blocks, or not this kernel's path)")
             continue
@@ -53,7 +58,7 @@ def summarise(words: list, shape: str, call_us: float) -> str:
         out.append(f"  {ROLES[role]:8s} " + ", ".join(cols))
     t0 = clock[0, 20][0]  # two blocks' steps on one clock, from WG0's start of block 20
     for g in (20, 21):
-        for role, names in STEPS.items():
+        for role, names in steps.items():
             out.append(f"  g={g} {ROLES[role]:8s} " + " ".join(f"{v - t0:6d}" for v in clock[role, g][:len(names) + 1]))
     return "\n".join(out)
 
@@ -63,14 +68,17 @@ def main() -> int:
     p.add_argument("--part", type=int, default=5)
     p.add_argument("--shapes", default="128,16384,128,2,64;128,16384,128,1,64", help="b,s,h,s_q,page;...")
     p.add_argument("--raw", help="append each shape's int64 record here")
+    p.add_argument("--fp8c", action="store_true", help="the fp8-compute kernel, on an e4m3 cache")
     args = p.parse_args()
     from mla_backend.kernels import configs
     from mla_backend.kernels.sm90.protocol import TRACE_WORDS
     from quick_time import decode_problem
 
-    configs.CONFIGS["sm90"] = dataclasses.replace(configs.SM90, trace_part=args.part)  # the traced kernel
+    # the traced kernel (configs.config_for reads these at each build)
+    configs.CONFIGS["sm90"] = dataclasses.replace(configs.SM90, trace_part=args.part)
+    configs.SM90_FP8_COMPUTE = dataclasses.replace(configs.SM90_FP8_COMPUTE, trace_part=args.part)
     for shape in args.shapes.split(";"):
-        eager, md, _ = decode_problem(*(int(v) for v in shape.split(",")))
+        eager, md, _ = decode_problem(*(int(v) for v in shape.split(",")), fp8=args.fp8c, fp8_compute=args.fp8c)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(4):  # the first compiles; the last launch's record is read
             md.plan.out_partial[-1].zero_()
@@ -82,7 +90,7 @@ def main() -> int:
         if args.raw:
             with open(args.raw, "a") as raw:
                 raw.write(f"{shape} " + " ".join(map(str, words)) + "\n")
-        print(summarise(words, shape, start.elapsed_time(end) * 1e3), flush=True)
+        print(summarise(words, shape, start.elapsed_time(end) * 1e3, FP8C_STEPS if args.fp8c else STEPS), flush=True)
         del eager, md
         torch.cuda.empty_cache()
     return 0

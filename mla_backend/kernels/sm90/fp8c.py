@@ -173,11 +173,14 @@ def fp8c_macros(k):
         T.barrier_arrive(q_ready[0])
         for blk in T.serial(blk_hi - blk_lo):
             g = g0 + blk
+            k.trace(2, g, 0)
             if blk_lo + blk + 1 < blk_hi:
                 fill_block_any(kv_cache, page_table, pt0, (blk_lo + blk + 1) * block_n, kv_len, g + 1, kv80_l,
                                kv80_r, k80_t, kv81_l, kv81_r, k81_t, k_ready, k_free, t)
+            k.trace(2, g, 1)
             # its own copies of block g have landed, so none is in flight at the producer's exit
             T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+            k.trace(2, g, 2)
 
     # ------------------------------------------------------------------ consumers
     @T.macro
@@ -205,7 +208,8 @@ def fp8c_macros(k):
 def fp8c_program(k, c, e, num_parts, batch, prelude: str):
     """The split program (kernel.build_decode_kernel's macro, same arguments) of the fp8-compute ws kernel: its
     shared tiles, barriers and one role per warpgroup (c, e: the 16-bit kernel's consumer and epilogue macros;
-    ``num_parts`` and ``batch``: the plan's dimensions; ``prelude``: protocol.PRELUDE, then fp8c_prelude())."""
+    ``num_parts`` and ``batch``: the plan's dimensions; ``prelude``: protocol.PRELUDE, the trace prelude where
+    ``KernelConfig.trace_part`` is set, then fp8c_prelude())."""
     r = fp8c_roles(k, c, e, fp8c_macros(k))
     accum, block_n, block_rows, q_rows, in_merge = k.accum, k.block_n, k.block_rows, k.q_rows, k.in_merge
     e4m3 = "float8_e4m3"
@@ -269,6 +273,9 @@ def fp8c_program(k, c, e, num_parts, batch, prelude: str):
 
             tx = T.get_thread_binding()
             wait_for_inputs(k.cfg.pdl)
+            if k.tracing:  # KernelConfig.trace_part: the record goes to out_partial's last slot, which no plan uses
+                T.evaluate(T.call_extern("handle", "mla_trace_begin",
+                                         T.access_ptr(out_partial[out_partial.shape[0] - 1, 0, 0], "w")))
             row0 = row_block * block_rows
             width = blocks_per_part[0]
             part_lo = part * width

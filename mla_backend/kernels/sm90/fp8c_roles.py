@@ -20,7 +20,7 @@ def fp8c_roles(k, c, e, f):
     fp8c.fp8c_macros), as a namespace (wg0, wg1, producer)."""
     accum, block_n, block_rows, in_merge, q_len = k.accum, k.block_n, k.block_rows, k.in_merge, k.q_len
     num_heads, q_rows, rows = k.num_heads, k.q_rows, k.rows
-    mask_scale = c.mask_scale
+    mask_scale, trace, trace_end = c.mask_scale, k.trace, k.trace_end
     score8, pv8, produce_segment = f.score8, f.pv8, f.produce_segment
     out_kind = 1 if k.dtype == "bfloat16" else 2  # mla_ot_store's kOut for ``out`` (bf16 or fp16)
 
@@ -113,11 +113,14 @@ def fp8c_roles(k, c, e, f):
                 for blk in T.serial(n_blk):
                     g = g0 + blk
                     pos0 = (blk_lo + blk) * block_n
+                    trace(0, g, 0)
                     T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                    trace(0, g, 1)
                     if kv_buffer(g) == 0:
                         score8(q8_l, q8_r, q8_t, kv80_l, kv80_r, k80_t, acc_s)
                     else:
                         score8(q8_l, q8_r, q8_t, kv81_l, kv81_r, k81_t, acc_s)
+                    trace(0, g, 2)
                     if blk == n_blk - 1:
                         T.barrier_arrive(q_free[0])  # last read of this segment's Q8 and scales
                     mask_scale(acc_s, pos0, vis0, row0, T.float32(1.0))
@@ -134,8 +137,10 @@ def fp8c_roles(k, c, e, f):
                     T.evaluate(T.call_extern("handle", "mla_row_sum_part", acc_s.data, row_sum.data))
                     for i in T.Parallel(block_rows):
                         l_sum[i] = l_sum[i] * alpha[i] + row_sum[i]
+                    trace(0, g, 3)
                     # P8(g - 1) is still WG1's until its p_free arrival
                     T.barrier_wait(p_free[0], p_free_parity(g))
+                    trace(0, g, 4)
                     T.evaluate(T.call_extern("handle", "mla_store_rows64",
                                              alpha_slots.access_ptr("r", offset=alpha_slot(g) * block_rows),
                                              alpha.data))
@@ -146,12 +151,14 @@ def fp8c_roles(k, c, e, f):
                     T.fence_proxy_async()
                     T.sync_threads(WG0_NAMED_BARRIER, 128)  # every WG0 warp's P8 in place before its WGMMA
                     T.barrier_arrive(p_ready[0])
+                    trace(0, g, 5)
                     # the alpha slot's stores are in place after WG0's named barrier; WG0 rewrites the slot two
                     # blocks on, after another named barrier every WG0 thread reaches after this read
                     if kv_buffer(g) == 0:
                         pv8(kv80_l, p8, acc_o_l, alpha_slots, g)
                     else:
                         pv8(kv81_l, p8, acc_o_l, alpha_slots, g)
+                    trace(0, g, 6)
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
@@ -165,6 +172,7 @@ def fp8c_roles(k, c, e, f):
                              req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial,
                              lse_partial)
                 seg = seg + 1
+        trace_end(0)
 
     @T.macro
     def wg1(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, merge_count,
@@ -181,12 +189,16 @@ def fp8c_roles(k, c, e, f):
                 T.fill(acc_o_r, 0)
                 for blk in T.serial(blk_hi - blk_lo):
                     g = g0 + blk
+                    trace(1, g, 0)
                     T.barrier_wait(p_ready[0], p_ready_parity(g))
+                    trace(1, g, 1)
                     T.barrier_wait(k_ready[kv_buffer(g)], kv_ready_parity(g))
+                    trace(1, g, 2)
                     if kv_buffer(g) == 0:
                         pv8(kv80_r, p8, acc_o_r, alpha_slots, g)
                     else:
                         pv8(kv81_r, p8, acc_o_r, alpha_slots, g)
+                    trace(1, g, 3)
                     T.barrier_arrive(p_free[0])
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
@@ -199,6 +211,7 @@ def fp8c_roles(k, c, e, f):
                               row_block, row0, tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial,
                               lse_partial)
                 seg = seg + 1
+        trace_end(1)
 
     @T.macro
     def producer(q_nope, q_pe, kv_cache, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks, part_begin_req,
@@ -216,5 +229,6 @@ def fp8c_roles(k, c, e, f):
                                 q8_l, q8_r, q8_t, qscale, qraw, kv80_l, kv80_r, k80_t, kv81_l, kv81_r, k81_t, q_free,
                                 q_ready, k_free, k_ready, t)
                 seg = seg + 1
+        trace_end(2)
 
     return SimpleNamespace(wg0=wg0, wg1=wg1, producer=producer)

@@ -133,7 +133,8 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     batch, num_parts, num_slots = dims.batch, dims.num_parts, dims.num_slots
     p, c, e = producer_macros(k), consumer_macros(k), epilogue_macros(k)
     if k.fp8c:
-        program = fp8c_program(k, c, e, num_parts, batch, PRELUDE + fp8c_prelude())
+        prelude = PRELUDE + (trace_prelude(cfg.trace_part) if k.tracing else "") + fp8c_prelude()
+        program = fp8c_program(k, c, e, num_parts, batch, prelude)
         return split_prim_func(num_heads, q_len, page_size, dtype, kv_dtype, dims, program)
     (wg0_tws, wg0_ws), (wg1_tws, wg1_ws, producer) = wg0_roles(k, c, e, p), wg1_roles(k, c, e, p)
 
