@@ -355,6 +355,7 @@ class EngineSession:
     """The interface :func:`run_engine_process` drives; each engine runner subclasses it."""
 
     spec: EngineSpec
+    cached_before: dict[str, int] = {}  # files in each compile cache when the start began (read-only default)
     kv_capacity_tokens: int | None = None
     prefill_chunk_tokens: int = MIN_PREFILL_CHUNK
 
@@ -373,9 +374,14 @@ class EngineSession:
         return (token_prompts(WARMUP_PROMPTS, WARMUP_LEN, self.spec.vocab_size, seed=12345)
                 + token_prompts(1, long_len, self.spec.vocab_size, seed=12346))
 
+    def compile_cache_counts(self) -> dict[str, int]:
+        """Files in each of this engine's compile caches (cache_counts); none by default."""
+        return {}
+
     def compiled_since_start(self) -> list[str]:
-        """The engine's compile caches that grew since its start began (the start's own growth included)."""
-        return []
+        """The engine's compile caches that grew since its start began (the start's own growth included): ``start``
+        records ``cached_before`` first."""
+        return grown_caches(self.cached_before, self.compile_cache_counts())
 
     def traces_written(self, directory: str | Path, since: float, pattern: str) -> bool:
         """Every GPU's profiler trace since ``since`` is in ``directory``: each GPU's worker writes its own, and

@@ -32,7 +32,7 @@ from .measure import TokenTracker
 from .random_weights import patch_sglang_dummy_weights
 from .runner_common import (WARMUP_PROMPTS, WARMUP_TOKENS, EngineChoice, EngineSession, EngineSpec, OutOfTime,
                             cache_counts, check_deadline, decode_record, engine_process_main, forced_record,
-                            grown_caches, measurement, mixed_repeat, read_profile)
+                            measurement, mixed_repeat, read_profile)
 from .sglang_timers import read_host_timings, time_attention_backends
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
@@ -257,7 +257,6 @@ def streamed_indices(count: int, streamed: int = STREAMED_REQUESTS) -> list[int]
 class SglangSession(EngineSession):
     def __init__(self, spec: EngineSpec):
         self.spec = spec
-        self.cached_before: dict[str, int] = {}  # files in each compile cache when the start began
         self.engine = None
         self._rids: dict[asyncio.Future, str] = {}  # each submitted request's task -> its SGLang request id
         self._submitted = 0
@@ -274,11 +273,10 @@ class SglangSession(EngineSession):
             from ..kernels import prebuilt
 
             prebuilt.seed_all()  # the package's kernels copied now, so the cache grows at start only by compiles
-        self.cached_before = cache_counts(compile_cache_dirs())
+        self.cached_before = self.compile_cache_counts()
         t0 = time.perf_counter()
         self.engine = bench_engine_class()(**server_kwargs(self.spec))
-        info = {"sglang": sglang.__version__, "start_s": round(time.perf_counter() - t0, 1),
-                "compiled_at_start": bool(self.compiled_since_start())}
+        info = {"sglang": sglang.__version__, "start_s": round(time.perf_counter() - t0, 1)}
         info.update(self._introspect())
         self.kv_capacity_tokens = info.get("kv_capacity_tokens")
         self.prefill_chunk_tokens = info.get("prefill_chunk_tokens") or self.prefill_chunk_tokens
@@ -296,8 +294,8 @@ class SglangSession(EngineSession):
             info["prefill_chunk_tokens"] = chunk if chunk and chunk > 0 else None
         return info
 
-    def compiled_since_start(self) -> list[str]:
-        return grown_caches(self.cached_before, cache_counts(compile_cache_dirs()))
+    def compile_cache_counts(self) -> dict[str, int]:
+        return cache_counts(compile_cache_dirs())
 
     def warmup(self) -> None:
         prompts = self.warmup_prompts()

@@ -22,7 +22,7 @@ from .measure import TokenTracker, median_or_none, request_tpots
 from .random_weights import vllm_worker_kwargs
 from .runner_common import (WARMUP_PROMPTS, WARMUP_TOKENS, EngineChoice, EngineSession, EngineSpec, OutOfTime,
                             cache_counts, check_deadline, decode_record, engine_process_main, forced_record,
-                            grown_caches, measurement, mixed_repeat, read_profile)
+                            measurement, mixed_repeat, read_profile)
 from .workloads import (DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad, prompt_seed,
                         token_prompts)
 
@@ -130,7 +130,6 @@ def compile_cache_counts() -> dict[str, int]:
 class VllmSession(EngineSession):
     def __init__(self, spec: EngineSpec):
         self.spec = spec
-        self.cached_before: dict[str, int] = {}  # files in each compile cache when the start began
         self.llm = None
         self.engine = None
 
@@ -149,13 +148,12 @@ class VllmSession(EngineSession):
             from mla_backend.vllm_plugin import register
 
             register()  # without the entry point nothing else would (one process: this registration is seen)
-        self.cached_before = compile_cache_counts()
+        self.cached_before = self.compile_cache_counts()
         t0 = time.perf_counter()
         self.llm = LLM(**engine_kwargs(self.spec))
         self.engine = self.llm.llm_engine
         info = {"vllm": vllm.__version__, "start_s": round(time.perf_counter() - t0, 1),
-                "engine_process": "in-process" if self.spec.in_process else "multiprocess",
-                "compiled_at_start": bool(self.compiled_since_start())}
+                "engine_process": "in-process" if self.spec.in_process else "multiprocess"}
         info.update(self._introspect())
         self.kv_capacity_tokens = info.get("kv_capacity_tokens")
         self.prefill_chunk_tokens = info.get("prefill_chunk_tokens") or self.prefill_chunk_tokens
@@ -187,8 +185,8 @@ class VllmSession(EngineSession):
             info["introspection_error"] = f"{type(e).__name__}: {e}"
         return info
 
-    def compiled_since_start(self) -> list[str]:
-        return grown_caches(self.cached_before, compile_cache_counts())
+    def compile_cache_counts(self) -> dict[str, int]:
+        return compile_cache_counts()
 
     def warmup(self) -> None:
         from vllm import SamplingParams
