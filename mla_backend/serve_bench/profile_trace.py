@@ -93,6 +93,8 @@ HOST_PROBE_OP = "aten::slice"
 HOST_RANGE_PATTERN = re.compile("^" + re.escape(PREFIX) + r"|unified_(mla_)?attention|^" + re.escape(HOST_PROBE_OP) + "$",
                                 re.I)
 HOST_CATEGORIES = ("user_annotation", "cpu_op")
+#: Trace events of GPU work and GPU-side ranges, not of a host thread.
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
 
 def host_ranges(events: list[dict]) -> dict:
@@ -108,17 +110,24 @@ def host_ranges(events: list[dict]) -> dict:
 TOP_CHILDREN = 6
 
 
+def host_events_by_thread(events: list[dict], skip=lambda e: False) -> list[list[dict]]:
+    """The complete host events (not GPU work; ``skip(e)`` false) of each thread, each thread's sorted by start, an
+    enclosing event before the ones it holds."""
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("ph", "X") == "X" and "dur" in e and e.get("cat") not in GPU_CATEGORIES and not skip(e):
+            by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for thread_events in by_thread.values():
+        thread_events.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+    return list(by_thread.values())
+
+
 def range_children(events: list[dict], prefix: str = PREFIX, top: int = TOP_CHILDREN) -> dict:
     """Where the host time of each range named ``prefix``* goes: per range name, ``calls``, ``us_per_call`` and its
     heaviest direct children (host events of the same thread inside it, not inside another such child; torch ops,
     CUDA runtime calls) as {name: µs per call}, with ``(self)`` for the time no child covers."""
-    by_thread: dict[tuple, list[dict]] = defaultdict(list)
-    for e in events:
-        if e.get("ph", "X") == "X" and "dur" in e and e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            by_thread[(e.get("pid"), e.get("tid"))].append(e)
     totals: dict[str, dict] = {}
-    for thread_events in by_thread.values():
-        thread_events.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+    for thread_events in host_events_by_thread(events):
         for i, outer in enumerate(thread_events):
             name = outer.get("name", "")
             if outer.get("cat") != "user_annotation" or not name.startswith(prefix):
@@ -149,11 +158,14 @@ def range_children(events: list[dict], prefix: str = PREFIX, top: int = TOP_CHIL
 
 #: Top-level host events kept per step by :func:`host_step_ops`.
 TOP_STEP_OPS = 8
-#: Events that span others without being host work of their own (the profiler's step markers and its own span; under
-#: with_stack, Python frames), or are not host events at all. Events inside them still count as top-level.
-TRANSPARENT_CATEGORIES = ("python_function", "Trace", "kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation",
-                          "ac2g")
+#: Host events that span others without being host work of their own (the profiler's step markers and its own span;
+#: under with_stack, Python frames). Events inside them still count as top-level.
+TRANSPARENT_CATEGORIES = ("python_function", "Trace")
 TRANSPARENT_NAME = re.compile(r"^ProfilerStep#")
+
+
+def _transparent(event: dict) -> bool:
+    return event.get("cat") in TRANSPARENT_CATEGORIES or bool(TRANSPARENT_NAME.match(event.get("name", "")))
 
 
 def host_step_ops(events: list[dict], steps: int, top: int = TOP_STEP_OPS) -> dict:
@@ -161,14 +173,8 @@ def host_step_ops(events: list[dict], steps: int, top: int = TOP_STEP_OPS) -> di
     calls, annotated ranges that lie inside no other event of that thread) summed by name, in µs per step, the
     heaviest ``top`` kept, with ``busy_us_per_step`` their total and ``events_per_step``. Plain Python between two
     events is in none of them, so a host-bound step's time beyond ``busy_us_per_step`` is the interpreter's own."""
-    by_thread: dict[tuple, list[dict]] = defaultdict(list)
-    for e in events:
-        if (e.get("ph", "X") == "X" and "dur" in e and e.get("cat") not in TRANSPARENT_CATEGORIES
-                and not TRANSPARENT_NAME.match(e.get("name", ""))):
-            by_thread[(e.get("pid"), e.get("tid"))].append(e)
     busiest, busiest_us = None, -1.0
-    for thread_events in by_thread.values():
-        thread_events.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+    for thread_events in host_events_by_thread(events, skip=_transparent):
         per_name: dict[str, float] = defaultdict(float)
         covered_to, count = float("-inf"), 0
         for e in thread_events:
