@@ -132,9 +132,9 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     dims = split_dims()
     batch, num_parts, num_slots = dims.batch, dims.num_parts, dims.num_slots
     p, c, e = producer_macros(k), consumer_macros(k), epilogue_macros(k)
+    prelude = PRELUDE + (trace_prelude(cfg.trace_part) if tracing else "")
     if k.fp8c:
-        prelude = PRELUDE + (trace_prelude(cfg.trace_part) if k.tracing else "") + fp8c_prelude()
-        program = fp8c_program(k, c, e, num_parts, batch, prelude)
+        program = fp8c_program(k, c, e, num_parts, batch, prelude + fp8c_prelude())
         return split_prim_func(num_heads, q_len, page_size, dtype, kv_dtype, dims, program)
     (wg0_tws, wg0_ws), (wg1_tws, wg1_ws, producer) = wg0_roles(k, c, e, p), wg1_roles(k, c, e, p)
 
@@ -143,7 +143,6 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                       part_begin_req, part_end_req, blocks_per_part, sm_scale, out, lse, out_partial, lse_partial,
                       merge_count):
         """The grid (part, row block; a cluster of two row blocks with cluster_kv), one role per warpgroup."""
-        prelude = PRELUDE + (trace_prelude(cfg.trace_part) if tracing else "")
         with kernel_launch(num_parts, n_row_blocks, threads=threads, prelude=prelude,
                            cluster_dims=(1, 2, 1) if cluster else None) as (part, row_block):
             q_l, q_r, q_t = alloc_row_tiles(q_rows, cdtype)
