@@ -24,7 +24,7 @@ from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, host
                                                   load_trace_events, range_children, traces_since)
 from mla_backend.serve_bench.runner_common import EngineSession, read_profile
 from mla_backend.serve_bench.thread_cpu import ThreadCpu
-from test_serve_bench import _synthetic_report
+from test_serve_bench import REPORT_ENV, _synthetic_report
 
 def _trace(path: Path, kernels: dict[str, float]) -> Path:
     events = [{"ph": "X", "cat": "kernel", "name": name, "dur": us, "ts": i}
@@ -253,3 +253,19 @@ def test_markdown_host_step_table_shows_the_busiest_thread_s_step():
     text = report.markdown(data)
     assert "#### The busiest host thread in the profiled steps, µs per step" in text
     assert "| decode b16 8k | CUSTOM | 812 | 95 | `cudaGraphLaunch` 410, `aten::copy_` 88 |" in text
+
+
+def test_the_mixed_load_s_profiled_steps_get_their_own_attention_share_row():
+    from mla_backend.serve_bench import driver
+    from mla_backend.serve_bench.runner_common import measurement
+    from mla_backend.serve_bench.workloads import MixedLoad
+
+    run = driver.resolve(driver.build_parser().parse_args(
+        ["--engine", "sglang", "--backends", "tilelang_mla,flashmla", "--workloads", "mixed"]))
+    repeats = [{"tpot_ms": v} for v in (20.0, 21.0, 22.0)]
+    profiled = {"attention_share": 0.31, "attention_us_per_step": 5120.0, "steps": 5}
+    backends = {"tilelang_mla": {"status": "done", "workloads": [measurement(MixedLoad(), repeats, profile=profiled)]},
+                "flashmla": {"status": "done", "workloads": [measurement(MixedLoad(), repeats)]}}
+    text = report.markdown(report.assemble(dict(REPORT_ENV), run, backends, wall_s=10.0))
+    assert "#### Attention share of a profiled step's GPU kernel time" in text
+    assert f"| {MixedLoad().name} | 31% (5120 µs) | – |" in text

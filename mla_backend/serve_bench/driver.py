@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
     p.add_argument("--window-steps", type=int, default=MeasurePlan.window_steps, help="decode steps per timed window")
     p.add_argument("--profile-steps", type=int, default=MeasurePlan.profile_steps,
-                   help="decode steps profiled per decode cell for the attention share (0: none)")
+                   help="steps profiled per decode cell and mixed load for the attention share (0: none)")
     p.add_argument("--out-dir", default="serve_bench_results", help="serve_bench.{json,md,png}, logs and traces")
     p.add_argument("--resume", action="store_true",
                    help="keep the backends that the report already in --out-dir measured with the same settings and "

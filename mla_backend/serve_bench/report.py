@@ -189,9 +189,11 @@ def attention_share_table(data: dict) -> list[str]:
     if not rows:
         return []
     plan = data["settings"]["plan"]
-    return [f"#### Attention share of a decode step's GPU kernel time (torch.profiler, {plan['profile_steps']} "
+    return [f"#### Attention share of a profiled step's GPU kernel time (torch.profiler, {plan['profile_steps']} "
             "steps; attention kernel µs per step in brackets)", "",
             "| workload | " + " | ".join(backends) + " |", "|---" * (len(backends) + 1) + "|", *rows, "",
+            "A decode cell's steps follow its timed windows; the mixed load's follow its first long prompt's arrival "
+            "in an untimed pass (its prefill chunks among the decode steps). "
             "Communication: the collectives' kernels per step, where the engine runs on several GPUs. A one-shot "
             "all-reduce spins until every rank arrives, so its time is mostly the wait for the slowest rank's host. "
             "On several GPUs each writes a trace; the one with the most attention time is shown.", ""]

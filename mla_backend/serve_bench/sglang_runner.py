@@ -440,7 +440,28 @@ class SglangSession(EngineSession):
         decoder_prompts, long_prompts, decoder_tokens = self.mixed_inputs(load, plan)
         repeats = [self._run(self._mixed(load, plan, r, decoder_prompts, long_prompts, decoder_tokens))
                    for r in range(plan.repeats)]
-        return measurement(load, repeats)
+        profile = self._run(self._mixed_profile(plan, decoder_prompts, long_prompts[0], decoder_tokens))
+        return measurement(load, repeats, **({"profile": profile} if profile else {}))
+
+    async def _mixed_profile(self, plan: MeasurePlan, decoder_prompts, long_prompt, decoder_tokens: int):
+        """An untimed pass of the mixed load: the decoders, then the first long prompt, whose arrival starts the
+        profiled steps (its prefill chunks among the decoders' steps); None without ``profile_steps``."""
+        if not plan.profile_steps:
+            return None
+        tracker = TokenTracker()
+        decoders, tasks = self._launch(tracker, decoder_prompts, decoder_tokens, "mixed-profile-decode")
+        try:
+            await self._wait_for(lambda: tracker.all_started(decoders), "the decoders were prefilled", tasks)
+            await self._wait_progress(tracker, tracker.counts(decoders), plan.warmup_steps, "the warm-up", tasks)
+            tasks += self._launch(tracker, [long_prompt], plan.long_prompt_tokens, "mixed-profile-long",
+                                  stream_all=True)[1]
+            return await self._profile(plan, "mixed", tasks)
+        except OutOfTime:
+            raise
+        except Exception as e:  # noqa: BLE001 - the timed repeats stand without it
+            return {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            await self._abort(tasks)
 
     async def _mixed(self, load: MixedLoad, plan: MeasurePlan, repeat: int, decoder_prompts, long_prompts,
                      decoder_tokens: int) -> dict:

@@ -337,7 +337,27 @@ class VllmSession(EngineSession):
             finally:
                 self._finish(decoders + longs)
             repeats.append(mixed_repeat(tracker, decoders, longs, window_start))
-        return measurement(load, repeats)
+        profile = self._mixed_profile(plan, decoder_prompts, long_prompts[0], decoder_tokens)
+        return measurement(load, repeats, **({"profile": profile} if profile else {}))
+
+    def _mixed_profile(self, plan: MeasurePlan, decoder_prompts, long_prompt, decoder_tokens: int) -> dict | None:
+        """An untimed pass of the mixed load: the decoders, then the first long prompt, whose arrival starts the
+        profiled steps (its prefill chunks in the decoders' steps); None without ``profile_steps``."""
+        if not plan.profile_steps:
+            return None
+        tracker = TokenTracker()
+        keys = self._submit(tracker, decoder_prompts, decoder_tokens, "mixed-profile-decode")
+        try:
+            self._step_until(tracker, lambda: tracker.all_started(keys), "the decoders were prefilled")
+            self._step_until_progress(tracker, tracker.counts(keys), plan.warmup_steps, "the warm-up")
+            keys += self._submit(tracker, [long_prompt], plan.long_prompt_tokens, "mixed-profile-long")
+            return self._profile(tracker, plan, "mixed")
+        except OutOfTime:
+            raise
+        except Exception as e:  # noqa: BLE001 - the timed repeats stand without it
+            return {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            self._finish(keys)
 
     def forced(self, load: ForcedDecode, plan: MeasurePlan) -> dict:
         from vllm import SamplingParams
