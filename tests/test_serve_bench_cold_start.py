@@ -11,7 +11,7 @@ import pytest
 
 from mla_backend.serve_bench import driver, report
 from mla_backend.serve_bench.runner_common import COMPILED, run_engine_process
-from mla_backend.serve_bench.workloads import DecodeCell
+from mla_backend.serve_bench.workloads import DecodeCell, MeasurePlan
 import test_serve_bench
 from test_serve_bench import REPORT_ENV, StubSession, _spec, _stub_run, _synthetic_report
 
@@ -180,3 +180,9 @@ def test_warmup_prompts_include_one_longer_than_a_prefill_chunk(tmp_path):
     assert all(2 <= t < session.spec.vocab_size for p in prompts for t in p)
     session.spec.max_model_len = chunk  # a short model: the long prompt is cut to fit with its decoded tokens
     assert len(session.warmup_prompts()[-1]) + 8 < chunk
+    # SGLang's EAGLE counts its draft slots against the context too (its validation refused a prompt that fitted
+    # without them)
+    session.reserved_tokens = 2
+    assert len(session.warmup_prompts()[-1]) + 8 + 2 < chunk
+    cell = DecodeCell(1, chunk - 20)
+    assert cell.context + session.decode_inputs(cell, MeasurePlan())[1] + 2 <= chunk

@@ -358,6 +358,7 @@ class EngineSession:
     cached_before: dict[str, int] = {}  # files in each compile cache when the start began (read-only default)
     kv_capacity_tokens: int | None = None
     prefill_chunk_tokens: int = MIN_PREFILL_CHUNK
+    reserved_tokens: int = 0  # slots per request the engine counts against the context beyond input and output
 
     def start(self) -> dict:
         raise NotImplementedError
@@ -370,7 +371,8 @@ class EngineSession:
         attends to its first as a cached prefix: a path an engine may build lazily on its first long prompt (with
         short prompts only, an SGLang engine with an fp8 cache stalled 19 s, its main thread mostly idle, in the
         first repeat of a mixed load)."""
-        long_len = min(self.prefill_chunk_tokens + WARMUP_LEN, self.spec.max_model_len - WARMUP_TOKENS - 1)
+        long_len = min(self.prefill_chunk_tokens + WARMUP_LEN,
+                       self.spec.max_model_len - WARMUP_TOKENS - 1 - self.reserved_tokens)
         return (token_prompts(WARMUP_PROMPTS, WARMUP_LEN, self.spec.vocab_size, seed=12345)
                 + token_prompts(1, long_len, self.spec.vocab_size, seed=12346))
 
@@ -423,7 +425,7 @@ class EngineSession:
         """A decode cell's prompts and the tokens each request generates (its windows, within the model length)."""
         prompts = token_prompts(cell.batch, cell.context, self.spec.vocab_size, prompt_seed(cell, plan))
         return prompts, min(decode_max_tokens(cell, plan, self.prefill_chunk_tokens),
-                            self.spec.max_model_len - cell.context)
+                            self.spec.max_model_len - cell.context - self.reserved_tokens)
 
     def mixed_inputs(self, load: MixedLoad, plan: MeasurePlan) -> tuple[list, list, int]:
         """The mixed load's decoder prompts, long prompts and the tokens each decoder generates."""
@@ -432,7 +434,7 @@ class EngineSession:
         long_prompts = token_prompts(load.long_prompts, load.long_context, self.spec.vocab_size,
                                      prompt_seed(load, plan, 1))
         decoder_tokens = min(mixed_decoder_max_tokens(load, plan, self.prefill_chunk_tokens),
-                             self.spec.max_model_len - load.decoder_context)
+                             self.spec.max_model_len - load.decoder_context - self.reserved_tokens)
         return decoder_prompts, long_prompts, decoder_tokens
 
     def forced_inputs(self, load: ForcedDecode, plan: MeasurePlan) -> tuple[list, list]:

@@ -280,6 +280,8 @@ class SglangSession(EngineSession):
         info.update(self._introspect())
         self.kv_capacity_tokens = info.get("kv_capacity_tokens")
         self.prefill_chunk_tokens = info.get("prefill_chunk_tokens") or self.prefill_chunk_tokens
+        # EAGLE stores its draft tokens in each request's output slots, so SGLang counts them against the context
+        self.reserved_tokens = int(getattr(self.engine.tokenizer_manager, "num_reserved_tokens", 0) or 0)
         return info
 
     def _introspect(self) -> dict:
