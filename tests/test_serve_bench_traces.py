@@ -52,7 +52,7 @@ def test_kernel_breakdown_gives_the_attention_share(tmp_path):
     assert breakdown["communication_us_per_step"] == 40.0
     assert breakdown["categories"]["kv_cache_write"]["us"] == 20.0 and breakdown["categories"]["rope"]["us"] == 40.0
     assert set(breakdown["categories"]) == {"attention", "communication", "kv_cache_write", "rope", "moe", "gemm",
-                                            "other"}
+                                            "norm"}
     assert traces_since(tmp_path, since=0) == [path] and traces_since(tmp_path, since=time.time() + 60) == []
 
 
@@ -202,6 +202,10 @@ def test_host_timers_time_the_ranges_outside_a_profiler_only_when_turned_on(env,
     ("vllm::cross_device_reduce_1stage<__nv_bfloat16, 2>", "communication"),
     ("void flashinfer::BatchQKApplyRotaryPosIdsCosSinCacheHeadParallelismKernel<true, 64u, 8u, 8u, __nv_bfloat16>",
      "rope"),
+    # SGLang's norms are FlashInfer's; vLLM's its own
+    ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*, __nv_bfloat16*)", "norm"),
+    ("void flashinfer::norm::RMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*)", "norm"),
+    ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>", "norm"),
     ("mla_decode_split_kernel", "attention"), ("mla_plan_kernel", "attention"),
     ("smxx::decode::get_mla_metadata_kernel(GetDecodeSchedMetaParams)", "attention")])
 def test_kernel_names_fall_in_their_category(name, category):

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from ..host_trace import PREFIX, call_percentiles
 
-# First match wins: the KV-cache write before attention, since its kernel names mention MLA too; collectives and
-# rotary embeddings before it too, since FlashInfer's (trtllm all-reduce, BatchQKApplyRotary...) carry its name. A
+# First match wins: the KV-cache write before attention, since its kernel names mention MLA too; collectives, rotary
+# embeddings and norms before it too, since FlashInfer's (trtllm all-reduce, BatchQKApplyRotary..., SGLang's
+# norm::FusedAddRMSNormKernel) carry its name. A
 # one-shot all-reduce spins until its peers arrive, so under tensor parallelism its time is mostly the wait for the
 # slowest rank: counted as attention, it would swamp the attention kernels.
 CATEGORY_PATTERNS = (
@@ -26,6 +27,7 @@ CATEGORY_PATTERNS = (
                                  r"|one_?shot|two_?shot", re.I)),
     ("kv_cache_write", re.compile(r"concat_and_cache|reshape_and_cache|set_mla_kv|set_kv_buffer|store_kv", re.I)),
     ("rope", re.compile(r"rotary|(?<![a-z])rope", re.I)),
+    ("norm", re.compile(r"rms_?norm|layer_?norm|norm::", re.I)),
     ("attention", re.compile(
         r"mla_decode|mla_plan"  # ours (TileLang: split, combine, planner)
         r"|mla"  # FlashMLA (splitkv_mla, mla_combine, metadata), FlashInfer (BatchMLAPagedAttention), SGLang's indices
