@@ -32,7 +32,7 @@ from pathlib import Path
 from ..cli import nothing_ran
 from ..host_trace import ENV_HOST_TIMERS
 from ..verify import ENV_VERIFY
-from . import agreement, hostile, resume, sglang_runner, verification, vllm_runner
+from . import agreement, hostile, resume, rounds, sglang_runner, verification, vllm_runner
 from .model_config import (DEFAULT_MODEL, HEAD_CHOICES_DOC, MODEL_CHOICES, kv_bytes_per_token, parameter_counts,
                            write_config_dir)
 from .parallel import (MAX_SPECULATIVE_TOKENS, GpuInventory, ParallelOptions, check_parallel_options, detect_gpus,
@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float,
                    help="memory of each GPU for the weight check (default: from nvidia-smi)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per workload (median and min-max reported)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="engine processes per backend, started in turn with the order reversed every other round; "
+                        "each workload's repeats are pooled over them and each engine's median is reported (one "
+                        "engine's host loop can run 1.5x slower than another's; later rounds are not profiled)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--init", choices=("dummy", "scaled"), default="dummy",
                    help="weights: the engine's dummy init, or N(0, 1/fan_in) so that attention moves the logits and "
@@ -171,8 +175,8 @@ def resolve(args: argparse.Namespace, detected_gpus: GpuInventory | None = None)
     backends = tuple(b.upper() if engine.name == "vllm" else b.lower() for b in backends)
     if not backends:
         raise ValueError("--backends is empty")
-    if args.repeats < 1 or args.window_steps < 2 or args.profile_steps < 0:
-        raise ValueError("--repeats must be >= 1, --window-steps >= 2, --profile-steps >= 0")
+    if args.repeats < 1 or args.rounds < 1 or args.window_steps < 2 or args.profile_steps < 0:
+        raise ValueError("--repeats and --rounds must be >= 1, --window-steps >= 2, --profile-steps >= 0")
     if args.budget <= 0 or args.engine_timeout <= 0:
         raise ValueError("--budget and --engine-timeout must be positive")
     workloads = build_workloads(_str_list(args.workloads), _int_list(args.batches), _int_list(args.contexts))
@@ -362,62 +366,95 @@ def alone_command(argv: list[str], backend: str) -> str:
                                                                                   else ["--resume"]))
 
 
+def measure_engine(run: RunSetup, spec: EngineSpec, work: Path) -> dict:
+    """One backend's engine process, started again warm when its start or warm-up filled a compile cache."""
+    backend = spec.backend
+    result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
+                        spec.hard_deadline + KILL_GRACE_S - time.time())
+    if result.get("status") == COMPILED:  # the caches are warm now: measure a second start
+        cold_info = result.get("engine_info") or {}
+        cold_start_s = cold_info.get("start_s")
+        print(f"[serve-bench] {backend}: its start or warm-up filled a compile cache ({cold_start_s} s "
+              "start); starting it again warm", flush=True)
+        spec.restart_cold = False
+        Path(spec.log_path).replace(Path(spec.log_path).with_suffix(".cold.log"))
+        result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
+                            spec.hard_deadline + KILL_GRACE_S - time.time())
+        result.setdefault("engine_info", {})["cold_start_s"] = cold_start_s
+        if cold_info.get("grown_caches"):
+            result["engine_info"]["cold_start_caches"] = cold_info["grown_caches"]
+    return result
+
+
+def later_round_spec(spec: EngineSpec, round_index: int) -> EngineSpec:
+    """Round ``round_index``'s (>= 1) engine: its own log and result files, and no profile (the first round's
+    traces stand for the backend)."""
+    suffix = f".round{round_index + 1}"
+    log, result = Path(spec.log_path), Path(spec.result_path)
+    plan = dict(spec.plan, profile_steps=0)
+    return dataclasses.replace(spec, log_path=str(log.with_suffix(suffix + log.suffix)),
+                               result_path=str(result.with_name(result.stem + suffix + ".json")), plan=plan)
+
+
 def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv: list[str],
                  kept: dict[str, dict] | None = None) -> dict[str, dict]:
-    """Every backend in its own engine process, in order, within the budget; those in ``kept`` (``--resume``) are
-    taken as they are, and kept backends not asked for stay in the report after the others."""
+    """Every backend in its own engine process, in order, within the budget, ``--rounds`` times (rounds.py); those in
+    ``kept`` (``--resume``) are taken as they are, and kept backends not asked for stay in the report after the
+    others."""
     kept = kept or {}
     (out_dir / f"{run.engine.name}-logs").mkdir(parents=True, exist_ok=True)
     in_process = run.engine.name == "vllm" and vllm_runner.needs_in_process()
     start = time.time()
     hard_deadline = start + run.args.budget
     results: dict[str, dict] = {}
-    for backend in run.backends:
-        if backend in kept:
-            results[backend] = kept[backend]
-            print(f"[serve-bench] {backend}: kept from the run of {kept[backend]['from_run'].get('date')}", flush=True)
-            continue
-        elapsed = time.time() - start
-        walls = [r["wall_s"] for r in {**kept, **results}.values() if "wall_s" in r]
-        estimate = max(walls) if walls else run.engine.first_engine_estimate_s
-        if set(results) - set(kept) and elapsed + estimate > run.args.budget:  # the first engine always starts
-            results[backend] = {"backend": backend, "status": "skipped", "workloads": [],
-                                "reason": f"time budget: {elapsed:.0f} of {run.args.budget:.0f} s used and an engine "
-                                          f"takes about {estimate:.0f} s; add it to this report later: "
-                                          f"{alone_command(argv, backend)}"}
-            print(f"[serve-bench] {backend}: skipped ({results[backend]['reason']})", flush=True)
-            continue
-        engine_deadline = min(hard_deadline, time.time() + run.args.engine_timeout)
-        spec = engine_spec(run, backend, model_dir, work, out_dir, in_process, engine_deadline)
-        print(f"[serve-bench] {backend}: engine starting (log: {spec.log_path})", flush=True)
-        try:
-            result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
-                                engine_deadline + KILL_GRACE_S - time.time())
-            if result.get("status") == COMPILED:  # the caches are warm now: measure a second start
-                cold_info = result.get("engine_info") or {}
-                cold_start_s = cold_info.get("start_s")
-                print(f"[serve-bench] {backend}: its start or warm-up filled a compile cache ({cold_start_s} s "
-                      "start); starting it again warm", flush=True)
-                spec.restart_cold = False
-                Path(spec.log_path).replace(Path(spec.log_path).with_suffix(".cold.log"))
-                result = run_engine(spec, run.engine.runner, work / f"{backend}.spec.json",
-                                    engine_deadline + KILL_GRACE_S - time.time())
-                result.setdefault("engine_info", {})["cold_start_s"] = cold_start_s
-                if cold_info.get("grown_caches"):
-                    result["engine_info"]["cold_start_caches"] = cold_info["grown_caches"]
-        except KeyboardInterrupt as stop:  # SIGTERM or Ctrl-C: run_engine ended the engine; keep what was measured
-            stopped = f"serve-bench was stopped ({stop or 'interrupt'})"
+    walls: list[float] = [r["wall_s"] for r in kept.values() if "wall_s" in r]
+    started, backend = 0, None
+    try:
+        for round_index in range(run.args.rounds):
+            for backend in rounds.round_order(run.backends, round_index):
+                if backend in kept:
+                    if round_index == 0:
+                        results[backend] = kept[backend]
+                        print(f"[serve-bench] {backend}: kept from the run of "
+                              f"{kept[backend]['from_run'].get('date')}", flush=True)
+                    continue
+                if round_index and results[backend].get("status") != "done":
+                    continue  # refused, failed or skipped in an earlier round: not started again
+                elapsed = time.time() - start
+                estimate = max(walls) if walls else run.engine.first_engine_estimate_s
+                if started and elapsed + estimate > run.args.budget:  # the first engine always starts
+                    why = (f"time budget: {elapsed:.0f} of {run.args.budget:.0f} s used and an engine takes about "
+                           f"{estimate:.0f} s")
+                    if round_index:
+                        results[backend].setdefault("rounds_skipped", []).append(f"round {round_index + 1}: {why}")
+                    else:
+                        results[backend] = {"backend": backend, "status": "skipped", "workloads": [],
+                                            "reason": f"{why}; add it to this report later: "
+                                                      f"{alone_command(argv, backend)}"}
+                    print(f"[serve-bench] {backend}: round {round_index + 1} skipped ({why})", flush=True)
+                    continue
+                engine_deadline = min(hard_deadline, time.time() + run.args.engine_timeout)
+                spec = engine_spec(run, backend, model_dir, work, out_dir, in_process, engine_deadline)
+                if round_index:
+                    spec = later_round_spec(spec, round_index)
+                print(f"[serve-bench] {backend}: engine starting, round {round_index + 1} of {run.args.rounds} "
+                      f"(log: {spec.log_path})", flush=True)
+                started += 1
+                result = measure_engine(run, spec, work)
+                walls.append(result["wall_s"])
+                results[backend] = rounds.pool(results[backend], result) if round_index else result
+                done = sum(1 for w in result.get("workloads", []) if w.get("status") == "ok")
+                print(f"[serve-bench] {backend}: {result['status']} in {result['wall_s']:.0f} s, {done} workload(s) "
+                      "measured" + (f"; {result['reason']}" if result.get("reason") else ""), flush=True)
+    except KeyboardInterrupt as stop:  # SIGTERM or Ctrl-C: run_engine ended the engine; keep what was measured
+        stopped = f"serve-bench was stopped ({stop or 'interrupt'})"
+        if backend is not None and backend not in results:
             results[backend] = {"backend": backend, "status": "failed", "workloads": [],
                                 "reason": f"{stopped} while this engine ran"}
-            results.update((b, {"backend": b, "status": "skipped", "workloads": [], "reason": f"{stopped}; "
-                                f"add it to this report later: {alone_command(argv, b)}"})
-                           for b in run.backends if b not in results and b not in kept)
-            print(f"[serve-bench] {stopped}: writing the report of what was measured", flush=True)
-            break
-        results[backend] = result
-        done = sum(1 for w in result.get("workloads", []) if w.get("status") == "ok")
-        print(f"[serve-bench] {backend}: {result['status']} in {result['wall_s']:.0f} s, {done} workload(s) measured"
-              + (f"; {result['reason']}" if result.get("reason") else ""), flush=True)
+        results.update((b, {"backend": b, "status": "skipped", "workloads": [], "reason": f"{stopped}; "
+                            f"add it to this report later: {alone_command(argv, b)}"})
+                       for b in run.backends if b not in results and b not in kept)
+        print(f"[serve-bench] {stopped}: writing the report of what was measured", flush=True)
     results.update((backend, result) for backend, result in kept.items() if backend not in results)
     return results
 

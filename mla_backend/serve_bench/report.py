@@ -89,7 +89,9 @@ def run_settings(run) -> dict:
             "gpu_memory_fraction": args.gpu_memory_fraction, "max_model_len": run.max_model_len,
             "max_num_seqs": run.max_num_seqs, "plan": dataclasses.asdict(run.plan), "budget_s": args.budget,
             "workloads": [w.name for w in run.workloads],
-            "workload_kinds": {w.name: w.kind for w in run.workloads}}
+            "workload_kinds": {w.name: w.kind for w in run.workloads},
+            # only where several: reports of one engine per backend compare equal under --resume either way
+            **({"rounds": args.rounds} if args.rounds > 1 else {})}
 
 
 def assemble(env: dict, run, results: dict[str, dict], wall_s: float) -> dict:
@@ -168,6 +170,30 @@ def metric_table(data: dict, key: str, title: str, digits: int, smaller_is_bette
     return [f"#### {title}, median [min-max]", "",
             "| workload | " + " | ".join(backends) + " | ours vs best built-in |",
             "|---" * (len(backends) + 2) + "|", *rows, ""]
+
+
+def engine_rounds_table(data: dict) -> list[str]:
+    """Each engine process's median of every workload (``--rounds``, rounds.py): TPOT where the workload has it, else
+    output tokens per second; engines in their start order."""
+    backends = list(data["backends"])
+    rows = []
+    for workload in workload_names(data):
+        records = [records_by_workload(data["backends"][b]).get(workload) or {} for b in backends]
+        key = next((k for k in ("tpot_ms", "output_tok_per_s") if any(k in (r.get("engine_medians") or {})
+                                                                      for r in records)), None)
+        if key is None:
+            continue
+        digits = 2 if key == "tpot_ms" else 0
+        per_engine = [(r.get("engine_medians") or {}).get(key, []) for r in records]
+        cells = [", ".join("–" if v is None else f"{v:.{digits}f}" for v in values) or "–" for values in per_engine]
+        rows.append(f"| {workload} | {key} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [f"#### Each engine process's median ({data['settings'].get('rounds', 1)} rounds, the order reversed every "
+            "other round)", "", "| workload | metric | " + " | ".join(backends) + " |",
+            "|---" * (len(backends) + 2) + "|", *rows, "",
+            "The tables above pool every engine's repeats; profiles and host timers are the first round's engines'.",
+            ""]
 
 
 def attention_share_table(data: dict) -> list[str]:
@@ -406,6 +432,7 @@ def markdown(data: dict) -> str:
     lines = header(data)
     for key, title, digits, smaller in METRICS:
         lines += metric_table(data, key, title, digits, smaller)
+    lines += engine_rounds_table(data)
     lines += attention_share_table(data)
     lines += agreement.markdown(data)
     lines += verification.markdown(data)

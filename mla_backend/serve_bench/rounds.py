@@ -1,0 +1,58 @@
+"""``serve-bench --rounds N``: each backend measured by N engine processes, pooled into one record.
+
+One engine process can run its host loop up to 1.5x slower than another of the same backend on the same machine
+(RESULTS.md section 9: the same flashmla engine with EAGLE at 3.01 and 3.98 ms per token), which is more than the
+backends differ where the step is host-bound. With ``--rounds`` the driver starts every backend's engine once per
+round, the order reversed every other round (A B, then B A) so that each backend meets the machine's early and late
+states alike; here each workload's repeats are pooled over a backend's engines, so its median and spread cover the
+process-to-process variation, and each engine's own median is kept (``engine_medians``) for the report.
+"""
+
+from __future__ import annotations
+
+from .runner_common import measurement
+from .workloads import workload_from_dict
+
+
+def round_order(backends: tuple[str, ...], round_index: int) -> tuple[str, ...]:
+    """The backends' engine order in round ``round_index`` (0-based): as given, reversed every other round."""
+    return backends if round_index % 2 == 0 else tuple(reversed(backends))
+
+
+def _summaries(record: dict) -> dict[str, float]:
+    """A workload record's median of every summarised number (measurement's ``{"median", ...}`` entries)."""
+    return {key: value["median"] for key, value in record.items()
+            if isinstance(value, dict) and value.get("median") is not None}
+
+
+def _engine_entry(result: dict) -> dict:
+    info = result.get("engine_info") or {}
+    return {"status": result.get("status"), "start_s": info.get("start_s"), "cold_start_s": info.get("cold_start_s"),
+            "wall_s": result.get("wall_s"), **({"reason": result["reason"]} if result.get("reason") else {})}
+
+
+def _pool_workload(first: dict, later: dict | None) -> dict:
+    """``first`` (the record so far) with ``later``'s repeats added; profiles and host timers stay the first
+    engine's. A workload either engine did not measure, or one without repeats (the forced check), stays as it was."""
+    if (later is None or first.get("status") != "ok" or later.get("status") != "ok"
+            or "repeats" not in first or "repeats" not in later):
+        return first
+    medians = first.get("engine_medians") or {key: [value] for key, value in _summaries(first).items()}
+    later_medians = _summaries(later)
+    extra = {key: value for key, value in first.items()
+             if key not in ("workload", "kind", "params", "status", "repeats", "engine_medians")
+             and not (isinstance(value, dict) and "median" in value)}
+    pooled = measurement(workload_from_dict(first["params"]), first["repeats"] + later["repeats"], **extra)
+    pooled["engine_medians"] = {key: values + [later_medians.get(key)] for key, values in medians.items()}
+    return pooled
+
+
+def pool(first: dict, later: dict) -> dict:
+    """One backend's result over its engine processes so far (``first``, a driver result, pooled or not) and one
+    more (``later``). ``engines`` lists every process's status and start time in order."""
+    pooled = dict(first)
+    pooled["engines"] = list(first.get("engines") or [_engine_entry(first)]) + [_engine_entry(later)]
+    if later.get("status") == "done":
+        by_name = {w["workload"]: w for w in later.get("workloads", [])}
+        pooled["workloads"] = [_pool_workload(w, by_name.get(w["workload"])) for w in first.get("workloads", [])]
+    return pooled

@@ -1,0 +1,87 @@
+"""CPU tests of ``serve-bench --rounds`` (mla_backend/serve_bench/rounds.py and the driver's loop): every backend's
+engine started once per round in alternating order, each workload's repeats pooled over the engines, each engine's
+median kept and shown."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from mla_backend.serve_bench import driver, report, rounds
+from mla_backend.serve_bench.runner_common import measurement
+from mla_backend.serve_bench.workloads import DecodeCell
+from test_serve_bench import REPORT_ENV
+
+# An engine process that appends its backend to ``order.txt`` and measures a TPOT of 1 ms in its first round, 2 ms in
+# its second (the round is in its result file's name), with a profile only where the driver asks for one.
+ROUND_RUNNER = '''
+import json, os, sys
+from mla_backend.serve_bench.runner_common import EngineSpec, measurement, write_result
+from mla_backend.serve_bench.workloads import DecodeCell
+spec = EngineSpec.load(sys.argv[1])
+with open(os.path.join(os.path.dirname(spec.log_path), "order.txt"), "a") as f:
+    f.write(spec.backend + "\\n")
+tpot = 2.0 if ".round2" in spec.result_path else 1.0
+record = measurement(DecodeCell(1, 1024), [{"tpot_ms": tpot + 0.1 * k} for k in range(3)],
+                     **({"profile": {"attention_share": 0.3}} if spec.plan.get("profile_steps") else {}))
+write_result(spec.result_path, {"backend": spec.backend, "status": "done", "engine_info": {"start_s": tpot},
+                                "workloads": [record]})
+'''
+
+
+@pytest.fixture
+def round_engine(tmp_path, monkeypatch):
+    (tmp_path / "round_runner.py").write_text(textwrap.dedent(ROUND_RUNNER))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(driver, "GPU_RELEASE_S", 0.0)
+    return driver.EngineChoice("vllm", "round_runner", ("A", "B"), {"auto": "auto"}, 64, 5.0)
+
+
+def test_rounds_start_every_backend_again_in_reversed_order_and_pool_the_repeats(tmp_path, round_engine):
+    args = driver.build_parser().parse_args(["--engine", "vllm", "--batches", "1", "--contexts", "1k",
+                                             "--workloads", "decode", "--rounds", "2"])
+    run = driver.resolve(args)
+    run.engine, run.backends = round_engine, ("A", "B")
+    results = driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", ["--engine", "vllm", "--rounds", "2"])
+    logs = tmp_path / "out" / "vllm-logs"
+    assert (logs / "order.txt").read_text().split() == ["A", "B", "B", "A"]
+    assert (logs / "A.log").exists() and (logs / "A.round2.log").exists()
+    for backend in ("A", "B"):
+        record = results[backend]["workloads"][0]
+        assert [e["start_s"] for e in results[backend]["engines"]] == [1.0, 2.0]
+        assert record["tpot_ms"]["n"] == 6 and record["tpot_ms"]["min"] == 1.0 and record["tpot_ms"]["max"] == 2.2
+        assert record["engine_medians"]["tpot_ms"] == pytest.approx([1.1, 2.1])
+        assert record["profile"] == {"attention_share": 0.3}  # the first round's; later rounds are not profiled
+    text = report.markdown(report.assemble(dict(REPORT_ENV), run, results, wall_s=1.0))
+    assert "#### Each engine process's median (2 rounds, the order reversed every other round)" in text
+    assert "| decode b1 1k | tpot_ms | 1.10, 2.10 | 1.10, 2.10 |" in text
+
+
+def test_pooling_keeps_what_an_engine_did_not_measure_and_records_failed_engines():
+    cell = DecodeCell(1, 1024)
+    first = {"status": "done", "engine_info": {"start_s": 30.0}, "wall_s": 60.0,
+             "workloads": [measurement(cell, [{"tpot_ms": 1.0}] * 3, prefill_s=0.5),
+                           {"workload": "forced 32x1024/64", "kind": "forced", "status": "ok", "agreement": 0.97}]}
+    later = {"status": "done", "engine_info": {"start_s": 31.0}, "wall_s": 61.0,
+             "workloads": [{"workload": cell.name, "kind": cell.kind, "status": "error", "error": "CUDA error"}]}
+    pooled = rounds.pool(first, later)
+    assert pooled["workloads"] == first["workloads"]  # the later engine's error leaves the first's record
+    failed = rounds.pool(pooled, {"status": "failed", "reason": "the engine process exited with status 1",
+                                  "workloads": []})
+    assert [e["status"] for e in failed["engines"]] == ["done", "done", "failed"]
+    assert failed["engines"][2]["reason"].startswith("the engine process exited")
+    third = rounds.pool(failed, {"status": "done", "workloads": [measurement(cell, [{"tpot_ms": 3.0}] * 3)]})
+    record = third["workloads"][0]
+    assert record["engine_medians"]["tpot_ms"] == [1.0, 3.0] and record["prefill_s"] == 0.5
+    assert third["workloads"][1] == first["workloads"][1]  # the forced check has no repeats to pool
+    assert rounds.round_order(("A", "B", "C"), 1) == ("C", "B", "A") and rounds.round_order(("A", "B"), 2) == ("A", "B")
+
+
+def test_rounds_must_be_positive_and_only_several_enter_the_settings():
+    parser = driver.build_parser()
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        driver.resolve(parser.parse_args(["--engine", "vllm", "--rounds", "0"]))
+    one = report.run_settings(driver.resolve(parser.parse_args(["--engine", "vllm"])))
+    assert "rounds" not in one  # a report of one engine per backend resumes as before
+    assert report.run_settings(driver.resolve(parser.parse_args(["--engine", "vllm", "--rounds", "3"])))["rounds"] == 3
