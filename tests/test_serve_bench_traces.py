@@ -129,10 +129,13 @@ def test_host_step_ops_sum_the_busiest_thread_s_top_level_events_per_step():
               event("aten::copy_", 10, 40), event("aten::copy_", 500, 20), event("cudaGraphLaunch", 60, 100,
                                                                                   "cuda_runtime"),
               event("sglang.metadata_build", 200, 200, "user_annotation"), event("aten::index", 210, 150),
-              event("aten::mm", 0, 30, tid=2), event("mla_decode_split", 0, 900, "kernel")]
+              event("aten::mm", 0, 30, tid=2), event("mla_decode_split", 0, 900, "kernel"),
+              # the host-speed probe: every launch of the busiest thread, nested or not; not thread 2's
+              event("cudaLaunchKernel", 220, 8, "cuda_runtime"), event("cudaLaunchKernel", 600, 12, "cuda_runtime"),
+              event("cudaLaunchKernel", 100, 50, "cuda_runtime", tid=2)]
     step = host_step_ops(events, steps=2, top=2)
-    assert step == {"busy_us_per_step": 180.0, "events_per_step": 2.0,
-                    "ops": {"sglang.metadata_build": 100.0, "cudaGraphLaunch": 50.0}}
+    assert step == {"busy_us_per_step": 186.0, "events_per_step": 2.5,
+                    "ops": {"sglang.metadata_build": 100.0, "cudaGraphLaunch": 50.0}, "probe_us": 10.0}
     assert host_step_ops([], steps=2) == {}
 
 
@@ -253,10 +256,12 @@ def test_markdown_host_step_table_shows_the_busiest_thread_s_step():
     data = _synthetic_report()
     assert "The busiest host thread" not in report.markdown(data)  # no trace read: no table
     data["backends"]["CUSTOM"]["workloads"][0]["profile"]["host_step"] = {
-        "busy_us_per_step": 812.4, "events_per_step": 95.0, "ops": {"cudaGraphLaunch": 410.2, "aten::copy_": 88.0}}
+        "busy_us_per_step": 812.4, "events_per_step": 95.0, "ops": {"cudaGraphLaunch": 410.2, "aten::copy_": 88.0},
+        "probe_us": 7.93}
     text = report.markdown(data)
     assert "#### The busiest host thread in the profiled steps, µs per step" in text
-    assert "| decode b16 8k | CUSTOM | 812 | 95 | `cudaGraphLaunch` 410, `aten::copy_` 88 |" in text
+    assert "| workload | backend | in events | events | `cudaLaunchKernel` µs | heaviest top-level events |" in text
+    assert "| decode b16 8k | CUSTOM | 812 | 95 | 7.9 | `cudaGraphLaunch` 410, `aten::copy_` 88 |" in text
 
 
 def test_the_mixed_load_s_profiled_steps_get_their_own_attention_share_row():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -92,6 +93,10 @@ def kernel_breakdown(events: list[dict], steps: int | None = None) -> dict:
 #: engine process's host ran (engines of one backend have differed 1.8x in it, from where their processes ran), to
 #: read a host-bound step's TPOT against.
 HOST_PROBE_OP = "aten::slice"
+#: The same probe among the CUDA runtime calls, which a trace of GPU activities alone (SGLang's) also holds: every
+#: backend's step launches the engine's own eager kernels, and one process ran all of them 1.6x slower than another
+#: engine of the same run, `cudaStreamIsCapturing` included (RESULTS.md section 9).
+HOST_PROBE_CALL = "cudaLaunchKernel"
 HOST_RANGE_PATTERN = re.compile("^" + re.escape(PREFIX) + r"|unified_(mla_)?attention|^" + re.escape(HOST_PROBE_OP) + "$",
                                 re.I)
 HOST_CATEGORIES = ("user_annotation", "cpu_op")
@@ -174,11 +179,13 @@ def host_step_ops(events: list[dict], steps: int, top: int = TOP_STEP_OPS) -> di
     """Where the busiest host thread's time goes in the profiled steps: its top-level events (torch ops, CUDA runtime
     calls, annotated ranges that lie inside no other event of that thread) summed by name, in µs per step, the
     heaviest ``top`` kept, with ``busy_us_per_step`` their total and ``events_per_step``. Plain Python between two
-    events is in none of them, so a host-bound step's time beyond ``busy_us_per_step`` is the interpreter's own."""
+    events is in none of them, so a host-bound step's time beyond ``busy_us_per_step`` is the interpreter's own.
+    ``probe_us``: that thread's median :data:`HOST_PROBE_CALL`, how fast its process ran."""
     busiest, busiest_us = None, -1.0
     for thread_events in host_events_by_thread(events, skip=_transparent):
         per_name: dict[str, float] = defaultdict(float)
         covered_to, count = float("-inf"), 0
+        probes = [float(e["dur"]) for e in thread_events if e.get("name") == HOST_PROBE_CALL]
         for e in thread_events:
             start = float(e["ts"])
             if start < covered_to:  # inside a top-level event already counted
@@ -187,13 +194,14 @@ def host_step_ops(events: list[dict], steps: int, top: int = TOP_STEP_OPS) -> di
             covered_to, count = start + float(e["dur"]), count + 1
         busy = sum(per_name.values())
         if busy > busiest_us:
-            busiest, busiest_us = (per_name, count), busy
+            busiest, busiest_us = (per_name, count, probes), busy
     if busiest is None or steps <= 0:
         return {}
-    per_name, count = busiest
+    per_name, count, probes = busiest
     heaviest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
     return {"busy_us_per_step": round(busiest_us / steps, 1), "events_per_step": round(count / steps, 1),
-            "ops": {name: round(us / steps, 1) for name, us in heaviest}}
+            "ops": {name: round(us / steps, 1) for name, us in heaviest},
+            **({"probe_us": round(statistics.median(probes), 2)} if probes else {})}
 
 
 def traces_since(directory: str | Path, since: float, pattern: str = "*.json*") -> list[Path]:

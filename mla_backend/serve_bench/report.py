@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import installed
 from . import agreement, verification
 from .model_config import parameter_counts
-from .profile_trace import HOST_PROBE_OP
+from .profile_trace import HOST_PROBE_CALL, HOST_PROBE_OP
 from .weight_memory import GIB, weight_bytes_per_gpu
 from .workloads import DECODE
 
@@ -283,15 +283,18 @@ def host_step_table(data: dict) -> list[str]:
         step = (record.get("profile") or {}).get("host_step") or {}
         if step:
             ops = ", ".join(f"`{name}` {us:.0f}" for name, us in step["ops"].items())
+            probe = f"{step['probe_us']:.1f}" if step.get("probe_us") is not None else "–"
             rows.append(f"| {workload} | {backend} | {step['busy_us_per_step']:.0f} | {step['events_per_step']:.0f} | "
-                        f"{ops} |")
+                        f"{probe} | {ops} |")
     if not rows:
         return []
     return ["#### The busiest host thread in the profiled steps, µs per step", "",
-            "| workload | backend | in events | events | heaviest top-level events |", "|---|---|---|---|---|", *rows,
+            f"| workload | backend | in events | events | `{HOST_PROBE_CALL}` µs | heaviest top-level events |",
+            "|---|---|---|---|---|---|", *rows,
             "", "Top-level host events of the thread with the most (torch ops, CUDA runtime calls, annotated ranges "
             "inside no other event), summed per step; a host-bound step's time beyond them is plain Python. The "
-            "profiler inflates every op.", ""]
+            f"profiler inflates every op. `{HOST_PROBE_CALL}`: that thread's median call, a probe of how fast its "
+            "process ran (the engine's own eager launches, alike for every backend).", ""]
 
 
 def worst_rank_timings(ranks: list[dict]) -> dict[str, dict]:
