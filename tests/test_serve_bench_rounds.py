@@ -85,3 +85,11 @@ def test_rounds_must_be_positive_and_only_several_enter_the_settings():
     one = report.run_settings(driver.resolve(parser.parse_args(["--engine", "vllm"])))
     assert "rounds" not in one  # a report of one engine per backend resumes as before
     assert report.run_settings(driver.resolve(parser.parse_args(["--engine", "vllm", "--rounds", "3"])))["rounds"] == 3
+
+
+def test_dry_run_names_the_rounds():
+    parser = driver.build_parser()
+    lines = driver.describe_run(driver.resolve(parser.parse_args(["--engine", "vllm", "--rounds", "2"])))
+    assert any(line.endswith("; 2 engine processes per backend (rounds)") for line in lines)
+    assert not any("rounds" in line for line in driver.describe_run(driver.resolve(parser.parse_args(
+        ["--engine", "vllm"]))))

@@ -217,7 +217,8 @@ def describe_run(run: RunSetup) -> list[str]:
              f"{options.decode_context_parallel_size}; weights {sum(weights.values()) / GIB:.1f} GiB per GPU "
              f"{budget}",
              f"max_model_len {run.max_model_len}, max_num_seqs {run.max_num_seqs}; {run.plan.repeats} repeats, "
-             f"{run.plan.window_steps} decode steps per window, {run.plan.profile_steps} profiled steps",
+             f"{run.plan.window_steps} decode steps per window, {run.plan.profile_steps} profiled steps"
+             + (f"; {run.args.rounds} engine processes per backend (rounds)" if run.args.rounds > 1 else ""),
              f"{'workload':<32}{'KV tokens':>12}{'KV GiB':>9}"]
     for w in run.workloads:
         tokens = kv_tokens_needed(w, run.plan)
