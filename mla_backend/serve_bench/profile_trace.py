@@ -185,7 +185,6 @@ def host_step_ops(events: list[dict], steps: int, top: int = TOP_STEP_OPS) -> di
     for thread_events in host_events_by_thread(events, skip=_transparent):
         per_name: dict[str, float] = defaultdict(float)
         covered_to, count = float("-inf"), 0
-        probes = [float(e["dur"]) for e in thread_events if e.get("name") == HOST_PROBE_CALL]
         for e in thread_events:
             start = float(e["ts"])
             if start < covered_to:  # inside a top-level event already counted
@@ -194,10 +193,11 @@ def host_step_ops(events: list[dict], steps: int, top: int = TOP_STEP_OPS) -> di
             covered_to, count = start + float(e["dur"]), count + 1
         busy = sum(per_name.values())
         if busy > busiest_us:
-            busiest, busiest_us = (per_name, count, probes), busy
+            busiest, busiest_us = (per_name, count, thread_events), busy
     if busiest is None or steps <= 0:
         return {}
-    per_name, count, probes = busiest
+    per_name, count, thread_events = busiest
+    probes = [float(e["dur"]) for e in thread_events if e.get("name") == HOST_PROBE_CALL]
     heaviest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
     return {"busy_us_per_step": round(busiest_us / steps, 1), "events_per_step": round(count / steps, 1),
             "ops": {name: round(us / steps, 1) for name, us in heaviest},
