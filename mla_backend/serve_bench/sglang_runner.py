@@ -381,19 +381,25 @@ class SglangSession(EngineSession):
 
     async def _profile(self, plan: MeasurePlan, label: str, tasks) -> dict:
         """Profiles the next ``profile_steps`` forward steps (SGLang's profiler stops itself) and reads the
-        traces, one per GPU (runner_common.read_profile)."""
+        traces, one per GPU (runner_common.read_profile); a failure is recorded as ``{"error"}``, since the timed
+        measurements stand without it."""
         from sglang.srt.managers.io_struct import ProfileReq
 
-        since = time.time()
-        directory = self.spec.profile_dir
-        pattern = f"{label}*.trace.json*"
-        await self.engine.tokenizer_manager.start_profile(ProfileReq(
-            output_dir=os.path.abspath(directory), num_steps=plan.profile_steps, activities=["GPU"],
-            with_stack=False, record_shapes=False, profile_id=label))
-        deadline = time.monotonic() + PROFILE_WAIT_S
-        await self._wait_for(lambda: self.traces_written(directory, since, pattern) or time.monotonic() > deadline,
-                             "the profiler traces were written", tasks, PROFILE_POLL_S)
-        return read_profile(directory, since, plan.profile_steps, pattern)
+        try:
+            since = time.time()
+            directory = self.spec.profile_dir
+            pattern = f"{label}*.trace.json*"
+            await self.engine.tokenizer_manager.start_profile(ProfileReq(
+                output_dir=os.path.abspath(directory), num_steps=plan.profile_steps, activities=["GPU"],
+                with_stack=False, record_shapes=False, profile_id=label))
+            deadline = time.monotonic() + PROFILE_WAIT_S
+            await self._wait_for(lambda: self.traces_written(directory, since, pattern) or time.monotonic() > deadline,
+                                 "the profiler traces were written", tasks, PROFILE_POLL_S)
+            return read_profile(directory, since, plan.profile_steps, pattern)
+        except OutOfTime:
+            raise
+        except Exception as e:  # noqa: BLE001 - the timed measurements stand without it
+            return {"error": f"{type(e).__name__}: {e}"}
 
     # ------------------------------------------------------------------------- workloads
     def decode_cell(self, cell: DecodeCell, plan: MeasurePlan) -> dict:
@@ -412,12 +418,7 @@ class SglangSession(EngineSession):
             await self._wait_progress(tracker, base, plan.warmup_steps + plan.repeats * plan.window_steps,
                                       "the timed windows", tasks)
             if plan.profile_steps:
-                try:
-                    profile = await self._profile(plan, f"decode-b{cell.batch}-c{cell.context}", tasks)
-                except OutOfTime:
-                    raise
-                except Exception as e:  # noqa: BLE001 - the timed windows stand without it
-                    profile = {"error": f"{type(e).__name__}: {e}"}
+                profile = await self._profile(plan, f"decode-b{cell.batch}-c{cell.context}", tasks)
         finally:
             await self._abort(tasks)
         return decode_record(cell, plan, tracker.subset(keys), base, profile, prefill_s)
@@ -442,26 +443,29 @@ class SglangSession(EngineSession):
         decoder_prompts, long_prompts, decoder_tokens = self.mixed_inputs(load, plan)
         repeats = [self._run(self._mixed(load, plan, r, decoder_prompts, long_prompts, decoder_tokens))
                    for r in range(plan.repeats)]
-        profile = self._run(self._mixed_profile(plan, decoder_prompts, long_prompts[0], decoder_tokens))
-        return measurement(load, repeats, **({"profile": profile} if profile else {}))
-
-    async def _mixed_profile(self, plan: MeasurePlan, decoder_prompts, long_prompt, decoder_tokens: int):
-        """An untimed pass of the mixed load: the decoders, then the first long prompt, whose arrival starts the
-        profiled steps (its prefill chunks among the decoders' steps); None without ``profile_steps``."""
         if not plan.profile_steps:
-            return None
+            return measurement(load, repeats)
+        profile = self._run(self._mixed_profile(plan, decoder_prompts, long_prompts[0], decoder_tokens))
+        return measurement(load, repeats, profile=profile)
+
+    async def _mixed_warm_up(self, tracker: TokenTracker, decoders: list[str], plan: MeasurePlan, tasks) -> dict:
+        """The mixed load up to its first arrival: the decoders prefilled and through the warm-up steps. Returns their
+        token counts after the prefill."""
+        await self._wait_for(lambda: tracker.all_started(decoders), "the decoders were prefilled", tasks)
+        base = tracker.counts(decoders)
+        await self._wait_progress(tracker, base, plan.warmup_steps, "the warm-up", tasks)
+        return base
+
+    async def _mixed_profile(self, plan: MeasurePlan, decoder_prompts, long_prompt, decoder_tokens: int) -> dict:
+        """An untimed pass of the mixed load whose profiled steps start at the first long prompt's arrival (its
+        prefill chunks among the decoders' steps)."""
         tracker = TokenTracker()
         decoders, tasks = self._launch(tracker, decoder_prompts, decoder_tokens, "mixed-profile-decode")
         try:
-            await self._wait_for(lambda: tracker.all_started(decoders), "the decoders were prefilled", tasks)
-            await self._wait_progress(tracker, tracker.counts(decoders), plan.warmup_steps, "the warm-up", tasks)
+            await self._mixed_warm_up(tracker, decoders, plan, tasks)
             tasks += self._launch(tracker, [long_prompt], plan.long_prompt_tokens, "mixed-profile-long",
                                   stream_all=True)[1]
             return await self._profile(plan, "mixed", tasks)
-        except OutOfTime:
-            raise
-        except Exception as e:  # noqa: BLE001 - the timed repeats stand without it
-            return {"error": f"{type(e).__name__}: {e}"}
         finally:
             await self._abort(tasks)
 
@@ -471,9 +475,7 @@ class SglangSession(EngineSession):
         decoders, tasks = self._launch(tracker, decoder_prompts, decoder_tokens, f"mixed{repeat}-decode")
         longs: list[str] = []
         try:
-            await self._wait_for(lambda: tracker.all_started(decoders), "the decoders were prefilled", tasks)
-            base = tracker.counts(decoders)
-            await self._wait_progress(tracker, base, plan.warmup_steps, "the warm-up", tasks)
+            base = await self._mixed_warm_up(tracker, decoders, plan, tasks)
             window_start = time.monotonic()
             for k, prompt in enumerate(long_prompts):
                 await self._wait_progress(tracker, base, plan.warmup_steps + k * load.arrival_gap_steps,

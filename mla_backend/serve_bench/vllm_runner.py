@@ -262,19 +262,25 @@ class VllmSession(EngineSession):
 
     def _profile(self, tracker: TokenTracker, plan: MeasurePlan, label: str) -> dict:
         """Profiles the next ``profile_steps`` engine steps (the profiler stops itself) and reads the traces,
-        one per GPU (runner_common.read_profile)."""
-        since = time.time()
-        self.engine.start_profile(label)
-        start_steps = tracker.steps
-        deadline = time.monotonic() + PROFILE_WAIT_S
-        directory = self.spec.profile_dir
-        while not self.traces_written(directory, since, TRACE_PATTERN) and time.monotonic() < deadline:
-            if tracker.steps - start_steps > plan.profile_steps + 8 or not self.engine.has_unfinished_requests():
-                time.sleep(0.2)  # the steps ran; the worker is writing the trace
-            else:
-                self._step(tracker)
-        self.engine.stop_profile()  # re-arms the profiler (after a self-stop it still counts as active)
-        return read_profile(directory, since, plan.profile_steps, TRACE_PATTERN)
+        one per GPU (runner_common.read_profile); a failure is recorded as ``{"error"}``, since the timed
+        measurements stand without it."""
+        try:
+            since = time.time()
+            self.engine.start_profile(label)
+            start_steps = tracker.steps
+            deadline = time.monotonic() + PROFILE_WAIT_S
+            directory = self.spec.profile_dir
+            while not self.traces_written(directory, since, TRACE_PATTERN) and time.monotonic() < deadline:
+                if tracker.steps - start_steps > plan.profile_steps + 8 or not self.engine.has_unfinished_requests():
+                    time.sleep(0.2)  # the steps ran; the worker is writing the trace
+                else:
+                    self._step(tracker)
+            self.engine.stop_profile()  # re-arms the profiler (after a self-stop it still counts as active)
+            return read_profile(directory, since, plan.profile_steps, TRACE_PATTERN)
+        except OutOfTime:
+            raise
+        except Exception as e:  # noqa: BLE001 - the timed measurements stand without it
+            return {"error": f"{type(e).__name__}: {e}"}
 
     # ------------------------------------------------------------------------- workloads
     def decode_cell(self, cell: DecodeCell, plan: MeasurePlan) -> dict:
@@ -290,12 +296,7 @@ class VllmSession(EngineSession):
             self._step_until_progress(tracker, base, plan.warmup_steps + plan.repeats * plan.window_steps,
                                       "the timed windows")
             if plan.profile_steps:
-                try:
-                    profile = self._profile(tracker, plan, f"decode-b{cell.batch}-c{cell.context}")
-                except OutOfTime:
-                    raise
-                except Exception as e:  # noqa: BLE001 - the timed windows stand without it
-                    profile = {"error": f"{type(e).__name__}: {e}"}
+                profile = self._profile(tracker, plan, f"decode-b{cell.batch}-c{cell.context}")
         finally:
             self._finish(keys)
         return decode_record(cell, plan, tracker.subset(keys), base, profile, prefill_s)
@@ -325,9 +326,7 @@ class VllmSession(EngineSession):
             decoders = self._submit(tracker, decoder_prompts, decoder_tokens, f"mixed{r}-decode")
             longs: list[str] = []
             try:
-                self._step_until(tracker, lambda: tracker.all_started(decoders), "the decoders were prefilled")
-                base = tracker.counts(decoders)
-                self._step_until_progress(tracker, base, plan.warmup_steps, "the warm-up")
+                base = self._mixed_warm_up(tracker, decoders, plan)
                 window_start = tracker.latest_time
                 for k, prompt in enumerate(long_prompts):
                     self._step_until_progress(tracker, base, plan.warmup_steps + k * load.arrival_gap_steps,
@@ -337,25 +336,28 @@ class VllmSession(EngineSession):
             finally:
                 self._finish(decoders + longs)
             repeats.append(mixed_repeat(tracker, decoders, longs, window_start))
-        profile = self._mixed_profile(plan, decoder_prompts, long_prompts[0], decoder_tokens)
-        return measurement(load, repeats, **({"profile": profile} if profile else {}))
-
-    def _mixed_profile(self, plan: MeasurePlan, decoder_prompts, long_prompt, decoder_tokens: int) -> dict | None:
-        """An untimed pass of the mixed load: the decoders, then the first long prompt, whose arrival starts the
-        profiled steps (its prefill chunks in the decoders' steps); None without ``profile_steps``."""
         if not plan.profile_steps:
-            return None
+            return measurement(load, repeats)
+        return measurement(load, repeats, profile=self._mixed_profile(plan, decoder_prompts, long_prompts[0],
+                                                                      decoder_tokens))
+
+    def _mixed_warm_up(self, tracker: TokenTracker, decoders: list[str], plan: MeasurePlan) -> dict:
+        """The mixed load up to its first arrival: the decoders prefilled and through the warm-up steps. Returns their
+        token counts after the prefill."""
+        self._step_until(tracker, lambda: tracker.all_started(decoders), "the decoders were prefilled")
+        base = tracker.counts(decoders)
+        self._step_until_progress(tracker, base, plan.warmup_steps, "the warm-up")
+        return base
+
+    def _mixed_profile(self, plan: MeasurePlan, decoder_prompts, long_prompt, decoder_tokens: int) -> dict:
+        """An untimed pass of the mixed load whose profiled steps start at the first long prompt's arrival (its
+        prefill chunks in the decoders' steps)."""
         tracker = TokenTracker()
         keys = self._submit(tracker, decoder_prompts, decoder_tokens, "mixed-profile-decode")
         try:
-            self._step_until(tracker, lambda: tracker.all_started(keys), "the decoders were prefilled")
-            self._step_until_progress(tracker, tracker.counts(keys), plan.warmup_steps, "the warm-up")
+            self._mixed_warm_up(tracker, keys, plan)
             keys += self._submit(tracker, [long_prompt], plan.long_prompt_tokens, "mixed-profile-long")
             return self._profile(tracker, plan, "mixed")
-        except OutOfTime:
-            raise
-        except Exception as e:  # noqa: BLE001 - the timed repeats stand without it
-            return {"error": f"{type(e).__name__}: {e}"}
         finally:
             self._finish(keys)
 
