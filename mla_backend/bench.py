@@ -71,17 +71,21 @@ class Config:
     s_q: int
     ragged: bool
     page: int = 64
-    kind: str = dataclasses.field(default="grid", compare=False)  # grid | latency | page (not part of ==)
+    kind: str = dataclasses.field(default="grid", compare=False)  # grid | latency | page | mixed (not part of ==)
+    # > 0: the last of the b requests holds this many tokens instead (a long prompt decoding among short ones,
+    # the decode batch of a served mixed load)
+    long_len: int = 0
 
     @property
     def lens(self) -> str:
         return "ragged" if self.ragged else "fixed"
 
     def label(self) -> str:
-        return f"b={self.b} s_k={self.s_k} h={self.h} s_q={self.s_q} {self.lens} p{self.page}"
+        tail = f" +1x{self.long_len}" if self.long_len else ""
+        return f"b={self.b} s_k={self.s_k} h={self.h} s_q={self.s_q} {self.lens}{tail} p{self.page}"
 
     def kv_key(self) -> tuple:
-        return (self.b, self.s_k, self.page, self.ragged)
+        return (self.b, self.s_k, self.page, self.ragged, self.long_len)
 
 
 def make_configs(grid: str = "full", quick: bool = False) -> list[Config]:
@@ -101,12 +105,14 @@ def make_configs(grid: str = "full", quick: bool = False) -> list[Config]:
             cfgs += [Config(b, s, h, 1, False, kind="latency") for b in (1, 16) for s in (4096, 16384) for h in (16, 128)]
         if grid in ("full", "pages"):
             cfgs += [Config(128, 16384, h, 1, False, p, "page") for h in (16, 128) for p in (1, 16, 64)]
+        if grid in ("full", "mixed"):  # 64 requests of ~1k tokens and one of 16k: splits, partials and the combine
+            cfgs += [Config(65, 1024, h, sq, True, 64, "mixed", 16384) for h in (16, 128) for sq in (1, 2)]
     unique = list(dict.fromkeys(cfgs))  # the page-64 case is the grid's own config: keep the first
     return sorted(unique, key=lambda c: (c.kv_key(), c.h, c.s_q))
 
 
 _KEYS = {"b": "b", "s_k": "s_k", "sk": "s_k", "s": "s_k", "h": "h", "s_q": "s_q", "sq": "s_q", "page": "page",
-         "lens": "lens", "kind": "kind"}
+         "lens": "lens", "kind": "kind", "long_len": "long_len"}
 _OPS = {"=": lambda a, b: a == b, "<": lambda a, b: a < b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
         ">=": lambda a, b: a >= b}
 
@@ -138,12 +144,15 @@ def select(cfgs: list[Config], filters: list[str] | None) -> list[Config]:
 
 
 def seq_lens(cfg: Config, seed: int = 0) -> list[int]:
-    """KV lengths: ``s_k`` each, or ~N(s, s/2) clamped to [2, 2s], seeded by (seed, b, s_k)."""
+    """KV lengths: ``s_k`` each, or ~N(s, s/2) clamped to [2, 2s], seeded by (seed, b, s_k); the last one
+    ``long_len`` where that is set."""
     if not cfg.ragged:
-        return [cfg.s_k] * cfg.b
-    g = torch.Generator().manual_seed(seed * 1_000_003 + cfg.b * 7919 + cfg.s_k)
-    x = torch.normal(float(cfg.s_k), cfg.s_k / 2, (cfg.b,), generator=g)
-    return x.round().clamp(MAX_SQ, 2 * cfg.s_k).long().tolist()
+        lens = [cfg.s_k] * cfg.b
+    else:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + cfg.b * 7919 + cfg.s_k)
+        x = torch.normal(float(cfg.s_k), cfg.s_k / 2, (cfg.b,), generator=g)
+        lens = x.round().clamp(MAX_SQ, 2 * cfg.s_k).long().tolist()
+    return lens[:-1] + [cfg.long_len] if cfg.long_len else lens
 
 
 def bytes_moved(sum_len: int, b: int, s_q: int, h: int, kv_bytes: int = 2, qo_bytes: int = 2) -> int:
@@ -623,11 +632,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mla-backend bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="12 representative configs (~3 min with the anchors)")
-    p.add_argument("--grid", choices=("full", "flashmla", "latency", "pages"), default="full",
-                   help="full = FlashMLA's grid (b, s_k, h, s_q, fixed/ragged) + latency cases + page sizes")
+    p.add_argument("--grid", choices=("full", "flashmla", "latency", "pages", "mixed"), default="full",
+                   help="full = FlashMLA's grid (b, s_k, h, s_q, fixed/ragged) + latency cases + page sizes + "
+                        "mixed (64 ragged ~1k-token requests and one of 16k)")
     p.add_argument("--filter", action="append", metavar="EXPR",
                    help="keep configs matching e.g. 'b=128,h=16|32,s_k>=8192,lens=ragged,page=64' (a comma means "
-                        "and; repeat the flag for or); keys: b s_k h s_q page lens kind")
+                        "and; repeat the flag for or); keys: b s_k h s_q page lens kind long_len")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--fp8", action="store_true",
                    help=f"add float8_e4m3fn KV (scale {K_SCALE}): ours-fp8 (q in 16 bits), {FP8_COMPUTE} "
