@@ -191,8 +191,12 @@ def compile_kernels(args) -> int:
     print(f"compiling {len(variants)} kernel variants and {len(plans)} planners for sm_90a with {args.workers} "
           f"worker(s){' into the package' if args.into_package else ''}", flush=True)
     seconds = prebuilt.compile_variants(variants, plans, into_package=args.into_package, workers=args.workers,
-                                        progress=progress)
+                                        progress=progress, fresh=args.fresh)
     if args.into_package:
+        kept = sorted(set(prebuilt.release_variants()) - set(seconds))
+        if kept:
+            print(f"kept from the folder's earlier build ({len(kept)}; --fresh rebuilds it from scratch): "
+                  f"{', '.join(kept)}")
         root = prebuilt.release_dir()
         files = [f for f in root.rglob("*") if f.is_file()]
         print(f"{root}: {len(list((root / 'entries').iterdir()))} kernels, "
@@ -231,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     comp.add_argument("--into-package", action="store_true",
                       help="write the package's prebuilt folder for the installed TileLang (for building a wheel) instead of "
                            "TileLang's cache")
+    comp.add_argument("--fresh", action="store_true",
+                      help="with --into-package: drop the variants the folder already holds (default: keep those "
+                           "this call does not compile)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # forwarded untouched: argparse would try to parse the benchmark's own options
         return bench(argv[1:])

@@ -1,5 +1,6 @@
-"""Prebuilt kernels: ``compile_variants(into_package=True)`` packs TileLang cache entries with a manifest, and a fresh
-process with an empty TileLang cache and no nvcc on its PATH loads them instead of compiling.
+"""Prebuilt kernels: ``compile_variants(into_package=True)`` packs TileLang cache entries with a manifest (adding to
+what the folder holds, or ``fresh``), and a fresh process with an empty TileLang cache and no nvcc on its PATH loads
+them instead of compiling.
 
 Uses the one-launch planner kernel (the quickest sm_90a kernel to build); the decode variants take the same path.
 Lowering and nvcc run on the CPU; loading the entry needs no GPU.
@@ -15,7 +16,7 @@ import textwrap
 import pytest
 
 pytest.importorskip("tilelang")
-pytestmark = [pytest.mark.slow,
+needs_nvcc = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed to build the entries")]
 
 LOAD = textwrap.dedent("""
@@ -29,6 +30,8 @@ LOAD = textwrap.dedent("""
 """)
 
 
+@needs_nvcc[0]
+@needs_nvcc[1]
 def test_prebuilt_planner_loads_without_nvcc(tmp_path, monkeypatch):
     from mla_backend.kernels import prebuilt
 
@@ -81,3 +84,40 @@ def test_another_release_is_not_seeded(tmp_path, monkeypatch):
     assert prebuilt.packaged_releases() == ["0.0.1"]
     assert prebuilt.seed(name) is False
     assert not (tmp_path / "cache").exists()
+
+
+def _fake_build(scratch, i, keys, subdir="9.9.9/linux-x86_64/kernels"):
+    """What one compile task leaves in its private cache: an entry folder per key."""
+    for key in keys:
+        (scratch / str(i) / subdir / key).mkdir(parents=True)
+        (scratch / str(i) / subdir / key / "executable.so").write_text(key)
+
+
+def test_into_package_adds_to_the_release_folder_and_fresh_replaces_it(tmp_path, monkeypatch):
+    """Two builds with different heads add up (a variant built again takes its new entries, an entry no variant
+    names is removed); ``fresh`` keeps only the last build; a build for another cache namespace starts over."""
+    from mla_backend.kernels import prebuilt
+
+    monkeypatch.setattr(prebuilt, "PACKAGE_DIR", tmp_path / "prebuilt")
+    monkeypatch.setattr(prebuilt, "installed_tilelang", lambda: "9.9.9")
+    h64, h128 = (prebuilt.variant_name(h, 1, 64, "bfloat16", "bfloat16") for h in (64, 128))
+    plan = prebuilt.plan_name(256, 64)
+    entries = tmp_path / "prebuilt" / "9.9.9" / "entries"
+
+    def build(names_keys, fresh=False, subdir="9.9.9/linux-x86_64/kernels"):
+        scratch = tmp_path / f"scratch{len(list(tmp_path.iterdir()))}"
+        for i, (_name, keys) in enumerate(names_keys):
+            _fake_build(scratch, i, keys, subdir)
+        prebuilt._pack_release([(n, ()) for n, _ in names_keys], dict(names_keys), scratch, fresh)
+
+    build([(h64, ["a"]), (plan, ["p1"])])
+    build([(h128, ["b"]), (plan, ["p2"])])
+    assert prebuilt.release_variants() == sorted([h64, h128, plan])
+    assert sorted(p.name for p in entries.iterdir()) == ["a", "b", "p2"]  # p1: the planner's old build, unnamed
+    assert prebuilt._Manifest(entries.parent).keys_for(plan) == ["p2"]
+
+    build([(h128, ["c"])], fresh=True)
+    assert prebuilt.release_variants() == [h128] and [p.name for p in entries.iterdir()] == ["c"]
+
+    build([(h64, ["d"])], subdir="9.9.9/otherplatform/kernels")
+    assert prebuilt.release_variants() == [h64] and [p.name for p in entries.iterdir()] == ["d"]

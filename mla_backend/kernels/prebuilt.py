@@ -102,6 +102,12 @@ def _release_manifest() -> _Manifest:
     return _manifest
 
 
+def release_variants(version: str | None = None) -> list[str]:
+    """The variant (and planner) names the release folder holds, sorted; [] without one."""
+    data = _Manifest(release_dir(version)).data
+    return sorted(data["variants"]) if data is not None else []
+
+
 def seed(name: str) -> bool:
     """Copies variant ``name``'s prebuilt entries into TileLang's cache (once; entries already there are kept).
     Returns whether the wheel carries the variant for the installed TileLang."""
@@ -169,13 +175,15 @@ def _compile_into(task: tuple) -> tuple[str, list[str], float]:
 
 
 def compile_variants(variants: list[tuple], plan_batches: tuple[int, ...] = (), block_n: int = 64,
-                     into_package: bool = False, workers: int = 1, progress=None) -> dict:
+                     into_package: bool = False, workers: int = 1, progress=None, fresh: bool = False) -> dict:
     """Compiles ``(num_heads, q_len, page_size, dtype, kv_dtype[, fp8_compute])`` variants for sm_90a (no GPU
     needed; nvcc is).
 
     Without ``into_package`` each lands in TileLang's own cache (ahead-of-time warm-up of this machine). With it, the
-    installed TileLang's release folder (``release_dir()``) is rebuilt from scratch: ``entries/<key>/`` and
-    ``manifest.json``, which a wheel then carries; other releases' folders are kept.
+    variants go into the installed TileLang's release folder (``release_dir()``): ``entries/<key>/`` and
+    ``manifest.json``, which a wheel then carries. The variants the folder already holds and this call does not
+    compile are kept (two calls with different ``--heads`` add up), unless ``fresh``, which rebuilds it from
+    scratch; entries no variant names are removed. Other releases' folders are kept.
     ``plan_batches``: the planner kernels' max batches, each an int (cut in ``block_n``-token blocks) or a
     ``(max_batch, block_n)`` pair. ``progress(done, total, name, seconds)`` is called as each one finishes.
     Returns ``{name: seconds}``.
@@ -204,19 +212,35 @@ def compile_variants(variants: list[tuple], plan_batches: tuple[int, ...] = (), 
             if progress is not None:
                 progress(done, len(jobs), name, sec)
     if into_package:
-        root = release_dir()
-        shutil.rmtree(root, ignore_errors=True)
-        (root / "entries").mkdir(parents=True)
-        cache_subdir = None
-        for i, (name, _spec) in enumerate(tasks):
-            src_root = _entries_dir(scratch / str(i))
-            cache_subdir = str(src_root.relative_to(scratch / str(i)))
-            for key in keys_of[name]:
-                dest = root / "entries" / key
-                if not dest.exists():
-                    shutil.copytree(src_root / key, dest)
-        manifest = {"tilelang": installed_tilelang(), "arch": "sm90", "target": "sm_90a", "cache_subdir": cache_subdir,
-                    "variants": keys_of}
-        (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        _pack_release(tasks, keys_of, scratch, fresh)
     shutil.rmtree(scratch, ignore_errors=True)
     return seconds
+
+
+def _pack_release(tasks: list[tuple], keys_of: dict, scratch: Path, fresh: bool) -> None:
+    """Copies each task's entries from its private cache (``scratch/<i>``) into the release folder and writes the
+    manifest: this build's variants over the ones the folder held (unless ``fresh``), unreferenced entries removed."""
+    root = release_dir()
+    old = _Manifest(root).data
+    cache_subdir = old and old.get("cache_subdir")
+    for i in range(len(tasks)):
+        cache_subdir = str(_entries_dir(scratch / str(i)).relative_to(scratch / str(i)))
+    # Entries of another cache namespace (another platform's build) cannot be seeded into this one's: start over.
+    kept = {} if fresh or old is None or old.get("cache_subdir") != cache_subdir else old["variants"]
+    if not kept:
+        shutil.rmtree(root, ignore_errors=True)
+    (root / "entries").mkdir(parents=True, exist_ok=True)
+    for i, (name, _spec) in enumerate(tasks):
+        src_root = _entries_dir(scratch / str(i))
+        for key in keys_of[name]:
+            dest = root / "entries" / key
+            if not dest.exists():
+                shutil.copytree(src_root / key, dest)
+    variants = {**kept, **keys_of}
+    used = {key for keys in variants.values() for key in keys}
+    for entry in (root / "entries").iterdir():
+        if entry.name not in used:
+            shutil.rmtree(entry)
+    manifest = {"tilelang": installed_tilelang(), "arch": "sm90", "target": "sm_90a", "cache_subdir": cache_subdir,
+                "variants": variants}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
