@@ -525,6 +525,14 @@ def test_engines_use_no_nvlink_multicast_where_nccl_has_it_off(monkeypatch):
     assert driver.child_env()[name] == "mnnvl"
 
 
+def test_engines_compile_deepgemm_on_first_use_unless_the_user_chose(monkeypatch):
+    name, value = driver.DEEPGEMM_PRECOMPILE_OFF
+    monkeypatch.delenv(name, raising=False)
+    assert driver.child_env()[name] == value == "0"
+    monkeypatch.setenv(name, "1")
+    assert driver.child_env()[name] == "1"
+
+
 def test_verify_reaches_the_engine_processes_only_when_asked(monkeypatch):
     monkeypatch.delenv("MLA_BACKEND_VERIFY", raising=False)
     assert "MLA_BACKEND_VERIFY" not in driver.child_env()

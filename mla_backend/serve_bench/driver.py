@@ -244,18 +244,25 @@ def package_root() -> str:
 #: the workers then hit an illegal memory access while vLLM profiles its CUDA graphs, with every attention backend;
 #: ``trtllm`` is FlashInfer's backend without multicast. Only set where the user chose none.
 FLASHINFER_ALLREDUCE_WITHOUT_MULTICAST = ("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
+#: Where DeepGEMM is installed, SGLang's start compiles its fp8 GEMMs for every batch size up to the largest before
+#: the first request (10-20 minutes with an empty cache, by SGLang's own message; an EAGLE engine of the released
+#: model had not started after 9.5). Off, each compiles on first use, in the warm-up requests, which the cold-start
+#: check counts (DeepGEMM's cache is one it watches), so the engine measured is warm all the same. Every backend
+#: alike; only set where the user chose none.
+DEEPGEMM_PRECOMPILE_OFF = ("SGLANG_JIT_DEEPGEMM_PRECOMPILE", "0")
 
 
 def child_env(verify: bool = False) -> dict:
     """The engine process's environment: this package importable (a source checkout has no entry point), no NVLink
-    multicast in FlashInfer's all-reduce where NCCL has it off, our host timers on (unless the user set them), and
-    with ``verify`` the fp32 check of our calls."""
+    multicast in FlashInfer's all-reduce where NCCL has it off, no DeepGEMM precompile at SGLang's start, our host
+    timers on (unless the user set them), and with ``verify`` the fp32 check of our calls."""
     env = dict(os.environ)
     if verify:
         env[ENV_VERIFY] = "1"
     env.setdefault(ENV_HOST_TIMERS, "1")  # our ranges' host time without a profiler (about 0.2 µs more a call)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root(), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault(*DEEPGEMM_PRECOMPILE_OFF)
     if env.get("NCCL_NVLS_ENABLE") == "0":
         env.setdefault(*FLASHINFER_ALLREDUCE_WITHOUT_MULTICAST)
     return env
