@@ -222,9 +222,8 @@ def _pack_release(tasks: list[tuple], keys_of: dict, scratch: Path, fresh: bool)
     manifest: this build's variants over the ones the folder held (unless ``fresh``), unreferenced entries removed."""
     root = release_dir()
     old = _Manifest(root).data
-    cache_subdir = old and old.get("cache_subdir")
-    for i in range(len(tasks)):
-        cache_subdir = str(_entries_dir(scratch / str(i)).relative_to(scratch / str(i)))
+    # Every task's private cache has the same layout: the first names the namespace this TileLang seeds into.
+    cache_subdir = str(_entries_dir(scratch / "0").relative_to(scratch / "0")) if tasks else old and old["cache_subdir"]
     # Entries of another cache namespace (another platform's build) cannot be seeded into this one's: start over.
     kept = {} if fresh or old is None or old.get("cache_subdir") != cache_subdir else old["variants"]
     if not kept:
