@@ -105,8 +105,10 @@ def make_configs(grid: str = "full", quick: bool = False) -> list[Config]:
             cfgs += [Config(b, s, h, 1, False, kind="latency") for b in (1, 16) for s in (4096, 16384) for h in (16, 128)]
         if grid in ("full", "pages"):
             cfgs += [Config(128, 16384, h, 1, False, p, "page") for h in (16, 128) for p in (1, 16, 64)]
-        if grid in ("full", "mixed"):  # 64 requests of ~1k tokens and one of 16k: splits, partials and the combine
-            cfgs += [Config(65, 1024, h, sq, True, 64, "mixed", 16384) for h in (16, 128) for sq in (1, 2)]
+        if grid in ("full", "mixed"):  # 64 requests of ~1k tokens, alone and with one of 16k (a served mixed load's
+            # decode batch before and after its long prompt's prefill): short segments, splits and the combine
+            cfgs += [Config(b, 1024, h, sq, True, 64, "mixed", long_len) for b, long_len in ((64, 0), (65, 16384))
+                     for h in (16, 128) for sq in (1, 2)]
     unique = list(dict.fromkeys(cfgs))  # the page-64 case is the grid's own config: keep the first
     return sorted(unique, key=lambda c: (c.kv_key(), c.h, c.s_q))
 
@@ -634,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="12 representative configs (~3 min with the anchors)")
     p.add_argument("--grid", choices=("full", "flashmla", "latency", "pages", "mixed"), default="full",
                    help="full = FlashMLA's grid (b, s_k, h, s_q, fixed/ragged) + latency cases + page sizes + "
-                        "mixed (64 ragged ~1k-token requests and one of 16k)")
+                        "mixed (64 ragged ~1k-token requests, alone and with one of 16k)")
     p.add_argument("--filter", action="append", metavar="EXPR",
                    help="keep configs matching e.g. 'b=128,h=16|32,s_k>=8192,lens=ragged,page=64' (a comma means "
                         "and; repeat the flag for or); keys: b s_k h s_q page lens kind long_len")

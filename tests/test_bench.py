@@ -27,7 +27,9 @@ def test_fp8_cache_readers_and_their_implementation():
 
 
 def test_mixed_grid_is_short_ragged_requests_and_one_long_one():
-    cfgs = bench.make_configs("mixed")
+    every = bench.make_configs("mixed")
+    assert {(c.b, c.long_len) for c in every} == {(64, 0), (65, 16384)}
+    cfgs = [c for c in every if c.long_len]
     assert {(c.h, c.s_q) for c in cfgs} == {(16, 1), (16, 2), (128, 1), (128, 2)}
     lens = bench.seq_lens(cfgs[0])
     assert len(lens) == 65 and lens[-1] == 16384 and max(lens[:-1]) <= 2048 and len(set(lens[:-1])) > 10
@@ -35,4 +37,4 @@ def test_mixed_grid_is_short_ragged_requests_and_one_long_one():
     # its own KV group (the long request changes the cache), and the filter finds it by kind and by long_len
     assert cfgs[0].kv_key() != dataclasses.replace(cfgs[0], long_len=0).kv_key()
     full = bench.make_configs("full")
-    assert bench.select(full, ["kind=mixed"]) == bench.select(full, ["long_len=16384"]) == cfgs
+    assert bench.select(full, ["kind=mixed"]) == every and bench.select(full, ["long_len=16384"]) == cfgs
