@@ -57,13 +57,14 @@ def q_dtype() -> torch.dtype:
 
 
 def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, ragged: bool = False,
-                   seq: bool = False, fp8_compute: bool = False):
-    """A bf16 problem (fixed lengths, or the bench's ragged ones) with pages in random order (``seq``: in order, a
-    diagnostic of page locality), planned: the eager call (``fp8_compute``: mla_decode's, for an e4m3 cache), its
-    metadata (``md.plan`` holds the workspaces) and (bytes, flops) for the rates."""
+                   seq: bool = False, fp8_compute: bool = False, long_len: int = 0):
+    """A bf16 problem (fixed lengths, or the bench's ragged ones; ``long_len``: the last request that long) with
+    pages in random order (``seq``: in order, a diagnostic of page locality), planned: the eager call
+    (``fp8_compute``: mla_decode's, for an e4m3 cache), its metadata (``md.plan`` holds the workspaces) and (bytes,
+    flops) for the rates."""
     from mla_backend.bench import Config, seq_lens
 
-    len_list = seq_lens(Config(b, s, h, sq, ragged, ps))
+    len_list = seq_lens(Config(b, s, h, sq, ragged, ps, long_len=long_len))
     width = -(-max(len_list) // ps)  # pages per row of the block table
     dtype = q_dtype()
     kv = torch.randn(b * width, ps, 576, dtype=dtype, device="cuda")

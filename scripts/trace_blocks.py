@@ -1,15 +1,20 @@
 """Per-block timeline of one program of the ws split kernel (GPU): every role's clock at each step of blocks 0..63.
 
-    python scripts/trace_blocks.py [--part P] [--shapes "128,16384,128,2,64;..."] [--fp8c] [--raw FILE]
+    python scripts/trace_blocks.py [--part P] [--shapes "128,16384,128,2,64;65,1024,128,1,64,ragged,long=16384"]
+                                   [--fp8c] [--raw FILE]
 
-Builds the Hopper kernel with ``KernelConfig.trace_part = P`` (clock64 per step into the plan's unused last partial
-slot), runs a few eager decodes of each shape and reports, over the steady blocks (4..59) of the last launch, the
+A shape is b,s_k,h,s_q,page, then optionally ``ragged`` (the bench's ragged lengths) and ``long=N`` (the last request
+N tokens long: ``bench --grid mixed``'s batch). Builds the Hopper kernel with ``KernelConfig.trace_part = P`` (clock64
+per step into the plan's unused last partial slot), runs a few eager decodes of each shape and reports, over the
+steady blocks (4..59; in a program of fewer than 61 blocks, all but its first and last) of the last launch, the
 median cycles of:
   WG0: k wait (block landed?), S, softmax (mask, max, exp2, P to registers, alpha), p_free wait, P store + p_ready,
        P V issue (+ row sums), P V wait, and the block period;
   WG1: k wait, p_ready wait, P V (rescale, GEMM, wait);
   producer: page ids, k_free wait (buffer reuse), copy issue;
-and each role's clock rate over the whole program (clock64 against %globaltimer). ``--fp8c``: the fp8-compute
+and each role's clock rate over the whole program (clock64 against %globaltimer); a program of fewer than 61 blocks
+(short requests) also gets each block's WG0 period and k wait, where a request segment's start shows as a long one.
+``--fp8c``: the fp8-compute
 kernel on an e4m3 cache (FP8C_STEPS: its P V is one step, issue and wait, and its producer only issues the next
 block's copy and waits for its own). A traced decode's outputs are not checked (the trace shares nothing with them,
 but this is a profiling run)."""
@@ -45,10 +50,12 @@ def summarise(words: list, shape: str, call_us: float, steps: dict = STEPS) -> s
         if ns1 > ns0:
             out.append(f"  {ROLES[role]}: {c1 - c0} cycles in {(ns1 - ns0) / 1e3:.1f} us "
                        f"({(c1 - c0) / (ns1 - ns0):.3f} GHz)")
-    steady = range(4, 60)
+    blocks = next((g for g in range(TRACE_BLOCKS) if not clock[0, g][0]), TRACE_BLOCKS)  # WG0 stamps each start
+    steady = range(4, 60) if blocks > 60 else range(1, blocks - 2)
+    out[0] += f" ({blocks} blocks traced)" if blocks <= 60 else ""
     for role, names in steps.items():
-        if not all(clock[role, g][len(names)] for g in range(4, 61)):
-            out.append(f"  {ROLES[role]}: no trace (fewer than 61 blocks, or not this kernel's path)")
+        if not steady or not all(clock[role, g][len(names)] for g in range(steady.start, steady.stop + 1)):
+            out.append(f"  {ROLES[role]}: no trace (fewer than 4 blocks, or not this kernel's path)")
             continue
         cols = [f"{name} {statistics.median(clock[role, g][k + 1] - clock[role, g][k] for g in steady):.0f}"
                 for k, name in enumerate(names)]
@@ -56,11 +63,31 @@ def summarise(words: list, shape: str, call_us: float, steps: dict = STEPS) -> s
         cols.append(f"to next {statistics.median(clock[role, g + 1][0] - clock[role, g][last] for g in steady):.0f}")
         cols.append(f"period {statistics.median(clock[role, g + 1][0] - clock[role, g][0] for g in steady):.0f}")
         out.append(f"  {ROLES[role]:8s} " + ", ".join(cols))
-    t0 = clock[0, 20][0]  # two blocks' steps on one clock, from WG0's start of block 20
-    for g in (20, 21):
+    if not steady:
+        return "\n".join(out)
+    g0 = min(20, steady.stop - 1)
+    t0 = clock[0, g0][0]  # two blocks' steps on one clock, from WG0's start of block g0
+    for g in (g0, g0 + 1):
         for role, names in steps.items():
             out.append(f"  g={g} {ROLES[role]:8s} " + " ".join(f"{v - t0:6d}" for v in clock[role, g][:len(names) + 1]))
+    if blocks <= 60:
+        out.append("  WG0 per block (period / k wait): " + ", ".join(
+            f"{g}: {clock[0, g + 1][0] - clock[0, g][0]}/{clock[0, g][1] - clock[0, g][0]}" for g in range(blocks - 1)))
     return "\n".join(out)
+
+
+def parse_shape(text: str) -> tuple[tuple[int, ...], dict]:
+    """"b,s,h,s_q,page[,ragged][,long=N]" -> ((b, s, h, s_q, page), decode_problem's keyword arguments)."""
+    fields = text.split(",")
+    extra = {}
+    for flag in fields[5:]:
+        if flag == "ragged":
+            extra["ragged"] = True
+        elif flag.startswith("long="):
+            extra["long_len"] = int(flag[5:])
+        else:
+            raise SystemExit(f"--shapes: unknown field {flag!r} in {text!r} (ragged, long=N)")
+    return tuple(int(v) for v in fields[:5]), extra
 
 
 def main() -> int:
@@ -78,7 +105,8 @@ def main() -> int:
     configs.CONFIGS["sm90"] = dataclasses.replace(configs.SM90, trace_part=args.part)
     configs.SM90_FP8_COMPUTE = dataclasses.replace(configs.SM90_FP8_COMPUTE, trace_part=args.part)
     for shape in args.shapes.split(";"):
-        eager, md, _ = decode_problem(*(int(v) for v in shape.split(",")), fp8=args.fp8c, fp8_compute=args.fp8c)
+        dims, extra = parse_shape(shape)
+        eager, md, _ = decode_problem(*dims, fp8=args.fp8c, fp8_compute=args.fp8c, **extra)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(4):  # the first compiles; the last launch's record is read
             md.plan.out_partial[-1].zero_()

@@ -1,0 +1,50 @@
+"""scripts/trace_blocks.py on CPU: a traced record is summarised for long programs and for short ones (a batch of
+short requests, where segment starts show in each block's WG0 period), and shapes parse with their flags."""
+
+import os
+import sys
+
+import pytest
+
+from mla_backend.kernels.sm90.protocol import TRACE_BLOCKS, TRACE_HEAD, TRACE_STEPS, TRACE_WORDS
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "scripts"))
+import trace_blocks  # noqa: E402
+
+
+def record(blocks: int, period: int = 1000, segment_starts=(), segment_cost: int = 5000) -> list:
+    """A synthetic trace: every role's steps 100 cycles apart, a block every ``period`` cycles, ``segment_cost`` more
+    before each block in ``segment_starts``."""
+    words = [0] * TRACE_WORDS
+    start = 10_000
+    for g in range(blocks):
+        start += segment_cost if g in segment_starts else 0
+        for role, names in trace_blocks.STEPS.items():
+            for step in range(len(names) + 1):
+                words[(role * TRACE_BLOCKS + g) * TRACE_STEPS + step] = start + 100 * step
+        start += period
+    for role in range(3):
+        words[TRACE_HEAD + role * 4:TRACE_HEAD + role * 4 + 4] = [10_000, 1_000, start, 1_000 + start // 2]
+    return words
+
+
+def test_a_long_program_is_summarised_over_its_steady_blocks():
+    text = trace_blocks.summarise(record(64), "128,16384,128,1,64", 900.0)
+    assert "blocks traced" not in text and "no trace" not in text
+    assert "period 1000" in text and "per block" not in text
+
+
+def test_a_short_program_shows_each_block_and_its_segment_starts():
+    text = trace_blocks.summarise(record(20, segment_starts=(9,)), "65,1024,128,1,64,ragged,long=16384", 90.0)
+    assert "(20 blocks traced)" in text and "no trace" not in text
+    per_block = text.split("WG0 per block (period / k wait): ")[1]
+    assert "8: 6000/100" in per_block and "7: 1000/100" in per_block  # block 9 starts a segment 5000 cycles late
+    assert "no trace" in trace_blocks.summarise(record(3), "1,128,128,1,64", 10.0)
+
+
+def test_shapes_take_ragged_and_a_long_request():
+    assert trace_blocks.parse_shape("65,1024,128,1,64,ragged,long=16384") == (
+        (65, 1024, 128, 1, 64), {"ragged": True, "long_len": 16384})
+    assert trace_blocks.parse_shape("128,16384,128,2,64") == ((128, 16384, 128, 2, 64), {})
+    with pytest.raises(SystemExit, match="unknown field 'fp8'"):
+        trace_blocks.parse_shape("1,128,16,1,64,fp8")
