@@ -14,7 +14,6 @@ N at a time (no GPU needed), for a later timing run to load.
 import sys
 
 import torch
-from triton.testing import do_bench
 
 from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode
 from mla_backend.bench import bytes_moved, flops
@@ -83,29 +82,34 @@ def decode_problem(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, 
 
 
 SHAPE_FLAGS = ("fp8", "ragged", "seq")
+LONG = "long="  # "long=N": the last request N tokens long (``bench --grid mixed``'s batch)
 
 
 def parse_shapes(text: str) -> list:
-    """"b,s,h,s_q,page[,fp8][,ragged][,seq];..." -> [((b, s, h, s_q, page), {"fp8": .., "ragged": .., "seq": ..})]:
-    a trailing "fp8" times an e4m3 cache, "ragged" the bench's ragged lengths, "seq" pages in order."""
+    """"b,s,h,s_q,page[,fp8][,ragged][,seq][,long=N];..." -> [((b, s, h, s_q, page), {"fp8": .., "ragged": ..,
+    "seq": .., "long_len": N or 0})]: a trailing "fp8" times an e4m3 cache, "ragged" the bench's ragged lengths,
+    "seq" pages in order, "long=N" the last request N tokens long."""
     shapes = []
     for x in (y.split(",") for y in text.split(";")):
-        if not set(x[5:]) <= set(SHAPE_FLAGS):
-            raise SystemExit(f"--shapes: unknown flag(s) {x[5:]} ({', '.join(SHAPE_FLAGS)})")
-        shapes.append((tuple(int(v) for v in x[:5]), {f: f in x[5:] for f in SHAPE_FLAGS}))
+        flags = [f for f in x[5:] if not f.startswith(LONG)]
+        if not set(flags) <= set(SHAPE_FLAGS):
+            raise SystemExit(f"--shapes: unknown flag(s) {flags} ({', '.join(SHAPE_FLAGS)}, {LONG}N)")
+        long_len = max([int(f[len(LONG):]) for f in x[5:] if f.startswith(LONG)], default=0)
+        shapes.append((tuple(int(v) for v in x[:5]), {**{f: f in flags for f in SHAPE_FLAGS}, "long_len": long_len}))
     return shapes
 
 
 def shape_flags(opts: dict) -> str:
-    """parse_shapes' flags that are set, as printed after a shape: " fp8 ragged seq"."""
-    return "".join(f" {flag}" for flag in SHAPE_FLAGS if opts.get(flag))
+    """parse_shapes' flags that are set, as printed after a shape: " fp8 ragged seq long=N"."""
+    return "".join(f" {flag}" for flag in SHAPE_FLAGS if opts.get(flag)) + (
+        f" {LONG}{opts['long_len']}" if opts.get("long_len") else "")
 
 
 def decode_step(b: int, s: int, h: int, sq: int, ps: int, fp8: bool = False, ragged: bool = False,
-                seq: bool = False):
+                seq: bool = False, long_len: int = 0):
     """decode_problem's call, run once and captured: the CUDA graph's replay (as engines run decode), the eager
     call, and (bytes, flops) for the rates."""
-    eager, _, rates = decode_problem(b, s, h, sq, ps, fp8, ragged, seq)
+    eager, _, rates = decode_problem(b, s, h, sq, ps, fp8, ragged, seq, long_len=long_len)
     eager()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -140,6 +144,7 @@ def main() -> int:
     runs = [(c, {"fp8": fp8, "ragged": False}) for c in cases for fp8 in ((False, True) if fp8_mode else (False,))]
     if "--shapes" in sys.argv:
         runs = parse_shapes(sys.argv[sys.argv.index("--shapes") + 1])
+    from triton.testing import do_bench  # here: the shape parser above is imported on machines without triton
     if "--precompile" in sys.argv:
         from mla_backend import warmup
 

@@ -3,8 +3,8 @@
     python scripts/trace_blocks.py [--part P] [--shapes "128,16384,128,2,64;65,1024,128,1,64,ragged,long=16384"]
                                    [--fp8c] [--raw FILE]
 
-A shape is b,s_k,h,s_q,page, then optionally ``ragged`` (the bench's ragged lengths) and ``long=N`` (the last request
-N tokens long: ``bench --grid mixed``'s batch). Builds the Hopper kernel with ``KernelConfig.trace_part = P`` (clock64
+A shape is quick_time's: b,s_k,h,s_q,page, then optionally ``ragged`` (the bench's ragged lengths), ``seq`` and
+``long=N`` (the last request N tokens long: ``bench --grid mixed``'s batch); the cache's dtype is ``--fp8c``'s. Builds the Hopper kernel with ``KernelConfig.trace_part = P`` (clock64
 per step into the plan's unused last partial slot), runs a few eager decodes of each shape and reports, over the
 steady blocks (4..59; in a program of fewer than 61 blocks, all but its first and last) of the last launch, the
 median cycles of:
@@ -76,20 +76,6 @@ def summarise(words: list, shape: str, call_us: float, steps: dict = STEPS) -> s
     return "\n".join(out)
 
 
-def parse_shape(text: str) -> tuple[tuple[int, ...], dict]:
-    """"b,s,h,s_q,page[,ragged][,long=N]" -> ((b, s, h, s_q, page), decode_problem's keyword arguments)."""
-    fields = text.split(",")
-    extra = {}
-    for flag in fields[5:]:
-        if flag == "ragged":
-            extra["ragged"] = True
-        elif flag.startswith("long="):
-            extra["long_len"] = int(flag[5:])
-        else:
-            raise SystemExit(f"--shapes: unknown field {flag!r} in {text!r} (ragged, long=N)")
-    return tuple(int(v) for v in fields[:5]), extra
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--part", type=int, default=5)
@@ -99,14 +85,15 @@ def main() -> int:
     args = p.parse_args()
     from mla_backend.kernels import configs
     from mla_backend.kernels.sm90.protocol import TRACE_WORDS
-    from quick_time import decode_problem
+    from quick_time import decode_problem, parse_shapes
 
     # the traced kernel (configs.config_for reads these at each build)
     configs.CONFIGS["sm90"] = dataclasses.replace(configs.SM90, trace_part=args.part)
     configs.SM90_FP8_COMPUTE = dataclasses.replace(configs.SM90_FP8_COMPUTE, trace_part=args.part)
-    for shape in args.shapes.split(";"):
-        dims, extra = parse_shape(shape)
-        eager, md, _ = decode_problem(*dims, fp8=args.fp8c, fp8_compute=args.fp8c, **extra)
+    for shape, (dims, opts) in zip(args.shapes.split(";"), parse_shapes(args.shapes)):
+        if opts.pop("fp8"):
+            raise SystemExit(f"--shapes: {shape!r}: the cache is e4m3 with --fp8c, 16-bit without")
+        eager, md, _ = decode_problem(*dims, fp8=args.fp8c, fp8_compute=args.fp8c, **opts)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(4):  # the first compiles; the last launch's record is read
             md.plan.out_partial[-1].zero_()

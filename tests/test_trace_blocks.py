@@ -1,5 +1,5 @@
 """scripts/trace_blocks.py on CPU: a traced record is summarised for long programs and for short ones (a batch of
-short requests, where segment starts show in each block's WG0 period), and shapes parse with their flags."""
+short requests, where segment starts show in each block's WG0 period), and its shapes parse with their flags."""
 
 import os
 import sys
@@ -43,8 +43,13 @@ def test_a_short_program_shows_each_block_and_its_segment_starts():
 
 
 def test_shapes_take_ragged_and_a_long_request():
-    assert trace_blocks.parse_shape("65,1024,128,1,64,ragged,long=16384") == (
-        (65, 1024, 128, 1, 64), {"ragged": True, "long_len": 16384})
-    assert trace_blocks.parse_shape("128,16384,128,2,64") == ((128, 16384, 128, 2, 64), {})
-    with pytest.raises(SystemExit, match="unknown field 'fp8'"):
-        trace_blocks.parse_shape("1,128,16,1,64,fp8")
+    """trace_blocks reads its --shapes with quick_time's parser, which takes the mixed batch's long request."""
+    from quick_time import parse_shapes, shape_flags
+
+    [(dims, opts)] = parse_shapes("65,1024,128,1,64,ragged,long=16384")
+    assert dims == (65, 1024, 128, 1, 64) and opts == {"fp8": False, "ragged": True, "seq": False, "long_len": 16384}
+    assert shape_flags(opts) == " ragged long=16384"
+    assert parse_shapes("128,16384,128,2,64") == [((128, 16384, 128, 2, 64), {"fp8": False, "ragged": False,
+                                                                               "seq": False, "long_len": 0})]
+    with pytest.raises(SystemExit, match=r"unknown flag\(s\) \['fp16'\]"):
+        parse_shapes("1,128,16,1,64,fp16")
