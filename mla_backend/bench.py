@@ -45,6 +45,9 @@ IMPLS = ("ours", "flashmla", "fa3", "triton")
 FP8_COMPUTE = "ours-fp8c"
 FP8_IMPLS = {"ours": ("ours-fp8", FP8_COMPUTE), "flashmla": ("flashmla-fp8",), "triton": ("triton-fp8",)}
 ORDER = ("ours", "flashmla", "fa3", "triton", "ours-fp8", FP8_COMPUTE, "flashmla-fp8", "triton-fp8")
+# The served grid's spread of lengths: serve-bench's 4k decode cells as SGLang's DP-attention GPUs held them
+# (4096-4300 tokens, RESULTS section 11)
+SERVED_SPREAD = 205
 
 
 def fp8_kv(name: str) -> bool:
@@ -71,21 +74,25 @@ class Config:
     s_q: int
     ragged: bool
     page: int = 64
-    kind: str = dataclasses.field(default="grid", compare=False)  # grid | latency | page | mixed (not part of ==)
+    # grid | latency | page | mixed | served (not part of ==)
+    kind: str = dataclasses.field(default="grid", compare=False)
     # > 0: the last of the b requests holds this many tokens instead (a long prompt decoding among short ones,
     # the decode batch of a served mixed load)
     long_len: int = 0
+    # > 0: lengths s_k .. s_k + spread - 1 (uniform): prompts of s_k tokens prefilled at different steps, the
+    # decode batch of an engine that serves b prompts of one length
+    spread: int = 0
 
     @property
     def lens(self) -> str:
-        return "ragged" if self.ragged else "fixed"
+        return f"spread{self.spread}" if self.spread else "ragged" if self.ragged else "fixed"
 
     def label(self) -> str:
         tail = f" +1x{self.long_len}" if self.long_len else ""
         return f"b={self.b} s_k={self.s_k} h={self.h} s_q={self.s_q} {self.lens}{tail} p{self.page}"
 
     def kv_key(self) -> tuple:
-        return (self.b, self.s_k, self.page, self.ragged, self.long_len)
+        return (self.b, self.s_k, self.page, self.ragged, self.long_len, self.spread)
 
 
 def make_configs(grid: str = "full", quick: bool = False) -> list[Config]:
@@ -109,12 +116,16 @@ def make_configs(grid: str = "full", quick: bool = False) -> list[Config]:
             # decode batch before and after its long prompt's prefill): short segments, splits and the combine
             cfgs += [Config(b, 1024, h, sq, True, 64, "mixed", long_len) for b, long_len in ((64, 0), (65, 16384))
                      for h in (16, 128) for sq in (1, 2)]
+        if grid in ("full", "served"):  # serve-bench's decode cells as a GPU sees them: 4k prompts decoding for up
+            # to ~200 steps, 16 and 64 requests (batch 32 and 128 over two DP-attention GPUs), 64 and 128 heads
+            cfgs += [Config(b, 4096, h, sq, True, 64, "served", spread=SERVED_SPREAD) for b in (16, 64)
+                     for h in (64, 128) for sq in (1, 2)]
     unique = list(dict.fromkeys(cfgs))  # the page-64 case is the grid's own config: keep the first
     return sorted(unique, key=lambda c: (c.kv_key(), c.h, c.s_q))
 
 
 _KEYS = {"b": "b", "s_k": "s_k", "sk": "s_k", "s": "s_k", "h": "h", "s_q": "s_q", "sq": "s_q", "page": "page",
-         "lens": "lens", "kind": "kind", "long_len": "long_len"}
+         "lens": "lens", "kind": "kind", "long_len": "long_len", "spread": "spread"}
 _OPS = {"=": lambda a, b: a == b, "<": lambda a, b: a < b, ">": lambda a, b: a > b, "<=": lambda a, b: a <= b,
         ">=": lambda a, b: a >= b}
 
@@ -146,9 +157,12 @@ def select(cfgs: list[Config], filters: list[str] | None) -> list[Config]:
 
 
 def seq_lens(cfg: Config, seed: int = 0) -> list[int]:
-    """KV lengths: ``s_k`` each, or ~N(s, s/2) clamped to [2, 2s], seeded by (seed, b, s_k); the last one
-    ``long_len`` where that is set."""
-    if not cfg.ragged:
+    """KV lengths: ``s_k`` each, or ~N(s, s/2) clamped to [2, 2s], or ``s_k`` plus up to ``spread - 1``, seeded by
+    (seed, b, s_k); the last one ``long_len`` where that is set."""
+    if cfg.spread:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + cfg.b * 7919 + cfg.s_k)
+        lens = (cfg.s_k + torch.randint(0, cfg.spread, (cfg.b,), generator=g)).tolist()
+    elif not cfg.ragged:
         lens = [cfg.s_k] * cfg.b
     else:
         g = torch.Generator().manual_seed(seed * 1_000_003 + cfg.b * 7919 + cfg.s_k)
@@ -634,12 +648,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mla-backend bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="12 representative configs (~3 min with the anchors)")
-    p.add_argument("--grid", choices=("full", "flashmla", "latency", "pages", "mixed"), default="full",
+    p.add_argument("--grid", choices=("full", "flashmla", "latency", "pages", "mixed", "served"), default="full",
                    help="full = FlashMLA's grid (b, s_k, h, s_q, fixed/ragged) + latency cases + page sizes + "
-                        "mixed (64 ragged ~1k-token requests, alone and with one of 16k)")
+                        "mixed (64 ragged ~1k-token requests, alone and with one of 16k) + served (16 and 64 "
+                        f"requests of 4096 .. {4096 + SERVED_SPREAD - 1} tokens)")
     p.add_argument("--filter", action="append", metavar="EXPR",
                    help="keep configs matching e.g. 'b=128,h=16|32,s_k>=8192,lens=ragged,page=64' (a comma means "
-                        "and; repeat the flag for or); keys: b s_k h s_q page lens kind long_len")
+                        "and; repeat the flag for or); keys: b s_k h s_q page lens kind long_len spread")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--fp8", action="store_true",
                    help=f"add float8_e4m3fn KV (scale {K_SCALE}): ours-fp8 (q in 16 bits), {FP8_COMPUTE} "

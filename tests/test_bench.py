@@ -1,4 +1,4 @@
-"""The decode benchmark on CPU: what ``--fp8`` adds, which cache each impl reads, the mixed-batch configs."""
+"""The decode benchmark on CPU: what ``--fp8`` adds, which cache each impl reads, the mixed and served configs."""
 
 from __future__ import annotations
 
@@ -38,3 +38,19 @@ def test_mixed_grid_is_short_ragged_requests_and_one_long_one():
     assert cfgs[0].kv_key() != dataclasses.replace(cfgs[0], long_len=0).kv_key()
     full = bench.make_configs("full")
     assert bench.select(full, ["kind=mixed"]) == every and bench.select(full, ["long_len=16384"]) == cfgs
+
+
+def test_served_grid_is_4k_prompts_decoded_from_different_steps():
+    every = bench.make_configs("served")
+    assert {(c.b, c.s_k, c.h, c.s_q) for c in every} == {(b, 4096, h, sq) for b in (16, 64) for h in (64, 128)
+                                                       for sq in (1, 2)}
+    cfg = next(c for c in every if c.b == 64)
+    lens = bench.seq_lens(cfg)
+    assert len(lens) == 64 and 4096 <= min(lens) and max(lens) < 4096 + bench.SERVED_SPREAD and len(set(lens)) > 30
+    assert lens == bench.seq_lens(cfg) and lens != bench.seq_lens(cfg, seed=1)  # seeded
+    assert cfg.label() == f"b=64 s_k=4096 h={cfg.h} s_q={cfg.s_q} spread{bench.SERVED_SPREAD} p64"
+    # its own KV group (not the grid's ragged 4k cache), and the filter finds it by kind, lens and spread
+    assert cfg.kv_key() != dataclasses.replace(cfg, spread=0).kv_key()
+    full = bench.make_configs("full")
+    assert bench.select(full, ["kind=served"]) == every == bench.select(full, [f"spread={bench.SERVED_SPREAD}"])
+    assert bench.select(full, [f"lens=spread{bench.SERVED_SPREAD},b=16"]) == [c for c in every if c.b == 16]
