@@ -159,13 +159,12 @@ def select(cfgs: list[Config], filters: list[str] | None) -> list[Config]:
 def seq_lens(cfg: Config, seed: int = 0) -> list[int]:
     """KV lengths: ``s_k`` each, or ~N(s, s/2) clamped to [2, 2s], or ``s_k`` plus up to ``spread - 1``, seeded by
     (seed, b, s_k); the last one ``long_len`` where that is set."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + cfg.b * 7919 + cfg.s_k)
     if cfg.spread:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + cfg.b * 7919 + cfg.s_k)
         lens = (cfg.s_k + torch.randint(0, cfg.spread, (cfg.b,), generator=g)).tolist()
     elif not cfg.ragged:
         lens = [cfg.s_k] * cfg.b
     else:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + cfg.b * 7919 + cfg.s_k)
         x = torch.normal(float(cfg.s_k), cfg.s_k / 2, (cfg.b,), generator=g)
         lens = x.round().clamp(MAX_SQ, 2 * cfg.s_k).long().tolist()
     return lens[:-1] + [cfg.long_len] if cfg.long_len else lens

@@ -4,20 +4,19 @@
                                    [--fp8c] [--raw FILE]
 
 A shape is quick_time's: b,s_k,h,s_q,page, then optionally ``ragged`` (the bench's ragged lengths), ``seq`` and
-``long=N`` (the last request N tokens long: ``bench --grid mixed``'s batch); the cache's dtype is ``--fp8c``'s. Builds the Hopper kernel with ``KernelConfig.trace_part = P`` (clock64
-per step into the plan's unused last partial slot), runs a few eager decodes of each shape and reports, over the
-steady blocks (4..59; in a program of fewer than 61 blocks, all but its first and last) of the last launch, the
-median cycles of:
+``long=N`` (the last request N tokens long: ``bench --grid mixed``'s batch); the cache's dtype is ``--fp8c``'s.
+Builds the Hopper kernel with ``KernelConfig.trace_part = P`` (clock64 per step into the plan's unused last partial
+slot), runs a few eager decodes of each shape and reports, over the steady blocks (4..59; in a program of fewer than
+61 blocks, all but its first and last) of the last launch, the median cycles of:
   WG0: k wait (block landed?), S, softmax (mask, max, exp2, P to registers, alpha), p_free wait, P store + p_ready,
        P V issue (+ row sums), P V wait, and the block period;
   WG1: k wait, p_ready wait, P V (rescale, GEMM, wait);
   producer: page ids, k_free wait (buffer reuse), copy issue;
 and each role's clock rate over the whole program (clock64 against %globaltimer); a program of fewer than 61 blocks
 (short requests) also gets each block's WG0 period and k wait, where a request segment's start shows as a long one.
-``--fp8c``: the fp8-compute
-kernel on an e4m3 cache (FP8C_STEPS: its P V is one step, issue and wait, and its producer only issues the next
-block's copy and waits for its own). A traced decode's outputs are not checked (the trace shares nothing with them,
-but this is a profiling run)."""
+``--fp8c``: the fp8-compute kernel on an e4m3 cache (FP8C_STEPS: its P V is one step, issue and wait, and its
+producer only issues the next block's copy and waits for its own). A traced decode's outputs are not checked (the
+trace shares nothing with them, but this is a profiling run)."""
 import argparse
 import dataclasses
 import os

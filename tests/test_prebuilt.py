@@ -16,8 +16,7 @@ import textwrap
 import pytest
 
 pytest.importorskip("tilelang")
-needs_nvcc = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed to build the entries")]
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is needed to build the entries")
 
 LOAD = textwrap.dedent("""
     import json, pathlib, sys, time
@@ -30,8 +29,8 @@ LOAD = textwrap.dedent("""
 """)
 
 
-@needs_nvcc[0]
-@needs_nvcc[1]
+@pytest.mark.slow
+@needs_nvcc
 def test_prebuilt_planner_loads_without_nvcc(tmp_path, monkeypatch):
     from mla_backend.kernels import prebuilt
 
