@@ -146,12 +146,12 @@ class KernelVariant:
         q_nope, q_pe = _rows_aligned(q_nope, step), _rows_aligned(q_pe, step)
         kernels = self.kernels
         kernels.split(q_nope, q_pe, kv_cache, scales.k_scale_t, md.page_table, md.page_table_start, md.kv_lens,
-                      md.qo_indptr, cu, plan.part_begin_req, plan.part_end_req, plan.blocks_per_part,
+                      md.qo_indptr, cu, plan.part_begin_req, plan.part_end_req, plan.part_start, plan.req_parts,
                       scales.softmax_t, out, lse, plan.out_partial, plan.lse_partial, plan.merge_count)
         # The combine runs whatever the split kernel merged itself: it writes empty requests and merges the requests
         # with more parts than that (the host does not know the lengths).
         combine = self._runtime.pick_combine(kernels, batch, plan.rows, plan.num_parts)
-        combine(md.qo_indptr, cu, plan.blocks_per_part, plan.out_partial, plan.lse_partial, out, lse)
+        combine(md.qo_indptr, cu, plan.req_parts, plan.out_partial, plan.lse_partial, out, lse)
         if verify.VERIFYING and not capturing(q_nope.device):
             verify.verify_call(q_nope, q_pe, kv_cache, md, scales.softmax_scale, scales.k_scale, out, lse,
                                self.fp8_compute)

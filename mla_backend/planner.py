@@ -1,15 +1,19 @@
-"""Split-KV planner: cuts the flattened (request, KV block) work list into equal parts, on the GPU.
+"""Split-KV planner: cuts the flattened (request, KV block) work list into parts, one per SM and row block, on the GPU.
 
 No host sync and no ``.item()``: every output is a device tensor computed by one kernel launch on Hopper
 (kernels/plan_kernel.py) or a few torch ops elsewhere, and
 the buffers' sizes depend only on (max batch, SM count, heads x q_len), so an engine can plan into
 persistent buffers outside a CUDA graph and replay the graph with new lengths.
 
-Part ``p`` covers flat blocks ``[p * W, min((p + 1) * W, total))`` with ``W = blocks_per_part``: the even cut
-``ceil(total / num_parts)``, or the cut aligned to the longest request where that is cheaper by ``plan_cost``
-(equal lengths then give parts of whole requests, or of equal pieces of one, instead of parts that straddle two).
-A request covering blocks ``[cu[r], cu[r+1])`` is split iff ``cu[r] // W != (cu[r+1] - 1) // W``;
-its partial from part ``p`` goes to slot ``p + r``, so ``num_slots = num_parts + max_batch``.
+Part ``p`` covers flat blocks ``[part_start[p], part_start[p + 1])``. The torch planner cuts one width ``W`` for
+every part: the even cut ``ceil(total / num_parts)``, or the cut aligned to the longest request where that is cheaper
+by ``plan_cost`` (equal lengths then give parts of whole requests, or of equal pieces of one, instead of parts that
+straddle two). The Hopper plan kernel starts from that cut and replaces it by :func:`balanced_cut` (a width per part)
+where that lowers the costliest part's cost by ``BALANCED_MIN_GAIN``: a ragged batch's requests straddle parts of one
+width, two segments in most of them, and the costliest part sets the kernel's time.
+Request ``r`` touches parts ``req_parts[2 r] ..`` (``req_parts[2 r + 1]`` of them, 0 for an empty request) and is
+split iff it touches more than one; its partial from part ``p`` goes to slot ``p + r``, so
+``num_slots = num_parts + max_batch``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ MIN_BLOCK_ROWS = 16  # the fewest rows of any kernel config's tile: merge counte
 # (1-3 blocks wider, half the segments) were 2.4-9.8% faster at h=128 / 64 / 32 x s_q 2, 7 wider 1% faster at h=16
 # b=128, and a 3% wider cut with a third fewer segments (b=128 s_k=16384 h=128: 497 -> 512) 1-3.6% slower.
 SEGMENT_COST_BLOCKS = 8
+# The plan kernel keeps the one-width cut unless the balanced cut's costliest part is this much cheaper (1/20): equal
+# lengths keep the aligned cut that the A/B above chose, whose parts hold whole requests.
+BALANCED_MIN_GAIN = (19, 20)
 
 
 @dataclass
@@ -45,7 +52,9 @@ class SplitPlan:
     cu_blocks: int32 ``[max_batch + 1]`` prefix sum of KV blocks per request.
     part_begin_req / part_end_req: int32 ``[num_parts]`` first / last request each part touches
         (``end < begin`` for an empty part).
-    blocks_per_part: int32 ``[1]``.
+    part_start: int32 ``[num_parts + 1]``: the flat block where each part starts (non-decreasing; the last entry and
+        those of unused parts the total).
+    req_parts: int32 ``[2 * max_batch]``: per request its first part and its number of parts (0 if empty).
     out_partial: fp32 ``[num_parts + max_batch, rows, 512]``; lse_partial: fp32 ``[.., rows]`` (log2).
     merge_count: int32 ``[max_batch * ceil(rows / 16)]`` zeros: per (request, row block), the split kernel's
         count of finished parts (kernels that merge in their epilogue; the last program resets it to 0).
@@ -54,7 +63,8 @@ class SplitPlan:
     cu_blocks: torch.Tensor
     part_begin_req: torch.Tensor
     part_end_req: torch.Tensor
-    blocks_per_part: torch.Tensor
+    part_start: torch.Tensor
+    req_parts: torch.Tensor
     out_partial: torch.Tensor
     lse_partial: torch.Tensor
     merge_count: torch.Tensor
@@ -143,7 +153,8 @@ class SplitPlanner:
             cu_blocks=torch.zeros(max_batch + 1, **i32),
             part_begin_req=torch.zeros(self.num_parts, **i32),
             part_end_req=torch.zeros(self.num_parts, **i32),
-            blocks_per_part=torch.ones(1, **i32),
+            part_start=torch.zeros(self.num_parts + 1, **i32),
+            req_parts=torch.zeros(2 * max_batch, **i32),
             out_partial=torch.empty(self.num_parts + max_batch, rows, KV_LORA_RANK, dtype=torch.float32, device=device),
             lse_partial=torch.empty(self.num_parts + max_batch, rows, dtype=torch.float32, device=device),
             merge_count=torch.zeros(max_batch * -(-rows // MIN_BLOCK_ROWS), **i32),
@@ -151,7 +162,7 @@ class SplitPlanner:
             rows=rows,
             block_n=self.block_n,
         )
-        self._part_ids = torch.arange(self.num_parts, **i32)
+        self._part_ids = torch.arange(self.num_parts + 1, **i32)
         self._min_blocks = min_blocks_per_part(rows)
         # compiled here, before an engine captures its graphs: one launch per plan instead of ~18 torch ops
         kernel = plan_kernel_for(device, max_batch, self.block_n)
@@ -174,8 +185,8 @@ class SplitPlanner:
             raise ValueError(f"batch {batch} exceeds the planner's max_batch {self.max_batch}")
         p = self._plan
         if self._kernel is not None and batch > 0 and kv_lens.dtype == INDEX_DTYPE and kv_lens.is_contiguous():
-            self._kernel(kv_lens, p.cu_blocks, p.part_begin_req, p.part_end_req, p.blocks_per_part, self.num_parts,
-                         self._min_blocks, self.segment_cost)
+            self._kernel(kv_lens, p.cu_blocks, p.part_begin_req, p.part_end_req, p.part_start, p.req_parts,
+                         self.num_parts, self._min_blocks, self.segment_cost)
             return p
         blocks = (kv_lens + (self.block_n - 1)) // self.block_n
         cu = p.cu_blocks[: batch + 1]
@@ -190,15 +201,65 @@ class SplitPlanner:
 
         width = torch.where(plan_cost(aligned, segments(aligned), self.num_parts, self.segment_cost)
                             < plan_cost(even, segments(even), self.num_parts, self.segment_cost), aligned, even)
-        p.blocks_per_part.copy_(width)
-        lo = self._part_ids * width
-        hi = torch.minimum(lo + width, total)
+        starts = torch.minimum(self._part_ids * width, total)  # [num_parts + 1]
+        p.part_start.copy_(starts)
+        lo, hi = starts[:-1], starts[1:]
         begin = torch.searchsorted(cu[1:], lo, right=True, out_int32=True)
         end = torch.searchsorted(cu[1:], hi - 1, right=True, out_int32=True)
         p.part_begin_req.copy_(begin)
         # empty part (lo >= total): make the request loop run zero times
         p.part_end_req.copy_(torch.where(hi > lo, end, begin - 1))
+        first = cu[:-1] // width
+        count = torch.where(blocks > 0, (cu[1:] - 1) // width - first + 1, 0)
+        p.req_parts[: 2 * batch].view(batch, 2).copy_(torch.stack((first, count), dim=1))
         return p
+
+
+def balanced_cut(blocks: list[int], num_parts: int, segment_cost: int) -> tuple[int, list[int]]:
+    """The cut with a width per part whose costliest part is the cheapest, as the Hopper plan kernel makes it (pure
+    Python, for tests and scripts). A part's cost is its blocks plus ``segment_cost`` per request segment in it.
+
+    Filling each part up to a cost cap is optimal for that cap (a part that stops early leaves the next one at least
+    as much work), so the cheapest feasible cap is found by search and the cut is its greedy fill.
+    Returns (the costliest part's cost, part starts ``[num_parts + 1]``)."""
+    total, requests = sum(blocks), sum(1 for n in blocks if n)
+    if total == 0:
+        return 0, [0] * (num_parts + 1)
+    lo, hi = max(-(-(total + segment_cost * requests) // num_parts), segment_cost + 1), total + segment_cost * requests
+    while lo < hi:
+        cap = (lo + hi) // 2
+        if len(greedy_starts(blocks, cap, segment_cost)) <= num_parts:
+            hi = cap
+        else:
+            lo = cap + 1
+    starts = greedy_starts(blocks, lo, segment_cost)
+    return lo, starts + [total] * (num_parts + 1 - len(starts))
+
+
+def greedy_starts(blocks: list[int], cap: int, segment_cost: int) -> list[int]:
+    """Start blocks of the parts that filling each part up to ``cap`` makes (``cap > segment_cost``)."""
+    starts, used, flat = [0], 0, 0
+    room = cap - segment_cost  # the most blocks one segment of a fresh part takes
+    for n in blocks:
+        while n:
+            take = min(n, cap - used - segment_cost)
+            if take < 1:
+                starts.append(flat)
+                used, take = 0, min(n, room)
+            used, n, flat = used + take + segment_cost, n - take, flat + take
+            if n:
+                starts.append(flat)
+                used = 0
+    return starts
+
+
+def part_costs(blocks: list[int], starts: list[int], segment_cost: int) -> list[int]:
+    """Each part's cost under the cut ``starts`` (``[num_parts + 1]``): its blocks plus its request segments."""
+    cu = [0]
+    for n in blocks:
+        cu.append(cu[-1] + n)
+    return [(hi - lo) + segment_cost * sum(1 for r in range(len(blocks)) if max(lo, cu[r]) < min(hi, cu[r + 1]))
+            if hi > lo else 0 for lo, hi in zip(starts, starts[1:])]
 
 
 _PLANNERS: dict[tuple, SplitPlanner] = {}

@@ -118,3 +118,22 @@ def assert_matches(out, lse, ref_out, ref_lse, dtype):
     torch.testing.assert_close(out.double(), ref_out, rtol=rtol, atol=rtol * 0.1)
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=0, atol=1e-4)
+
+
+def fill_plan(plan, blocks, starts):
+    """Write the cut ``starts`` ([num_parts + 1]) of requests of ``blocks`` into ``plan`` as the plan kernel does:
+    cu_blocks, each part's first and last request, each request's first part and number of parts."""
+    cu = [0]
+    for n in blocks:
+        cu.append(cu[-1] + n)
+    for part, (lo, hi) in enumerate(zip(starts, starts[1:])):
+        touched = [r for r in range(len(blocks)) if max(lo, cu[r]) < min(hi, cu[r + 1])]
+        first = next(r for r in range(len(blocks) + 1) if r == len(blocks) or cu[r + 1] > lo)
+        plan.part_begin_req[part] = touched[0] if touched else first
+        plan.part_end_req[part] = touched[-1] if touched else first - 1
+    for r in range(len(blocks)):
+        parts = [p for p, (lo, hi) in enumerate(zip(starts, starts[1:])) if max(lo, cu[r]) < min(hi, cu[r + 1])]
+        plan.req_parts[2 * r], plan.req_parts[2 * r + 1] = (parts[0], len(parts)) if parts else (0, 0)
+    plan.cu_blocks[: len(cu)] = torch.tensor(cu, dtype=torch.int32)
+    plan.part_start.copy_(torch.tensor(starts, dtype=torch.int32))
+    return plan

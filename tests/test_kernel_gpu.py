@@ -12,6 +12,7 @@ import torch
 
 from mla_backend import MLADecodeMetadata, SplitPlanner, mla_decode, mla_decode_reference
 from mla_backend.dispatch import select_impl
+from mla_problems import fill_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mla_kernels]
 
@@ -76,10 +77,8 @@ def check(q, kv_cache, md, k_scale, dtype, rel_tol=1e-2, lse_tol=1e-3, fp8_compu
 
 def parts_per_request(plan, batch):
     """The number of parts of each non-empty request under ``plan`` (the kernels' ``request_parts``)."""
-    from mla_backend.kernels.common import request_parts
-
-    cu, width = plan.cu_blocks.tolist(), int(plan.blocks_per_part)
-    return [request_parts(cu[r], cu[r + 1], width)[1] for r in range(batch) if cu[r + 1] > cu[r]]
+    counts = plan.req_parts[1: 2 * batch: 2].tolist()
+    return [n for n in counts if n]
 
 
 RAGGED = [0, 1, 63, 65, 200, 1000, 64, 2049]
@@ -206,6 +205,30 @@ def test_two_part_requests_merged_in_kernel(heads, q_len, kv_dtype):
         again = mla_decode(q, kv_cache, md, SCALE, k_scale=k_scale if kv_dtype == FP8 else None)
         assert torch.equal(first, again), "the merged output depends on which program finished second"
     assert int(md.plan.merge_count.abs().sum()) == 0, "a merge counter was left non-zero"
+
+
+@pytest.mark.parametrize("heads,q_len,kv_dtype,fp8_compute", [(128, 1, BF16, False), (16, 1, BF16, False),
+                                                              (128, 2, BF16, False), (128, 1, FP8, True)])
+def test_balanced_cut(heads, q_len, kv_dtype, fp8_compute):
+    """A ragged batch that the plan kernel cuts with a width per part (the batch of an SGLang DP-attention rank: 64
+    requests of 4.1-4.3k tokens, with an empty one and a short one), parts of differing widths, requests of one part
+    and of two or more: against the reference, and the plan against its Python model."""
+    _kernel_or_skip(heads=heads, q_len=q_len, kv_dtype=kv_dtype)
+    import random
+
+    rng = random.Random(heads + q_len)
+    lens = [rng.randrange(4096, 4300) for _ in range(62)] + [0, 70]
+    q, kv_cache, md, k_scale = make_problem(lens, heads, q_len, 64, BF16, kv_dtype, seed=heads * 3 + q_len)
+    planner = SplitPlanner(len(lens), heads, q_len, "cuda")
+    md.plan = planner.plan(md.kv_lens)
+    assert_plan_is(md.plan, expected_plan(torch_planner(planner, heads, q_len), md.kv_lens.cpu()))
+    widths = set((md.plan.part_start[1:] - md.plan.part_start[:-1]).tolist()) - {0}
+    parts = parts_per_request(md.plan, len(lens))
+    assert len(widths) > 1 and 1 in parts and max(parts) >= 2, (widths, parts)
+    if fp8_compute:
+        check(q, kv_cache, md, k_scale, BF16, rel_tol=6e-2, lse_tol=0.3, fp8_compute=True)
+    else:
+        check(q, kv_cache, md, k_scale, BF16, rel_tol=2e-2 if kv_dtype == FP8 else 1e-2)
 
 
 @pytest.mark.parametrize("kv_dtype,lens,seed,rel_tol", [(None, [32768, 0, 1, 5000], 7, 1e-2),
@@ -410,12 +433,46 @@ def torch_planner(fused: SplitPlanner, heads: int, q_len: int) -> SplitPlanner:
     return SplitPlanner(fused.max_batch, heads, q_len, "cpu", num_sms=fused.num_sms, block_n=fused.block_n)
 
 
+PLAN_FIELDS = ("part_start", "part_begin_req", "part_end_req", "cu_blocks", "req_parts")
+
+
+def expected_plan(torch_ops: SplitPlanner, kv_lens: torch.Tensor):
+    """The plan kernel's plan, in Python: the torch planner's one-width cut, replaced by ``balanced_cut`` where that
+    is ``BALANCED_MIN_GAIN`` cheaper. Returns the fields of ``PLAN_FIELDS`` as CPU tensors (req_parts and cu_blocks
+    cut to the batch)."""
+    from mla_backend.planner import BALANCED_MIN_GAIN, balanced_cut, part_costs
+
+    batch = kv_lens.shape[0]
+    plan = torch_ops.plan(kv_lens.cpu())
+    blocks = [-(-n // torch_ops.block_n) for n in kv_lens.tolist()]
+    worst = max(part_costs(blocks, plan.part_start.tolist(), torch_ops.segment_cost))
+    best, starts = balanced_cut(blocks, plan.num_parts, torch_ops.segment_cost)
+    want = {name: getattr(plan, name).clone() for name in PLAN_FIELDS}
+    if best * BALANCED_MIN_GAIN[1] < worst * BALANCED_MIN_GAIN[0]:
+        fill_plan(plan, blocks, starts)
+        want = {name: getattr(plan, name).clone() for name in PLAN_FIELDS}
+    want["cu_blocks"], want["req_parts"] = want["cu_blocks"][: batch + 1], want["req_parts"][: 2 * batch]
+    return want
+
+
+def assert_plan_is(plan, want, what=""):
+    batch = want["cu_blocks"].shape[0] - 1
+    for name, value in want.items():
+        got = getattr(plan, name).cpu()
+        got = got[: value.shape[0]] if name in ("cu_blocks", "req_parts") else got
+        if name == "req_parts":  # an empty request's first part is not read: compare its count only
+            empty = value[1::2] == 0
+            got, value = got.clone(), value.clone()
+            got[0::2][empty] = value[0::2][empty] = 0
+        assert torch.equal(got, value), (what, name, batch)
+
+
 @pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 2), (32, 1)])
 @pytest.mark.mla_kernels(plans=(300,))
-def test_plan_kernel_matches_torch_planner(heads, q_len):
-    """The one-launch planner (sm90) writes the same plan as the torch ops: ragged lengths with zeros and block
-    edges, equal lengths (where the cut aligned to the requests wins), batches from 1 to the planner's max, an
-    all-empty batch, three part counts (heads x q_len)."""
+def test_plan_kernel_matches_its_python_model(heads, q_len):
+    """The one-launch planner (sm90) writes the plan of its Python model (``expected_plan``): ragged lengths with zeros
+    and block edges (where the balanced cut wins), equal lengths (where the cut aligned to the requests wins), batches
+    from 1 to the planner's max, an all-empty batch, three part counts (heads x q_len)."""
     _kernel_or_skip(heads=heads, q_len=q_len)
     import random
 
@@ -431,10 +488,7 @@ def test_plan_kernel_matches_torch_planner(heads, q_len):
         elif trial % 3 == 0:  # equal lengths: 4096 .. 32768 tokens or a random count
             lens = [rng.choice([4096, 8192, 16384, 32768, rng.randrange(1, 40000)])] * batch
         kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        a, b = fused.plan(kv_lens), torch_ops.plan(kv_lens.cpu())
-        for name in ("blocks_per_part", "part_begin_req", "part_end_req"):
-            assert torch.equal(getattr(a, name).cpu(), getattr(b, name)), (trial, name, lens)
-        assert torch.equal(a.cu_blocks[: batch + 1].cpu(), b.cu_blocks[: batch + 1]), (trial, lens)
+        assert_plan_is(fused.plan(kv_lens), expected_plan(torch_ops, kv_lens), (trial, lens))
 
 
 @pytest.mark.mla_kernels(plans=(512, 1024))
@@ -456,9 +510,7 @@ def test_plan_kernels_warm_up_to_the_engine_batch():
     assert fused._kernel is not None
     torch_ops = torch_planner(fused, 16, 1)
     lens = torch.randint(0, 9000, (1000,), dtype=torch.int32, device="cuda")
-    a, b = fused.plan(lens), torch_ops.plan(lens.cpu())
-    for name in ("blocks_per_part", "part_begin_req", "part_end_req", "cu_blocks"):
-        assert torch.equal(getattr(a, name).cpu(), getattr(b, name)), name
+    assert_plan_is(fused.plan(lens), expected_plan(torch_ops, lens))
 
 
 @pytest.mark.mla_kernels(plans=((2, 32),))  # the other block size: 96 - 64
@@ -556,8 +608,7 @@ def test_plan_kernel_waits_for_a_predecessor_that_triggers_early(backend, monkey
     new_lens = torch.randint(1, 40000, (300,), generator=g, dtype=torch.int32).cuda()
     stale = torch.randint(1, 40000, (300,), generator=g, dtype=torch.int32).cuda()
     kv_lens = stale.clone()
-    want = torch_ops.plan(new_lens.cpu())
-    want = {name: getattr(want, name).clone() for name in ("blocks_per_part", "part_begin_req", "part_end_req")}
+    want = expected_plan(torch_ops, new_lens.cpu())
     copy = _early_trigger_copy(kv_lens.numel(), "int32")
     for _ in range(3):
         kv_lens.copy_(stale)
@@ -567,5 +618,4 @@ def test_plan_kernel_waits_for_a_predecessor_that_triggers_early(backend, monkey
         got = fused.plan(kv_lens)
         torch.cuda.synchronize()
         assert torch.equal(kv_lens, new_lens)
-        for name, value in want.items():
-            assert torch.equal(getattr(got, name).cpu(), value), f"{name}: the planner read kv_lens before its writer finished"
+        assert_plan_is(got, want, "the planner read kv_lens before its writer finished")

@@ -106,7 +106,7 @@ def test_split_kernel_lowers_to_wgmma(cuda_lowered, variant):
     src = art.kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_split', src), "no split kernel entry in the source"
     assert "wgmma" in src, "the split kernel's GEMMs did not lower to Hopper WGMMA"
-    assert _waits_before(src, "blocks_per_part[")
+    assert _waits_before(src, "part_start[")
     smem = _smem_bytes(art.device_mod)
     assert 0 < smem <= SM90_SMEM_LIMIT, f"needs {smem} B of shared memory; a block may use {SM90_SMEM_LIMIT} B"
 
@@ -115,7 +115,7 @@ def test_split_kernel_lowers_to_wgmma(cuda_lowered, variant):
 def test_combine_kernel_lowers(cuda_lowered, variant):
     src = cuda_lowered("combine", variant).kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine', src)
-    assert _waits_before(src, "blocks_per_part[")
+    assert _waits_before(src, "req_parts[")
     if variant[-1]:  # wide: the partial rows are read as float4, all COMBINE_WIDE_LOADS of them before the weights
         head = src[:src.index("lse_partial[")]
         assert head.count("*(float4*)(out_partial") == 1 and "for (int u = 0; u < 16; ++u)" in head, head[-3000:]

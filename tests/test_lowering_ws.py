@@ -249,7 +249,7 @@ def test_kernels_wait_for_the_previous_kernel_before_any_read(lowered, lowered_t
     test_lowering.py."""
     body = kernel_body((lowered_tws if variant in TWS_VARIANTS else lowered)[variant][0])
     wait = body.index("cudaGridDependencySynchronize();")
-    reads = [m.start() for name in ("blocks_per_part", "cu_blocks", "part_begin_req", "part_end_req", "kv_lens",
+    reads = [m.start() for name in ("part_start", "req_parts", "cu_blocks", "part_begin_req", "part_end_req", "kv_lens",
                                     "qo_indptr", "page_table", "page_table_start", "k_scale", "sm_scale", "q_nope",
                                     "q_pe", "merge_count") for m in [re.search(rf"\b{name}\[", body)] if m]
     assert reads and wait < min(reads) and "cudaTriggerProgrammaticLaunchCompletion" not in body

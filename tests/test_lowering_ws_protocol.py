@@ -117,17 +117,24 @@ class Buffer:
         self.readers -= 1
 
 
-def plan_parts(kv_lens, width, num_parts, block_n=64):
-    """The planner's split (mla_backend.planner.SplitPlanner.plan) for an arbitrary width."""
+def cut_starts(cut, num_parts, total):
+    """A plan's part starts ``[num_parts + 1]`` from ``cut``: one width for every part (the torch planner's), or the
+    starts themselves (the plan kernel's balanced cut)."""
+    return list(cut) if isinstance(cut, (list, tuple)) else [min(p * cut, total) for p in range(num_parts + 1)]
+
+
+def plan_parts(kv_lens, cut, num_parts, block_n=64):
+    """The planner's split (mla_backend.planner.SplitPlanner.plan) for an arbitrary cut (a width, or part starts)."""
     import bisect
 
     cu = [0]
     for n in kv_lens:
         cu.append(cu[-1] + -(-n // block_n))
     total = cu[-1]
+    starts = cut_starts(cut, num_parts, total)
     begin, end = [], []
     for p in range(num_parts):
-        lo, hi = p * width, min((p + 1) * width, total)
+        lo, hi = starts[p], starts[p + 1]
         b = bisect.bisect_right(cu[1:], lo)
         e = bisect.bisect_right(cu[1:], hi - 1)
         begin.append(b)
@@ -135,10 +142,10 @@ def plan_parts(kv_lens, width, num_parts, block_n=64):
     return cu, begin, end
 
 
-def part_segments(cu, width, part, begin, end):
+def part_segments(cu, cut, part, begin, end):
     """The kernel's request loop for one part: (req, blk_lo, blk_hi, g0) of each non-empty segment."""
-    part_lo = part * width
-    part_hi = min(part_lo + width, cu[-1])
+    starts = cut_starts(cut, len(begin), cu[-1])
+    part_lo, part_hi = starts[part], starts[part + 1]
     segs = []
     for req in range(begin[part], end[part] + 1):
         req_lo, req_hi = cu[req], cu[req + 1]
@@ -566,9 +573,10 @@ def test_protocol_random_plans():
 
 
 def test_protocol_with_the_real_planner():
-    """Plans made by mla_backend.planner.SplitPlanner with 64-token blocks (the kernel's block size)."""
+    """Plans made by mla_backend.planner.SplitPlanner with 64-token blocks (the kernel's block size), and every other
+    trial the plan kernel's balanced cut (a width per part) of the same batch."""
     torch = pytest.importorskip("torch")
-    from mla_backend.planner import SplitPlanner
+    from mla_backend.planner import SEGMENT_COST_BLOCKS, SplitPlanner, balanced_cut
 
     rng = random.Random(7)
     for trial in range(20):
@@ -577,12 +585,16 @@ def test_protocol_with_the_real_planner():
         planner = SplitPlanner(batch, 16, 1, "cpu", num_sms=rng.choice((4, 8, 16)), block_n=SM90.block_n)
         plan = planner.plan(torch.tensor(lens, dtype=torch.int32))
         cu = plan.cu_blocks[: batch + 1].tolist()
-        width = int(plan.blocks_per_part.item())
+        starts = plan.part_start.tolist()
         begin, end = plan.part_begin_req.tolist(), plan.part_end_req.tolist()
-        assert (cu, begin, end) == plan_parts(lens, width, plan.num_parts)
+        assert (cu, begin, end) == plan_parts(lens, starts, plan.num_parts)
+        if trial % 2:
+            blocks = [b - a for a, b in zip(cu, cu[1:])]
+            starts = balanced_cut(blocks, plan.num_parts, SEGMENT_COST_BLOCKS)[1]
+            cu, begin, end = plan_parts(lens, starts, plan.num_parts)
         for part in range(plan.num_parts):
             producers = ws.TWS_FP8_PRODUCERS if trial % 4 == 1 else 1
-            simulate_part(part_segments(cu, width, part, begin, end), seed=trial, fp8=trial % 2 == 1,
+            simulate_part(part_segments(cu, starts, part, begin, end), seed=trial, fp8=trial % 2 == 1,
                           producers=producers, kv_lens=lens if trial % 4 == 2 else None, rs_pv=producers == 1,
                           tile_ready=trial % 4 in (0, 2))
 

@@ -12,9 +12,9 @@ import torch
 from mla_backend import SplitPlanner, mla_decode_reference, plan_split_kv
 from mla_backend.kernels import configs
 from mla_backend.kernels.configs import MAX_PARTS
-from mla_backend.planner import (SEGMENT_COST_BLOCKS, min_blocks_per_part, num_parts_for, plan_cost,
-                                 warm_up_plan_kernels)
-from mla_problems import SCALE, make_problem
+from mla_backend.planner import (SEGMENT_COST_BLOCKS, balanced_cut, greedy_starts, min_blocks_per_part,
+                                 num_parts_for, part_costs, plan_cost, warm_up_plan_kernels)
+from mla_problems import SCALE, fill_plan, make_problem
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
 
@@ -27,19 +27,25 @@ def random_lens(seed: int, batch: int, max_len: int) -> list[int]:
 
 
 def plan_lists(plan, batch):
-    """The plan as Python lists: (cu_blocks [batch + 1], begin [parts], end [parts], width)."""
+    """The plan as Python lists: (cu_blocks [batch + 1], begin [parts], end [parts], starts [parts + 1],
+    [(first part, number of parts)] per request)."""
+    rp = plan.req_parts[: 2 * batch].tolist()
     return (plan.cu_blocks[: batch + 1].tolist(), plan.part_begin_req.tolist(), plan.part_end_req.tolist(),
-            int(plan.blocks_per_part[0]))
+            plan.part_start.tolist(), list(zip(rp[0::2], rp[1::2])))
+
+
+def plan_width(plan):
+    """The width of a one-width plan (the torch planner's): its first part's blocks."""
+    return int(plan.part_start[1] - plan.part_start[0])
 
 
 def segments(plan, batch):
     """What the split kernel does per part: [(part, req, blk_lo, blk_hi)] for non-empty segments,
     mirroring ``mla_decode_split``'s loop over ``part_begin_req[part] .. part_end_req[part]``."""
-    cu, begin, end, width = plan_lists(plan, batch)
+    cu, begin, end, starts, _ = plan_lists(plan, batch)
     out = []
     for part in range(plan.num_parts):
-        part_lo = part * width
-        part_hi = min(part_lo + width, cu[batch])
+        part_lo, part_hi = starts[part], starts[part + 1]
         for req in range(begin[part], end[part] + 1):
             blk_lo = max(part_lo, cu[req]) - cu[req]
             blk_hi = min(part_hi, cu[req + 1]) - cu[req]
@@ -63,10 +69,13 @@ def test_plan_invariants(heads, q_len, num_sms, batch, max_len, seed):
     planner = SplitPlanner(batch + 3, heads, q_len, device="cpu", num_sms=num_sms)
     lens = random_lens(seed, batch, max_len)
     plan = planner.plan(torch.tensor(lens, dtype=torch.int32))
-    cu, begin, end, width = plan_lists(plan, batch)
+    cu, begin, end, starts, req_parts = plan_lists(plan, batch)
+    width = plan_width(plan)
     block_n = planner.block_n
     assert cu == [0] + list(torch.tensor([-(-n // block_n) for n in lens]).cumsum(0).tolist())
-    assert width >= min_blocks_per_part(heads * q_len) and width * plan.num_parts >= cu[-1]
+    assert starts == [min(p * width, cu[-1]) for p in range(plan.num_parts + 1)]
+    assert (width >= min_blocks_per_part(heads * q_len) or cu[-1] < min_blocks_per_part(heads * q_len)) and \
+        width * plan.num_parts >= cu[-1]
 
     # every (request, block) pair is covered by exactly one part
     covered = [(req, b) for _, req, lo, hi in segments(plan, batch) for b in range(lo, hi)]
@@ -75,16 +84,20 @@ def test_plan_invariants(heads, q_len, num_sms, batch, max_len, seed):
 
     # part_begin_req / part_end_req are exactly the first / last request a part touches
     for part in range(plan.num_parts):
-        lo, hi = part * width, min((part + 1) * width, cu[-1])
+        lo, hi = starts[part], starts[part + 1]
         touched = [r for r in range(batch) if max(lo, cu[r]) < min(hi, cu[r + 1])]
         if touched:
             assert (begin[part], end[part]) == (touched[0], touched[-1]), part
         else:
             assert end[part] < begin[part], part  # empty part: the request loop runs zero times
 
+    # each request's first part and number of parts are the parts its blocks touch
+    for r in range(batch):
+        parts = [p for p in range(plan.num_parts) if max(starts[p], cu[r]) < min(starts[p + 1], cu[r + 1])]
+        assert req_parts[r] == ((parts[0], len(parts)) if parts else (req_parts[r][0], 0)), r
+
     # partial slots (part + req) of split requests are unique and inside the buffers
-    split_slots = [part + req for part, req, _, _ in segments(plan, batch)
-                   if cu[req] // width != (cu[req + 1] - 1) // width]
+    split_slots = [part + req for part, req, _, _ in segments(plan, batch) if req_parts[req][1] > 1]
     assert len(split_slots) == len(set(split_slots))
     assert all(0 <= s < plan.out_partial.shape[0] for s in split_slots)
 
@@ -93,7 +106,7 @@ def test_buffer_shapes_depend_only_on_max_batch_sms_and_rows():
     a = SplitPlanner(32, 16, 2, device="cpu", num_sms=132)
     b = SplitPlanner(32, 32, 1, device="cpu", num_sms=132)  # same rows = heads * q_len
     shapes = lambda p: {k: tuple(getattr(p, k).shape) for k in  # noqa: E731
-                        ("cu_blocks", "part_begin_req", "part_end_req", "blocks_per_part", "out_partial",
+                        ("cu_blocks", "part_begin_req", "part_end_req", "part_start", "req_parts", "out_partial",
                          "lse_partial", "merge_count")}
     buffers = a.buffers
     ptrs = [t.data_ptr() for t in (buffers.cu_blocks, buffers.part_begin_req, buffers.out_partial)]
@@ -108,7 +121,7 @@ def test_buffer_shapes_depend_only_on_max_batch_sms_and_rows():
     assert len(seen) == 1
     parts = num_parts_for(132, 16, 2)
     assert shapes(a.buffers) == {"cu_blocks": (33,), "part_begin_req": (parts,), "part_end_req": (parts,),
-                               "blocks_per_part": (1,), "out_partial": (parts + 32, 32, 512),
+                               "part_start": (parts + 1,), "req_parts": (64,), "out_partial": (parts + 32, 32, 512),
                                "lse_partial": (parts + 32, 32), "merge_count": (32 * 2,)}
     # the kernels' merge counters start at 0 (they reset them themselves, so no plan() call touches them)
     assert not a.buffers.merge_count.any()
@@ -166,7 +179,7 @@ def simulate(plan, p, block_n: int, scale: float = SCALE, merge_pairs: bool = Fa
     """
     batch, q_len = len(p.lens), p.q_lens[0]
     num_tokens, heads, _ = p.q.shape
-    cu, _, _, width = plan_lists(plan, batch)
+    cu, _, _, _, req_parts = plan_lists(plan, batch)
     flat = p.kv_cache.reshape(-1, 576).double()
     out = torch.full((num_tokens, heads, 512), float("nan"), dtype=torch.float64)
     lse = torch.full((num_tokens, heads), float("nan"), dtype=torch.float64)
@@ -188,7 +201,7 @@ def simulate(plan, p, block_n: int, scale: float = SCALE, merge_pairs: bool = Fa
         l_sum = prob.sum(-1)
         o = torch.einsum("ihn,nd->ihd", prob, kv[:, :512]) / torch.where(l_sum > 0, l_sum, 1)[..., None]
         lse2 = torch.where(l_sum > 0, torch.log2(l_sum) + m, torch.full_like(m, -math.inf))
-        if cu[req] // width == (cu[req + 1] - 1) // width:  # whole request in this part: direct write
+        if req_parts[req][1] == 1:  # whole request in this part: direct write
             assert torch.isnan(out[tok0: tok0 + q_len]).all(), "output row written twice"
             out[tok0: tok0 + q_len], lse[tok0: tok0 + q_len] = o, lse2 * LN2
         else:
@@ -198,7 +211,7 @@ def simulate(plan, p, block_n: int, scale: float = SCALE, merge_pairs: bool = Fa
 
     for req in range(batch):  # combine: one program per request
         tok0, lo, hi = req * q_len, cu[req], cu[req + 1]
-        first, last = lo // width, (hi - 1) // width
+        first, last = req_parts[req][0], req_parts[req][0] + req_parts[req][1] - 1
         if hi == lo:
             out[tok0: tok0 + q_len], lse[tok0: tok0 + q_len] = 0.0, -math.inf
         elif merge_pairs and last == first + 1:
@@ -222,17 +235,20 @@ def simulate(plan, p, block_n: int, scale: float = SCALE, merge_pairs: bool = Fa
     return out, lse
 
 
+@pytest.mark.parametrize("balanced", [False, True])
 @pytest.mark.parametrize("merge_pairs", [False, True])
 @pytest.mark.parametrize("heads,q_len,num_sms,batch,max_len", CASES)
-def test_split_and_combine_follow_the_reference(heads, q_len, num_sms, batch, max_len, merge_pairs):
+def test_split_and_combine_follow_the_reference(heads, q_len, num_sms, batch, max_len, merge_pairs, balanced):
     lens = random_lens(heads + q_len, batch, max_len)
     lens[0] = q_len - 1 if q_len > 1 else 0  # a request whose first queries see nothing
     p = make_problem(lens, heads, q_len, 16, torch.bfloat16, seed=num_sms)
     planner = SplitPlanner(batch, heads, q_len, device="cpu", num_sms=num_sms)
     assert planner.block_n == configs.config_for("sm90").block_n, "the planner's blocks must be the kernel's blocks"
     plan = planner.plan(torch.tensor(lens, dtype=torch.int32))
-    cu, _, _, width = plan_lists(plan, batch)
-    n_split = sum(cu[r] // width != (cu[r + 1] - 1) // width for r in range(batch))
+    if balanced:  # the plan kernel's cut with a width per part
+        blocks = [-(-n // planner.block_n) for n in lens]
+        fill_plan(plan, blocks, balanced_cut(blocks, plan.num_parts, SEGMENT_COST_BLOCKS)[1])
+    n_split = sum(count > 1 for _, count in plan_lists(plan, batch)[4])
     if max_len >= 400:
         assert n_split > 0, "this case should exercise the combine path"
     out, lse = simulate(plan, p, planner.block_n, merge_pairs=merge_pairs)
@@ -249,7 +265,7 @@ def test_short_batch_parts_hold_two_blocks_past_32_rows(heads, q_len, width):
     """b=1, 4096 tokens (64 blocks) on 132 SMs: one-block parts up to 32 rows; beyond, a one-block part's partial
     (rows x 2 KB) would outweigh its 72 KB block, so parts hold two (b=1 h=128: 24.8 -> 21.8 µs)."""
     plan = SplitPlanner(1, heads, q_len, device="cpu", num_sms=132).plan(torch.tensor([4096], dtype=torch.int32))
-    assert int(plan.blocks_per_part[0]) == width
+    assert plan_width(plan) == width
 
 
 def width_and_segments(batch, tokens, heads, q_len, segment_cost=None):
@@ -259,7 +275,7 @@ def width_and_segments(batch, tokens, heads, q_len, segment_cost=None):
     if segment_cost is not None:
         planner.segment_cost = segment_cost
     plan = planner.plan(torch.full((batch,), tokens, dtype=torch.int32))
-    return int(plan.blocks_per_part[0]), len(segments(plan, batch))
+    return plan_width(plan), len(segments(plan, batch))
 
 
 @pytest.mark.parametrize("batch,tokens,heads,q_len,even,aligned", [
@@ -296,7 +312,7 @@ def test_ragged_lengths_keep_the_even_cut_unless_aligning_is_cheaper():
         lens = torch.clamp(torch.normal(float(tokens), tokens / 2, (batch,), generator=gen), min=1).int()
         plan = SplitPlanner(batch, heads, 1, device="cpu", num_sms=132, block_n=64).plan(lens)
         total = int(((lens + 63) // 64).sum())
-        assert int(plan.blocks_per_part[0]) == -(-total // num_parts_for(132, heads, 1))
+        assert plan_width(plan) == -(-total // num_parts_for(132, heads, 1))
 
 
 def test_num_parts_follow_the_tile_rows():
@@ -307,3 +323,61 @@ def test_num_parts_follow_the_tile_rows():
     assert num_parts_for(132, 128, 1, 64) == 66
     assert num_parts_for(304, 128, 1, 16) == 38
     assert num_parts_for(304, 16, 1, 16) == 256  # capped at MAX_PARTS
+
+
+# ----------------------------------------------------------------------------- the balanced cut (a width per part)
+def cheapest_cut_by_search(blocks, num_parts, segment_cost):
+    """The lowest costliest-part cost over every cut of the flat blocks into ``num_parts`` contiguous parts (parts may
+    be empty), by exhaustive search over the cut positions: the oracle for ``balanced_cut`` on small batches."""
+    import itertools
+
+    total = sum(blocks)
+    best = None
+    for cuts in itertools.combinations_with_replacement(range(total + 1), num_parts - 1):
+        starts = [0, *cuts, total]
+        worst = max(part_costs(blocks, starts, segment_cost))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_balanced_cut_is_the_cheapest_cut(seed):
+    rng = random.Random(seed)
+    blocks = [rng.choice([0, 1, 2, 3, 5, 7]) for _ in range(rng.randint(1, 4))]
+    num_parts, segment_cost = rng.randint(1, 4), rng.choice([0, 1, 3])
+    if sum(blocks) == 0 or sum(blocks) > 12:
+        blocks = [3, 5]
+    cost, starts = balanced_cut(blocks, num_parts, max(segment_cost, 1))
+    assert len(starts) == num_parts + 1 and starts[0] == 0 and starts[-1] == sum(blocks)
+    assert starts == sorted(starts)
+    assert max(part_costs(blocks, starts, max(segment_cost, 1))) == cost
+    assert cost == cheapest_cut_by_search(blocks, num_parts, max(segment_cost, 1))
+
+
+@pytest.mark.parametrize("lens,heads,q_len,one_width,balanced", [
+    # 64 requests of 4096-4300 tokens at 128 heads (an SGLang DP-attention rank's decode batch, ragged by the
+    # staggered prefill): parts of 65 blocks hold two segments each; a width per part gives most one
+    ("ragged-4k", 128, 1, 81, 76),
+    ("short+long", 128, 1, 45, 36),  # 64 x ~1k + 1 x 16k: a served mixed load's decode batch
+    ("equal-16k", 128, 1, 521, 520),  # 128 x 16k: the one-width cut is as good (within BALANCED_MIN_GAIN)
+])
+def test_balanced_cut_lowers_the_costliest_part_of_ragged_batches(lens, heads, q_len, one_width, balanced):
+    """The planner's own cost model (SEGMENT_COST_BLOCKS per segment) on the H200's 132 SMs."""
+    gen = random.Random(0)
+    lens = {"ragged-4k": [gen.randrange(4096, 4300) for _ in range(64)],
+            "short+long": [gen.randrange(900, 1200) for _ in range(64)] + [16384],
+            "equal-16k": [16384] * 128}[lens]
+    planner = SplitPlanner(len(lens), heads, q_len, device="cpu", num_sms=132, block_n=64)
+    plan = planner.plan(torch.tensor(lens, dtype=torch.int32))
+    blocks = [-(-n // 64) for n in lens]
+    assert max(part_costs(blocks, plan.part_start.tolist(), SEGMENT_COST_BLOCKS)) == one_width
+    cost, starts = balanced_cut(blocks, planner.num_parts, SEGMENT_COST_BLOCKS)
+    assert cost == balanced and max(part_costs(blocks, starts, SEGMENT_COST_BLOCKS)) == balanced
+
+
+def test_greedy_fill_opens_a_part_where_a_segment_does_not_fit():
+    """Cap 10, 3 per segment: a fresh part takes at most 7 blocks of one request."""
+    assert greedy_starts([5, 5], 10, 3) == [0, 5]  # 5 + 3 used: the next segment would have no block of room
+    assert greedy_starts([20], 10, 3) == [0, 7, 14]  # one request over three parts
+    assert greedy_starts([4, 0, 1], 10, 3) == [0, 4]  # empty requests cost nothing
+    assert greedy_starts([2, 2], 10, 3) == [0]  # 2 + 3 + 2 + 3 = 10

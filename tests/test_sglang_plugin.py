@@ -458,9 +458,9 @@ def test_graph_steps_reuse_one_metadata_per_batch_size_with_fresh_values(kit_env
         theirs = fresh.page_table[fresh.page_table_start[r]: fresh.page_table_start[r] + pages]
         assert ours.tolist() == theirs.tolist(), r
     expected = SplitPlanner(4, backend.num_heads, 1, "cpu").plan(fresh.kv_lens)
-    for name in ("cu_blocks", "part_begin_req", "part_end_req", "blocks_per_part"):
+    for name in ("cu_blocks", "part_begin_req", "part_end_req", "part_start", "req_parts"):
         got, want = getattr(plan, name), getattr(expected, name)
-        n = 3 if name == "cu_blocks" else want.shape[0]  # a batch of 2: cu_blocks' first 3 entries
+        n = {"cu_blocks": 3, "req_parts": 4}.get(name, want.shape[0])  # a batch of 2: its entries
         assert got[:n].tolist() == want[:n].tolist(), name
     assert plan.cu_blocks[:3].tolist() != cu_blocks  # the plan was made again, in place
 

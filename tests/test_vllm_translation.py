@@ -97,7 +97,7 @@ def test_metadata_storage_is_persistent_across_steps():
         md = builder.build(table[:6], seq[:6], qsl[:7], 12)
         now = [md.kv_lens.data_ptr(), md.qo_indptr.data_ptr(), md.page_table.data_ptr(),
                md.page_table_start.data_ptr(), md.plan.cu_blocks.data_ptr(), md.plan.part_begin_req.data_ptr(),
-               md.plan.part_end_req.data_ptr(), md.plan.blocks_per_part.data_ptr(), md.plan.out_partial.data_ptr()]
+               md.plan.part_end_req.data_ptr(), md.plan.part_start.data_ptr(), md.plan.req_parts.data_ptr(), md.plan.out_partial.data_ptr()]
         assert ptrs is None or now == ptrs, step
         ptrs = now
         block_n = builder.planner(2).block_n

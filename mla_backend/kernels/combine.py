@@ -69,6 +69,7 @@ class CombineDims(NamedTuple):
     num_tokens: Any  # query tokens of the batch
     batch: Any  # requests (one program column each)
     num_slots: Any  # the split kernel's partial slots
+    num_req_entries: Any  # entries of the plan's per-request part table
 
 
 def combine_dims() -> CombineDims:
@@ -81,35 +82,36 @@ def combine_prim_func(name: str, num_heads: int, q_len: int, dtype: str, dims: C
     this order), so the variants are interchangeable after the split kernel.
 
     Arguments (all device tensors; ``H`` = ``num_heads``, the other sizes ``dims``'): qo_indptr, cu_blocks int32
-    ``[batch + 1]``, blocks_per_part int32 ``[1]`` (the split kernel's plan); out_partial fp32
+    ``[batch + 1]``, req_parts int32 ``[num_req_entries]`` (the split kernel's plan: request r's first part and
+    number of parts at ``2 r`` and ``2 r + 1``); out_partial fp32
     ``[num_slots, H * q_len, 512]``, lse_partial fp32 ``[num_slots, H * q_len]`` (log2) (its partials); out
     ``[num_tokens, H, 512]`` (``dtype``), lse fp32 ``[num_tokens, H]`` (natural log).
     """
-    num_tokens, batch, num_slots = dims
+    num_tokens, batch, num_slots, num_req_entries = dims
     rows = num_heads * q_len
     accum = "float32"
 
     def combine(
         qo_indptr: T.Tensor([batch + 1], "int32"),
         cu_blocks: T.Tensor([batch + 1], "int32"),
-        blocks_per_part: T.Tensor([1], "int32"),
+        req_parts: T.Tensor([num_req_entries], "int32"),
         out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
         lse_partial: T.Tensor([num_slots, rows], accum),
         out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
         lse: T.Tensor([num_tokens, num_heads], accum),
     ):
-        program(qo_indptr, cu_blocks, blocks_per_part, out_partial, lse_partial, out, lse)
+        program(qo_indptr, cu_blocks, req_parts, out_partial, lse_partial, out, lse)
 
     combine.__name__ = name  # the kernel's symbol
     return T.prim_func(combine)
 
 
 @T.macro
-def count_request_parts(req_lo, req_hi, width, first: T.Ref, n_read: T.Ref):
-    """The parts of a request covering flat blocks ``[req_lo, req_hi)`` under ``width``-block parts: the first into
+def count_request_parts(req_parts, req, first: T.Ref, n_read: T.Ref):
+    """The parts of request ``req`` in the planner's cut (its table ``req_parts``): the first into
     ``first`` (its partial slots are ``first + i + req``), how many into ``n_read`` (at most ``MAX_PARTS``, the most
     the planner makes and the combine's shared memory holds)."""
-    first_part, parts = request_parts(req_lo, req_hi, width)
+    first_part, parts = request_parts(req_parts, req)
     first = first_part
     n_read = T.min(parts, MAX_PARTS)
 
@@ -132,7 +134,7 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
     batch = dims.batch
 
     @T.macro
-    def tiled_program(qo_indptr, cu_blocks, blocks_per_part, out_partial, lse_partial, out, lse):
+    def tiled_program(qo_indptr, cu_blocks, req_parts, out_partial, lse_partial, out, lse):
         with T.Kernel(batch, T.ceildiv(rows, tile_rows), chunks, threads=threads) as (req, tile, chunk):
             weight_s = T.alloc_shared([tile_rows, MAX_PARTS], accum)  # per row, its parts' merge weights
             acc = T.alloc_fragment([tile_rows, cols], accum)
@@ -148,10 +150,9 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
             row0 = tile * tile_rows
             row = T.min(row0 + r, rows - 1)  # this thread's row for the LSE loads (clamped: a last partial tile)
             tok0 = qo_indptr[req]
-            width = blocks_per_part[0]
             req_lo = cu_blocks[req]
             req_hi = cu_blocks[req + 1]
-            count_request_parts(req_lo, req_hi, width, first, n_read)
+            count_request_parts(req_parts, req, first, n_read)
             if req_hi == req_lo:
                 for i, d in T.Parallel(tile_rows, cols):
                     if row0 + i < rows:
@@ -226,7 +227,7 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
     batch = dims.batch
 
     @T.macro
-    def row_program(qo_indptr, cu_blocks, blocks_per_part, out_partial, lse_partial, out, lse):
+    def row_program(qo_indptr, cu_blocks, req_parts, out_partial, lse_partial, out, lse):
         with T.Kernel(batch, rows, n_chunks, threads=threads) as (req, row, chunk):
             lse_f = T.alloc_fragment([MAX_PARTS], accum)  # partial LSEs, then their exp2 weights
             weight_s = T.alloc_shared([MAX_PARTS], accum)
@@ -244,10 +245,9 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
             else:
                 acc = T.alloc_fragment([KV_LORA_RANK], accum)
             wait_for_inputs(pdl)
-            width = blocks_per_part[0]
             req_lo = cu_blocks[req]
             req_hi = cu_blocks[req + 1]
-            count_request_parts(req_lo, req_hi, width, first, n_read)
+            count_request_parts(req_parts, req, first, n_read)
             tok = qo_indptr[req] + row // num_heads
             head = row % num_heads
             d0 = chunk * COMBINE_WIDE_DIMS if wide else 0

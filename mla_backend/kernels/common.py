@@ -36,6 +36,7 @@ class SplitDims(NamedTuple):
     num_parts: Any  # the plan's parts (one program column each)
     num_slots: Any  # partial slots
     num_counts: Any  # merge counters
+    num_req_entries: Any  # entries of the plan's per-request part table (2 per request of the planner's max batch)
 
 
 def split_dims() -> SplitDims:
@@ -53,12 +54,14 @@ def split_prim_func(num_heads: int, q_len: int, page_size: int, dtype: str, kv_d
         kv_cache ``[num_pages, page_size, 576]`` (``kv_dtype``); k_scale fp32 ``[1]``;
         page_table int32 ``[num_entries]``; page_table_start, kv_lens int32 ``[batch]``;
         qo_indptr int32 ``[batch + 1]``; cu_blocks int32 ``[batch + 1]`` (the planner's blocks);
-        part_begin_req, part_end_req int32 ``[num_parts]``; blocks_per_part int32 ``[1]``; sm_scale fp32 ``[1]``;
+        part_begin_req, part_end_req int32 ``[num_parts]``; part_start int32 ``[num_parts + 1]`` (the flat block
+        where each part starts, the last entry the total); req_parts int32 ``[num_req_entries]`` (request r's first
+        part at ``2 r``, its number of parts at ``2 r + 1``); sm_scale fp32 ``[1]``;
         out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
         out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2);
         merge_count int32 ``[num_counts]`` (the kernels that merge splits themselves count parts there).
     """
-    num_tokens, batch, num_pages, num_entries, num_parts, num_slots, num_counts = dims
+    num_tokens, batch, num_pages, num_entries, num_parts, num_slots, num_counts, num_req_entries = dims
     rows = num_heads * q_len
     accum = "float32"
     # q halves are read in place from whatever views the engine hands over (vLLM's q_nope is a transposed bmm
@@ -80,7 +83,8 @@ def split_prim_func(num_heads: int, q_len: int, page_size: int, dtype: str, kv_d
         cu_blocks: T.Tensor([batch + 1], "int32"),
         part_begin_req: T.Tensor([num_parts], "int32"),
         part_end_req: T.Tensor([num_parts], "int32"),
-        blocks_per_part: T.Tensor([1], "int32"),
+        part_start: T.Tensor([num_parts + 1], "int32"),
+        req_parts: T.Tensor([num_req_entries], "int32"),
         sm_scale: T.Tensor([1], accum),
         out: T.Tensor([num_tokens, num_heads, KV_LORA_RANK], dtype),
         lse: T.Tensor([num_tokens, num_heads], accum),
@@ -89,7 +93,7 @@ def split_prim_func(num_heads: int, q_len: int, page_size: int, dtype: str, kv_d
         merge_count: T.Tensor([num_counts], "int32"),
     ):
         program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
-                part_begin_req, part_end_req, blocks_per_part, sm_scale, out, lse, out_partial, lse_partial,
+                part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial,
                 merge_count)
 
     return mla_decode_split
@@ -155,11 +159,10 @@ def make_store_rows(num_heads: int, q_len: int, block_rows: int, ncols: int, col
     return SegmentStore(normalize, write, store)
 
 
-def request_parts(req_lo, req_hi, width):
-    """(first part, number of parts) of a request covering flat blocks ``[req_lo, req_hi)`` with ``width``-block
-    parts (the planner's cut); its partial from part ``p`` is in slot ``p + req``."""
-    first = req_lo // width
-    return first, (req_hi - 1) // width - first + 1
+def request_parts(req_parts, req):
+    """(first part, number of parts) of request ``req`` in the planner's cut (its table ``req_parts``); its partial
+    from part ``p`` is in slot ``p + req``."""
+    return req_parts[2 * req], req_parts[2 * req + 1]
 
 
 @T.macro

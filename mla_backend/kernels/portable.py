@@ -96,7 +96,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
 
     @T.macro
     def split_program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
-                      part_begin_req, part_end_req, blocks_per_part, sm_scale, out, lse, out_partial, lse_partial,
+                      part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial,
                       merge_count):
         """The grid (part, row block); merge_count is not read here (the combine merges every split request)."""
         with T.Kernel(num_parts, n_row_blocks, threads=cfg.threads) as (part, row_block):
@@ -120,9 +120,8 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             # into the softmax scale and the output (k_scale is 1 for fp16/bf16 caches).
             kv_scale = k_scale[0]
             scale_log2 = sm_scale[0] * kv_scale * LOG2E
-            width = blocks_per_part[0]
-            part_lo = part * width
-            part_hi = T.min(part_lo + width, cu_blocks[batch])
+            part_lo = part_start[part]
+            part_hi = part_start[part + 1]
             row0 = row_block * block_rows
 
             for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
@@ -153,7 +152,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                                      alpha, row_sum, l_sum, pos0, vis0, row0, scale_log2)
 
                     # direct write when the whole request lies in this part, else partial slot part + req
-                    store_rows(acc_o, l_sum, m_cur, kv_scale, req_lo // width == (req_hi - 1) // width, part + req,
+                    store_rows(acc_o, l_sum, m_cur, kv_scale, req_parts[2 * req + 1] == 1, part + req,
                                tok0, row0, out, lse, out_partial, lse_partial)
 
     return split_prim_func(num_heads, q_len, page_size, dtype, kv_dtype, dims, split_program)

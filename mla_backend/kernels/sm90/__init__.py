@@ -2,7 +2,7 @@
 
 Same prim_func name, argument list and order as :func:`mla_backend.kernels.portable.build_decode_kernel`, same plan
 semantics (parts over the flattened (request, block)
-list, ``blocks_per_part``, direct write when a request lies in one part, partial slot ``part + req``,
+list, ``part_start`` / ``req_parts``, direct write when a request lies in one part, partial slot ``part + req``,
 log2 partial LSE, natural-log final LSE, zeros / -inf for rows that see nothing, causal rule
 ``pos < kv_len - q_len + row // num_heads + 1``, fp8 scale folded into S and O, clamped tail reads).
 The only difference visible to the host is the KV block size: 64 tokens, so the split planner must
@@ -56,7 +56,7 @@ default) the tws fp8 kernel has 512 threads: two producer warpgroups take blocks
 from one row set and then issuing its next block's loads, which so have two blocks' time to land.
 
 Synchronisation (mbarriers; arrive counts in threads). ``g`` is the block's index inside the part
-(``flat block - part * blocks_per_part``: a running counter that carries across requests, so the
+(``flat block - part_start[part]``: a running counter that carries across requests, so the
 pipeline does not drain at a request boundary and a segment may have any number of blocks, odd
 included); ``s`` counts the non-empty request segments the program has started. A wait on parity
 ``(n & 1) ^ 1`` waits for completion ``n - 1`` and passes at once on a fresh barrier (``n = 0``).

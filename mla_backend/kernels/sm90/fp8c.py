@@ -221,7 +221,7 @@ def fp8c_program(k, c, e, num_parts, batch, prelude: str):
 
     @T.macro
     def split_program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
-                      part_begin_req, part_end_req, blocks_per_part, sm_scale, out, lse, out_partial, lse_partial,
+                      part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial,
                       merge_count):
         with kernel_launch(num_parts, k.n_row_blocks, threads=k.threads, prelude=prelude) as (part, row_block):
             q8_l, q8_r, q8_t = tiles(q_rows)
@@ -277,9 +277,8 @@ def fp8c_program(k, c, e, num_parts, batch, prelude: str):
                 T.evaluate(T.call_extern("handle", "mla_trace_begin",
                                          T.access_ptr(out_partial[out_partial.shape[0] - 1, 0, 0], "w")))
             row0 = row_block * block_rows
-            width = blocks_per_part[0]
-            part_lo = part * width
-            part_hi = T.min(part_lo + width, cu_blocks[batch])
+            part_lo = part_start[part]
+            part_hi = part_start[part + 1]
             kv_scale = k_scale[0]
             scale_log2 = sm_scale[0] * kv_scale * LOG2E
             seg = 0
@@ -288,11 +287,11 @@ def fp8c_program(k, c, e, num_parts, batch, prelude: str):
                       merge_count, q8_l, q8_r, q8_t, qscale, kv80_l, kv80_r, k80_t, kv81_l, kv81_r, k81_t, p8,
                       alpha_slots, l_shared, merge_ticket, merge_state, acc_s, acc_o_l, m_prev, m_cur, alpha, row_sum,
                       l_sum, q_scale_r, k_ready, k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg, row0,
-                      width, part_lo, part_hi, kv_scale, scale_log2, part, row_block, lc, mc)
+                      req_parts, part_lo, part_hi, kv_scale, scale_log2, part, row_block, lc, mc)
             elif tx < 256:
                 r.wg1(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
                       merge_count, kv80_r, kv81_r, p8, alpha_slots, l_shared, merge_ticket, merge_state, m_r, w_r,
-                      acc_o_r, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready, l_free, seg, row0, width,
+                      acc_o_r, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready, l_free, seg, row0, req_parts,
                       part_lo, part_hi, kv_scale, part, row_block, lc, mc)
             else:
                 r.producer(q_nope, q_pe, kv_cache, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,

@@ -94,7 +94,7 @@ def fp8c_roles(k, c, e, f):
     def wg0(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
             merge_count, q8_l, q8_r, q8_t, qscale, kv80_l, kv80_r, k80_t, kv81_l, kv81_r, k81_t, p8, alpha_slots,
             l_shared, merge_ticket, merge_state, acc_s, acc_o_l, m_prev, m_cur, alpha, row_sum, l_sum, q_scale_r,
-            k_ready, k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, row0, width, part_lo,
+            k_ready, k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, row0, req_parts, part_lo,
             part_hi, kv_scale, scale_log2, part, row_block, lc, mc):
         """WG0: S, the softmax, P8, O^T[:256]."""
         T.set_max_nreg(REGS_WG0, 1)
@@ -167,7 +167,7 @@ def fp8c_roles(k, c, e, f):
                 e.send_l(l_sum, m_cur, l_shared, l_free, l_ready, seg)
                 T.sync_threads(WG0_NAMED_BARRIER, 128)
                 load_cols(l_shared, lc, mc)
-                first, n_parts = request_parts(req_lo, req_hi, width)
+                first, n_parts = request_parts(req_parts, req)
                 store_t_left(acc_o_l, lc, mc, l_sum, m_cur, alpha, m_prev, kv_scale / P8_SCALE, first, n_parts, part,
                              req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial,
                              lse_partial)
@@ -177,7 +177,7 @@ def fp8c_roles(k, c, e, f):
     @T.macro
     def wg1(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, merge_count,
             kv80_r, kv81_r, p8, alpha_slots, l_shared, merge_ticket, merge_state, m_r, w_r, acc_o_r, l_r, alpha_r,
-            k_ready, k_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, row0, width, part_lo, part_hi, kv_scale,
+            k_ready, k_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, row0, req_parts, part_lo, part_hi, kv_scale,
             part, row_block, lc, mc):
         """WG1: O^T[256:] from P8 and its K8 tile."""
         T.set_max_nreg(k.regs_wg1, grows(k.regs_wg1, k.threads))
@@ -202,7 +202,7 @@ def fp8c_roles(k, c, e, f):
                     T.barrier_arrive(p_free[0])
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
-                first, n_parts = request_parts(req_lo, req_hi, width)
+                first, n_parts = request_parts(req_parts, req)
                 # WG0's l (and m) of the thread's columns, read before l_free hands l_shared back
                 T.barrier_wait(l_ready[0], seg_ready_parity(seg))
                 load_cols(l_shared, lc, mc)

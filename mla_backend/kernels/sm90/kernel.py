@@ -140,7 +140,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
 
     @T.macro
     def split_program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
-                      part_begin_req, part_end_req, blocks_per_part, sm_scale, out, lse, out_partial, lse_partial,
+                      part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial,
                       merge_count):
         """The grid (part, row block; a cluster of two row blocks with cluster_kv), one role per warpgroup."""
         with kernel_launch(num_parts, n_row_blocks, threads=threads, prelude=prelude,
@@ -211,9 +211,8 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                 T.evaluate(T.call_extern("handle", "mla_trace_begin",
                                          T.access_ptr(out_partial[num_slots - 1, 0, 0], "w")))
             row0 = row_block * block_rows
-            width = blocks_per_part[0]
-            part_lo = part * width
-            part_hi = T.min(part_lo + width, cu_blocks[batch])
+            part_lo = part_start[part]
+            part_hi = part_start[part + 1]
             kv_scale = k_scale[0]
             scale_log2 = sm_scale[0] * kv_scale * LOG2E * (2.0 ** Q_F16_SHIFT if q_to_f16 else 1.0)
 
@@ -224,25 +223,25 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
                         lse_partial, merge_count, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared,
                         colmax_s, alpha_shared, l_shared, merge_ticket, merge_state, acc_s, acc_o_l, l_acc, m_prev,
                         m_cur, alpha, l_sum, k_ready, k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg,
-                        tx, row0, width, part_lo, part_hi, kv_scale, scale_log2, part, row_block)
+                        tx, row0, req_parts, part_lo, part_hi, kv_scale, scale_log2, part, row_block)
                 else:
                     wg0_ws(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial,
                         lse_partial, merge_count, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared,
                         alpha_shared, alpha_slots, p_frag, l_shared, merge_ticket, merge_state, acc_s, acc_o_l,
                         m_prev, m_cur, alpha, row_sum, l_sum, k_ready, k_free, q_ready, q_free, p_ready, p_free,
-                        l_ready, l_free, seg, tx, row0, width, part_lo, part_hi, kv_scale, scale_log2, part,
+                        l_ready, l_free, seg, tx, row0, req_parts, part_lo, part_hi, kv_scale, scale_log2, part,
                         row_block)
             elif tx < 256:
                 if transposed:
                     wg1_tws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
                         merge_count, kv0_r, kv1_r, p_shared, alpha_shared, l_shared, merge_ticket, merge_state, m_r,
                         w_r, acc_o_r0, acc_o_r1, acc_o_r2, acc_o_r3, l_r, alpha_r, k_ready, k_free, p_ready, p_free,
-                        l_ready, l_free, seg, row0, width, part_lo, part_hi, kv_scale, part, row_block)
+                        l_ready, l_free, seg, row0, req_parts, part_lo, part_hi, kv_scale, part, row_block)
                 else:
                     wg1_ws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
                         merge_count, kv0_r, kv1_r, p_shared, alpha_shared, alpha_slots, l_shared, merge_ticket,
                         merge_state, m_r, w_r, acc_o_r, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready,
-                        l_free, seg, tx, row0, width, part_lo, part_hi, kv_scale, part, row_block)
+                        l_free, seg, tx, row0, req_parts, part_lo, part_hi, kv_scale, part, row_block)
             else:
                 T.set_max_nreg(regs_producer, grows(regs_producer, threads))
                 t = tx - 256 if n_producers == 1 else (tx - 256) % 128

@@ -50,7 +50,7 @@ def wg0_roles(k, c, e, p):
     def wg0_tws(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
                 merge_count, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared, colmax_s, alpha_shared,
                 l_shared, merge_ticket, merge_state, acc_s, acc_o_l, l_acc, m_prev, m_cur, alpha, l_sum, k_ready,
-                k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, tx, row0, width, part_lo, part_hi,
+                k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, tx, row0, req_parts, part_lo, part_hi,
                 kv_scale, scale_log2, part, row_block):
         """tws WG0: S^T, softmax down the columns, P, O^T[:256]. Same protocol as ws WG0; the running max is a
         cross-warp reduction per block, the row sums stay per thread (l_acc, rescaled like O) until the segment's end."""
@@ -96,7 +96,7 @@ def wg0_roles(k, c, e, p):
 
                 T.reduce_sum(l_acc, l_sum, dim=0)
                 wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg, kv_scale, req_lo,
-                                req_hi, width, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
+                                req_hi, req_parts, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
                                 out, lse, out_partial, lse_partial)
                 seg = seg + 1
 
@@ -105,7 +105,7 @@ def wg0_roles(k, c, e, p):
                 merge_count, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared, alpha_shared,
                 alpha_slots, p_frag, l_shared, merge_ticket, merge_state, acc_s, acc_o_l, m_prev, m_cur, alpha,
                 row_sum, l_sum, k_ready, k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, tx, row0,
-                width, part_lo, part_hi, kv_scale, scale_log2, part, row_block):
+                req_parts, part_lo, part_hi, kv_scale, scale_log2, part, row_block):
         """ws WG0: S, softmax, P, O[:, :256]."""
         T.set_max_nreg(REGS_WG0, 1)
         if pad_rows:
@@ -180,7 +180,7 @@ def wg0_roles(k, c, e, p):
                 # each thread held its share of the row sums
                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
                 wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg, kv_scale, req_lo,
-                                req_hi, width, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
+                                req_hi, req_parts, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
                                 out, lse, out_partial, lse_partial)
                 seg = seg + 1
         trace_end(0)
@@ -209,7 +209,7 @@ def wg1_roles(k, c, e, p):
     def wg1_tws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, merge_count,
                 kv0_r, kv1_r, p_shared, alpha_shared, l_shared, merge_ticket, merge_state, m_r, w_r, acc_o_r0,
                 acc_o_r1, acc_o_r2, acc_o_r3, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready, l_free, seg: T.Ref,
-                row0, width, part_lo, part_hi, kv_scale, part, row_block):
+                row0, req_parts, part_lo, part_hi, kv_scale, part, row_block):
         """tws WG1: O^T[256:] as four 64-dim tiles."""
         T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
@@ -240,7 +240,7 @@ def wg1_roles(k, c, e, p):
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
                 receive_l(l_r, m_r, l_shared, l_ready, l_free, seg)
-                first, n_parts = request_parts(req_lo, req_hi, width)
+                first, n_parts = request_parts(req_parts, req)
                 store_right_t[0].normalize(acc_o_r0, l_r, kv_scale, alpha_r)
                 store_right_t[1].normalize(acc_o_r1, l_r, kv_scale, alpha_r)
                 store_right_t[2].normalize(acc_o_r2, l_r, kv_scale, alpha_r)
@@ -274,7 +274,7 @@ def wg1_roles(k, c, e, p):
     @T.macro
     def wg1_ws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, merge_count,
                 kv0_r, kv1_r, p_shared, alpha_shared, alpha_slots, l_shared, merge_ticket, merge_state, m_r, w_r,
-                acc_o_r, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, tx, row0, width,
+                acc_o_r, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, tx, row0, req_parts,
                 part_lo, part_hi, kv_scale, part, row_block):
         """ws WG1: O[:, 256:] from P in shared memory."""
         T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))  # fp8's 160 is a .dec
@@ -303,7 +303,7 @@ def wg1_roles(k, c, e, p):
                     release_kv(k_free, g, tx)
 
                 receive_l(l_r, m_r, l_shared, l_ready, l_free, seg)
-                first, n_parts = request_parts(req_lo, req_hi, width)
+                first, n_parts = request_parts(req_parts, req)
                 wg1_store_segment(acc_o_r, l_r, m_r, alpha_r, w_r, alpha_r, kv_scale, first, n_parts, part,
                                   req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
                                   lse, out_partial, lse_partial)
