@@ -197,7 +197,9 @@ def build_plan_kernel(max_batch: int, block_n: int, pdl: bool = False):
             # cap and the cheapest met one
             low = T.max((total + segment_cost * requests + num_parts - 1) // num_parts, segment_cost + 1) - 1
             best = worst
-            for _ in T.serial(CAP_ROUNDS):
+            # no search where no cut can gain BALANCED_MIN_GAIN: every cut has a part of cost low + 1 or more (equal
+            # lengths mostly)
+            for _ in T.serial(T.if_then_else((low + 1) * gain_den >= best * gain_num, 0, CAP_ROUNDS)):
                 step = T.max((best - low + THREADS - 1) // THREADS, 1)
                 cap = T.min(low + 1 + tx * step, best)
                 parts = 1
