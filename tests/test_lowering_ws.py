@@ -270,7 +270,7 @@ def test_whole_blocks_arrive_by_tma(lowered):
     sections = _role_sections(src, variant)
     producer = sections["producer"]
     assert producer.count("tl::tma_load(kv_cache_desc") == 1
-    assert re.search(r"if \(part_hi < \(\(\(int\)blockIdx\.x\) \* width\)\) \{\s*if \(tl::tl_shuffle_elect<128>\(\)\) \{\s*"
+    assert re.search(r"if \(part_hi < part_lo\) \{\s*if \(tl::tl_shuffle_elect<128>\(\)\) \{\s*"
                      r"k_ready\[0\]\.expect_transaction\(8192\);\s*tl::tma_load\(kv_cache_desc", producer)
     assert producer.count("MLA_TMA_MC(k_ready") == 6  # left / right (four boxes each) and rope tile of each buffer
     assert producer.count("if (tl::block_rank_in_cluster() == 0)") == 2 == producer.count(
