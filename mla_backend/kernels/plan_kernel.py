@@ -23,7 +23,7 @@ from .configs import config_for, target_for_arch
 from .common import wait_for_inputs
 
 THREADS = 256  # one per part at most: planner.MAX_PARTS
-CAP_ROUNDS = 3  # cap-search rounds of THREADS candidates: a range of up to 256^3 blocks
+CAP_ROUNDS = 3  # most cap-search rounds of THREADS candidates: a window of up to 256^3 caps
 _KERNELS: dict[tuple, object] = {}
 _LOCK = threading.Lock()
 
@@ -197,9 +197,12 @@ def build_plan_kernel(max_batch: int, block_n: int, pdl: bool = False):
             # cap and the cheapest met one
             low = T.max((total + segment_cost * requests + num_parts - 1) // num_parts, segment_cost + 1) - 1
             best = worst
-            # no search where no cut can gain BALANCED_MIN_GAIN: every cut has a part of cost low + 1 or more (equal
-            # lengths mostly)
-            for _ in T.serial(T.if_then_else((low + 1) * gain_den >= best * gain_num, 0, CAP_ROUNDS)):
+            # no search where no cut can gain BALANCED_MIN_GAIN (every cut has a part of cost low + 1 or more; equal
+            # lengths mostly), else as many rounds as the window needs to shrink to one cap
+            for _ in T.serial(T.if_then_else((low + 1) * gain_den >= best * gain_num, 0,
+                                             T.if_then_else(best - low <= THREADS, 1,
+                                                            T.if_then_else(best - low <= THREADS * THREADS, 2,
+                                                                           CAP_ROUNDS)))):
                 step = T.max((best - low + THREADS - 1) // THREADS, 1)
                 cap = T.min(low + 1 + tx * step, best)
                 parts = 1
