@@ -102,7 +102,8 @@ class DecodeMetadataBuilder:
         total = 0
         for planner in self._planners.values():
             plan = getattr(planner, "buffers", None)  # the planner's persistent SplitPlan
-            for name in ("out_partial", "lse_partial", "cu_blocks", "part_begin_req", "part_end_req"):
+            for name in ("out_partial", "lse_partial", "cu_blocks", "part_begin_req", "part_end_req", "part_start",
+                         "req_parts"):
                 t = getattr(plan, name, None)
                 total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
         return total
