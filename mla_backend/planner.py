@@ -215,9 +215,12 @@ class SplitPlanner:
         return p
 
 
-def balanced_cut(blocks: list[int], num_parts: int, segment_cost: int) -> tuple[int, list[int]]:
+def balanced_cut(blocks: list[int], num_parts: int, segment_cost: int,
+                 min_blocks: int = 1) -> tuple[int, list[int]]:
     """The cut with a width per part whose costliest part is the cheapest, as the Hopper plan kernel makes it (pure
     Python, for tests and scripts). A part's cost is its blocks plus ``segment_cost`` per request segment in it.
+    Caps start at ``segment_cost + min_blocks``, so that a fresh part takes ``min_blocks`` (``min_blocks_per_part``)
+    of a long request, as the one-width cut does.
 
     Filling each part up to a cost cap is optimal for that cap (a part that stops early leaves the next one at least
     as much work), so the cheapest feasible cap is found by search and the cut is its greedy fill.
@@ -225,7 +228,8 @@ def balanced_cut(blocks: list[int], num_parts: int, segment_cost: int) -> tuple[
     total, requests = sum(blocks), sum(1 for n in blocks if n)
     if total == 0:
         return 0, [0] * (num_parts + 1)
-    lo, hi = max(-(-(total + segment_cost * requests) // num_parts), segment_cost + 1), total + segment_cost * requests
+    hi = total + segment_cost * requests
+    lo = max(-(-hi // num_parts), segment_cost + min_blocks)
     while lo < hi:
         cap = (lo + hi) // 2
         if len(greedy_starts(blocks, cap, segment_cost)) <= num_parts:

@@ -440,13 +440,13 @@ def expected_plan(torch_ops: SplitPlanner, kv_lens: torch.Tensor):
     """The plan kernel's plan, in Python: the torch planner's one-width cut, replaced by ``balanced_cut`` where that
     is ``BALANCED_MIN_GAIN`` cheaper. Returns the fields of ``PLAN_FIELDS`` as CPU tensors (req_parts and cu_blocks
     cut to the batch)."""
-    from mla_backend.planner import BALANCED_MIN_GAIN, balanced_cut, part_costs
+    from mla_backend.planner import BALANCED_MIN_GAIN, balanced_cut, min_blocks_per_part, part_costs
 
     batch = kv_lens.shape[0]
     plan = torch_ops.plan(kv_lens.cpu())
     blocks = [-(-n // torch_ops.block_n) for n in kv_lens.tolist()]
     worst = max(part_costs(blocks, plan.part_start.tolist(), torch_ops.segment_cost))
-    best, starts = balanced_cut(blocks, plan.num_parts, torch_ops.segment_cost)
+    best, starts = balanced_cut(blocks, plan.num_parts, torch_ops.segment_cost, min_blocks_per_part(plan.rows))
     want = {name: getattr(plan, name).clone() for name in PLAN_FIELDS}
     if best * BALANCED_MIN_GAIN[1] < worst * BALANCED_MIN_GAIN[0]:
         fill_plan(plan, blocks, starts)

@@ -12,8 +12,8 @@ import torch
 from mla_backend import SplitPlanner, mla_decode_reference, plan_split_kv
 from mla_backend.kernels import configs
 from mla_backend.kernels.configs import MAX_PARTS
-from mla_backend.planner import (SEGMENT_COST_BLOCKS, balanced_cut, greedy_starts, min_blocks_per_part,
-                                 num_parts_for, part_costs, plan_cost, warm_up_plan_kernels)
+from mla_backend.planner import (BALANCED_MIN_GAIN, SEGMENT_COST_BLOCKS, balanced_cut, greedy_starts,
+                                 min_blocks_per_part, num_parts_for, part_costs, plan_cost, warm_up_plan_kernels)
 from mla_problems import SCALE, fill_plan, make_problem
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
@@ -381,3 +381,20 @@ def test_greedy_fill_opens_a_part_where_a_segment_does_not_fit():
     assert greedy_starts([20], 10, 3) == [0, 7, 14]  # one request over three parts
     assert greedy_starts([4, 0, 1], 10, 3) == [0, 4]  # empty requests cost nothing
     assert greedy_starts([2, 2], 10, 3) == [0]  # 2 + 3 + 2 + 3 = 10
+
+
+def test_equal_lengths_keep_one_width_on_hopper():
+    """On the bench grids' equal-length rows (H100 / H200: 132 SMs) no width-per-part cut is BALANCED_MIN_GAIN
+    cheaper, so the Hopper plan kernel keeps the one-width cut. Past 32 rows the caps start at min_blocks_per_part:
+    without that, b=1 s=4096 h=128 would be cut into 64 one-block parts (slower than 32 of two, planner.py)."""
+    from mla_backend.bench import make_configs
+
+    equal = [c for c in make_configs("full") if not c.ragged and not c.spread and not c.long_len]
+    assert len(equal) > 40
+    for cfg in equal:
+        planner = SplitPlanner(cfg.b, cfg.h, cfg.s_q, device="cpu", num_sms=132, block_n=64)
+        plan = planner.plan(torch.full((cfg.b,), cfg.s_k, dtype=torch.int32))
+        blocks = [-(-cfg.s_k // 64)] * cfg.b
+        one_width = max(part_costs(blocks, plan.part_start.tolist(), SEGMENT_COST_BLOCKS))
+        balanced, _ = balanced_cut(blocks, planner.num_parts, SEGMENT_COST_BLOCKS, min_blocks_per_part(cfg.h * cfg.s_q))
+        assert balanced * BALANCED_MIN_GAIN[1] >= one_width * BALANCED_MIN_GAIN[0], cfg

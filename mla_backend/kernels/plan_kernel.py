@@ -194,8 +194,9 @@ def build_plan_kernel(max_batch: int, block_n: int, pdl: bool = False):
 
             # the cheapest cap a greedy fill meets, in rounds: each thread tests one cap of the window (low, best]
             # (best = the one-width cut's cost, always met), and the next round searches between the largest failed
-            # cap and the cheapest met one
-            low = T.max((total + segment_cost * requests + num_parts - 1) // num_parts, segment_cost + 1) - 1
+            # cap and the cheapest met one. Caps start at segment_cost + min_blocks: a fresh part takes min_blocks of a
+            # long request at least, as the one-width cut does (past 32 rows a one-block part's partial outweighs it)
+            low = T.max((total + segment_cost * requests + num_parts - 1) // num_parts, segment_cost + min_blocks) - 1
             best = worst
             # no search where no cut can gain BALANCED_MIN_GAIN (every cut has a part of cost low + 1 or more; equal
             # lengths mostly), else as many rounds as the window needs to shrink to one cap
