@@ -228,8 +228,8 @@ def balanced_cut(blocks: list[int], num_parts: int, segment_cost: int,
     total, requests = sum(blocks), sum(1 for n in blocks if n)
     if total == 0:
         return 0, [0] * (num_parts + 1)
-    hi = total + segment_cost * requests
-    lo = max(-(-hi // num_parts), segment_cost + min_blocks)
+    hi = total + segment_cost * requests  # every block in one part: always met
+    lo = min(max(-(-hi // num_parts), segment_cost + min_blocks), hi)
     while lo < hi:
         cap = (lo + hi) // 2
         if len(greedy_starts(blocks, cap, segment_cost)) <= num_parts:

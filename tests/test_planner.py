@@ -398,3 +398,9 @@ def test_equal_lengths_keep_one_width_on_hopper():
         one_width = max(part_costs(blocks, plan.part_start.tolist(), SEGMENT_COST_BLOCKS))
         balanced, _ = balanced_cut(blocks, planner.num_parts, SEGMENT_COST_BLOCKS, min_blocks_per_part(cfg.h * cfg.s_q))
         assert balanced * BALANCED_MIN_GAIN[1] >= one_width * BALANCED_MIN_GAIN[0], cfg
+
+
+def test_balanced_cut_of_one_request_shorter_than_min_blocks():
+    """One block at 64 rows (min_blocks 2): the only cut is the whole request in one part, cost 1 + segment_cost."""
+    cost, starts = balanced_cut([1], 4, SEGMENT_COST_BLOCKS, min_blocks=2)
+    assert cost == 1 + SEGMENT_COST_BLOCKS and starts == [0, 1, 1, 1, 1]
