@@ -159,8 +159,10 @@ def test_plan_kernel_lowers(cuda_lowered, variant):
     assert "int batch" in src and "int num_parts" in src and "int min_blocks" in src and "int segment_cost" in src
     assert src.count("tl::warp_reduce_max(") == 3 and src.count("tl::warp_reduce_sum(") == 3
     assert src.count("tl::warp_reduce_min(") == 1
-    # the scan buffer and the cut's part starts, and at most the per-warp statistics (TileLang may merge them)
-    assert 4 * n + 4 * (MAX_PARTS + 1) <= _smem_bytes(art.device_mod) <= 4 * n + 4 * (MAX_PARTS + 1) + 4 * 6 * 8
+    # the scan buffer and the cut's part starts, and at most the per-warp statistics (TileLang may merge them); up to
+    # 16 bytes of alignment after each of the three buffers (0.1.9 pads the 257 part starts to 1040 bytes)
+    smem = 4 * n + 4 * (MAX_PARTS + 1)
+    assert smem <= _smem_bytes(art.device_mod) <= smem + 4 * 6 * 8 + 3 * 16
 
 
 @pytest.mark.parametrize("kind,variant", [("split", SPLIT_VARIANTS[0]), ("split", SPLIT_VARIANTS[4]),
