@@ -196,11 +196,12 @@ class SplitPlanner:
         longest = torch.clamp(blocks.max().reshape(1), min=1) if batch else torch.ones_like(even)
         aligned = aligned_width(longest, even)
 
-        def segments(w):  # request segments of the cut of width w: the parts each non-empty request touches
-            return torch.where(blocks > 0, (cu[1:] - 1) // w - cu[:-1] // w + 1, 0).sum()
+        def parts_touched(w):  # per request, the parts of the cut of width w that it touches (0 if empty)
+            return torch.where(blocks > 0, (cu[1:] - 1) // w - cu[:-1] // w + 1, 0)
 
-        width = torch.where(plan_cost(aligned, segments(aligned), self.num_parts, self.segment_cost)
-                            < plan_cost(even, segments(even), self.num_parts, self.segment_cost), aligned, even)
+        width = torch.where(plan_cost(aligned, parts_touched(aligned).sum(), self.num_parts, self.segment_cost)
+                            < plan_cost(even, parts_touched(even).sum(), self.num_parts, self.segment_cost),
+                            aligned, even)
         starts = torch.minimum(self._part_ids * width, total)  # [num_parts + 1]
         p.part_start.copy_(starts)
         lo, hi = starts[:-1], starts[1:]
@@ -209,9 +210,7 @@ class SplitPlanner:
         p.part_begin_req.copy_(begin)
         # empty part (lo >= total): make the request loop run zero times
         p.part_end_req.copy_(torch.where(hi > lo, end, begin - 1))
-        first = cu[:-1] // width
-        count = torch.where(blocks > 0, (cu[1:] - 1) // width - first + 1, 0)
-        p.req_parts[: 2 * batch].view(batch, 2).copy_(torch.stack((first, count), dim=1))
+        p.req_parts[: 2 * batch].view(batch, 2).copy_(torch.stack((cu[:-1] // width, parts_touched(width)), dim=1))
         return p
 
 
