@@ -81,16 +81,23 @@ def build_plan_kernel(max_batch: int, block_n: int, pdl: bool = False):
                 else:
                     e_hi = (e_lo + e_hi) // 2
 
-    @T.macro
-    def block_max(value, tx, warp_stat, row, result: T.Ref):
-        """``result`` raised to the largest ``value`` over the program's threads (in every thread)."""
-        T.sync_threads()
-        v = T.warp_reduce_max(value)
-        if tx % 32 == 0:
-            warp_stat[row, tx // 32] = v
-        T.sync_threads()
-        for w in T.serial(warps):
-            result = T.max(result, warp_stat[row, w])
+    def block_reduce(warp_reduce, fold):
+        @T.macro
+        def reduce(value, tx, warp_stat, row, result: T.Ref):
+            """``result`` folded with ``value`` of every thread of the program (in every thread): a warp shuffle,
+            then one shared slot per warp in row ``row`` of ``warp_stat``."""
+            T.sync_threads()
+            v = warp_reduce(value)
+            if tx % 32 == 0:
+                warp_stat[row, tx // 32] = v
+            T.sync_threads()
+            for w in T.serial(warps):
+                result = fold(result, warp_stat[row, w])
+
+        return reduce
+
+    block_max = block_reduce(T.warp_reduce_max, T.max)  # result raised to the largest value
+    block_min = block_reduce(T.warp_reduce_min, T.min)  # result lowered to the smallest value
 
     @T.prim_func
     def mla_plan(
@@ -214,14 +221,7 @@ def build_plan_kernel(max_batch: int, block_n: int, pdl: bool = False):
                         fill_request(cu_s[r] - prev, cap, segment_cost, used, opens, take, more)
                         parts = parts + opens + more
                     prev = cu_s[r]
-                acc = T.if_then_else(parts <= num_parts, cap, best)
-                T.sync_threads()
-                acc = T.warp_reduce_min(acc)
-                if tx % 32 == 0:
-                    warp_stat[5, tx // 32] = acc
-                T.sync_threads()
-                for w in T.serial(warps):
-                    best = T.min(best, warp_stat[5, w])
+                block_min(T.if_then_else(parts <= num_parts, cap, best), tx, warp_stat, 5, best)
                 failed = T.if_then_else(parts <= num_parts, low, cap)  # this thread's cap, where it failed
                 block_max(failed, tx, warp_stat, 4, low)
 
