@@ -156,10 +156,10 @@ def epilogue_macros(k):
         T.barrier_arrive(l_free[0])
 
     @T.macro
-    def wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg: T.Ref, kv_scale, req_lo,
-                        req_hi, req_parts, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
-                        lse, out_partial, lse_partial):
-        """WG0, the end of request ``req``'s segment (flat blocks ``[req_lo, req_hi)`` of the request): l and m to
+    def wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg: T.Ref, kv_scale,
+                        req_parts, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out, lse,
+                        out_partial, lse_partial):
+        """WG0, the end of request ``req``'s segment in part ``part`` (its parts from ``req_parts``): l and m to
         WG1, then O[:, :256] and the LSE normalised, merged if this program finishes a two-part request second, and
         written (``alpha`` and ``m_prev`` are free by now: the scratch and the merge weights)."""
         send_l(l_sum, m_cur, l_shared, l_free, l_ready, seg)

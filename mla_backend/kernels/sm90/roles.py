@@ -95,9 +95,9 @@ def wg0_roles(k, c, e, p):
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
                 T.reduce_sum(l_acc, l_sum, dim=0)
-                wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg, kv_scale, req_lo,
-                                req_hi, req_parts, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
-                                out, lse, out_partial, lse_partial)
+                wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg, kv_scale,
+                                req_parts, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
+                                lse, out_partial, lse_partial)
                 seg = seg + 1
 
     @T.macro
@@ -179,9 +179,9 @@ def wg0_roles(k, c, e, p):
 
                 # each thread held its share of the row sums
                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
-                wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg, kv_scale, req_lo,
-                                req_hi, req_parts, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state,
-                                out, lse, out_partial, lse_partial)
+                wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg, kv_scale,
+                                req_parts, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
+                                lse, out_partial, lse_partial)
                 seg = seg + 1
         trace_end(0)
 
