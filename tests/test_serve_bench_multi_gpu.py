@@ -285,8 +285,9 @@ def test_runner_parallel_arguments_without_the_engines(tmp_path):
     spec = _spec("vllm", "CUSTOM", tmp_path, "--tensor-parallel-size", "2", "--speculative-tokens", "1",
                  "--decode-context-parallel-size", "2", "--gpu-memory-gib", "80")
     assert vllm_runner.parallel_kwargs(spec, {"decode_context_parallel_size"}) == {
-        "tensor_parallel_size": 2, "speculative_config": {"method": "deepseek_mtp", "num_speculative_tokens": 1},
-        "decode_context_parallel_size": 2}
+        "tensor_parallel_size": 2, "decode_context_parallel_size": 2,
+        # vLLM's drafter picks its own backend unless told: the MTP layer runs on the backend under test too
+        "speculative_config": {"method": "deepseek_mtp", "num_speculative_tokens": 1, "attention_backend": "CUSTOM"}}
     with pytest.raises(ValueError, match="EngineArgs has no decode_context_parallel_size"):
         vllm_runner.parallel_kwargs(spec, {"tensor_parallel_size"})
     spec = _spec("sglang", "tilelang_mla", tmp_path, "--tensor-parallel-size", "4", "--dp-attention",
@@ -311,7 +312,8 @@ def test_vllm_engine_args_accept_tensor_parallel_mtp_and_decode_context_parallel
                  "--kv-cache-dtype", "fp8")
     args = EngineArgs(**vllm_runner.engine_kwargs(real))
     assert args.tensor_parallel_size == 4 and args.decode_context_parallel_size == 2
-    assert args.speculative_config == {"method": "deepseek_mtp", "num_speculative_tokens": 3}
+    assert args.speculative_config == {"method": "deepseek_mtp", "num_speculative_tokens": 3,
+                                       "attention_backend": "CUSTOM"}
     assert args.kv_cache_dtype == "fp8" and args.load_format == "dummy"
     # vLLM reads the config and builds the MTP draft from it (the small model: reading fp8 quantisation needs
     # compressed-tensors, which the CPU install of vLLM leaves out)
@@ -323,6 +325,7 @@ def test_vllm_engine_args_accept_tensor_parallel_mtp_and_decode_context_parallel
     speculative = args.create_speculative_config(model, ParallelConfig(tensor_parallel_size=2,
                                                                        decode_context_parallel_size=2))
     assert speculative.num_speculative_tokens == 2 and speculative.method in ("deepseek_mtp", "mtp")
+    assert speculative.attention_backend.name == "CUSTOM"  # the drafter's backend, as vLLM parses it
     assert speculative.draft_model_config.hf_config.architectures == ["DeepSeekMTPModel"]
 
 

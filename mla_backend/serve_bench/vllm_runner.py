@@ -85,10 +85,13 @@ def decode_context_parallel_problem(fields: set[str] | None) -> str | None:
 
 def parallel_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
     """Tensor parallelism, MTP speculative decoding and decode context parallelism, as EngineArgs arguments (only
-    those that differ from vLLM's defaults)."""
+    those that differ from vLLM's defaults). vLLM's drafter never inherits the target's attention backend (it picks
+    its own, FLASH_ATTN_MLA on Hopper), so the speculative config names the backend under test for the MTP layer too:
+    every attention call of the engine, draft and verification, runs on that backend."""
     kwargs: dict = {"tensor_parallel_size": spec.tensor_parallel_size}
     if spec.speculative_tokens:
-        kwargs["speculative_config"] = {"method": MTP_METHOD, "num_speculative_tokens": spec.speculative_tokens}
+        kwargs["speculative_config"] = {"method": MTP_METHOD, "num_speculative_tokens": spec.speculative_tokens,
+                                        "attention_backend": spec.backend}
     if spec.decode_context_parallel_size > 1:
         problem = decode_context_parallel_problem(engine_arg_fields() if fields is None else fields)
         if problem:
@@ -180,6 +183,9 @@ class VllmSession(EngineSession):
             info["decode_context_parallel_size"] = getattr(cfg.parallel_config, DECODE_CONTEXT_PARALLEL_FIELD, None)
             spec_config = cfg.speculative_config
             info["speculative_tokens"] = spec_config.num_speculative_tokens if spec_config else 0
+            if spec_config is not None:  # the MTP layer's backend (None: vLLM picked its own)
+                backend = getattr(spec_config, "attention_backend", None)
+                info["draft_attention_backend"] = getattr(backend, "name", backend)
             info["quantization"] = cfg.model_config.quantization
         except Exception as e:  # noqa: BLE001
             info["introspection_error"] = f"{type(e).__name__}: {e}"
