@@ -320,7 +320,7 @@ def _parallel(tp: int = 1, dcp: int = 1):
     return ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
 
 
-def _vllm_config(model_dir, hf_overrides=None, speculative_tokens=None, tp=1, dcp=1):
+def _vllm_config(model_dir, hf_overrides=None, speculative_tokens=None, tp=1, dcp=1, draft_backend=None):
     from vllm.config import DeviceConfig, ModelConfig, SpeculativeConfig, VllmConfig
 
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
@@ -328,7 +328,7 @@ def _vllm_config(model_dir, hf_overrides=None, speculative_tokens=None, tp=1, dc
     spec = None
     if speculative_tokens:
         spec = SpeculativeConfig(method="mtp", num_speculative_tokens=speculative_tokens, target_model_config=model,
-                                 target_parallel_config=_parallel(tp, dcp))
+                                 target_parallel_config=_parallel(tp, dcp), attention_backend=draft_backend)
     return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"), speculative_config=spec,
                       parallel_config=_parallel(tp, dcp))
 
@@ -360,6 +360,18 @@ def test_supports_combination_reads_engine_config(model_dir, overrides, spec_tok
         assert reasons == []
     else:
         assert any(expected in r for r in reasons), reasons
+
+
+def test_draft_backend_hint_names_the_speculative_config_setting(model_dir):
+    """vLLM's MTP drafter picks its own attention backend unless the speculative config names one: the builder tells
+    the user how to put it on CUSTOM, and says nothing where it is named or there is no drafter."""
+    from mla_backend.vllm_plugin.backend import draft_backend_hint
+
+    assert draft_backend_hint(_vllm_config(model_dir).speculative_config) is None
+    hint = draft_backend_hint(_vllm_config(model_dir, speculative_tokens=1).speculative_config)
+    assert hint is not None and '"attention_backend": "CUSTOM"' in hint and "--speculative-config" in hint
+    named = _vllm_config(model_dir, speculative_tokens=1, draft_backend="CUSTOM").speculative_config
+    assert named.attention_backend.name == "CUSTOM" and draft_backend_hint(named) is None
 
 
 # ---------------------------------------------------------------------------------------------- translation

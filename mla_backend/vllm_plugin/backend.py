@@ -72,6 +72,19 @@ def decode_q_lens(vllm_config: VllmConfig) -> tuple[int, ...]:
     return tuple(range(1, limit + 1))
 
 
+def draft_backend_hint(speculative_config) -> str | None:
+    """What to tell a user whose MTP drafter will not run on this backend: vLLM's drafter never inherits
+    ``--attention-backend`` and picks its own (FLASH_ATTN_MLA on Hopper) unless the speculative config names one.
+    None without speculative decoding or where the config names a backend."""
+    if speculative_config is None or not speculative_config.num_speculative_tokens:
+        return None
+    if getattr(speculative_config, "attention_backend", None) is not None:
+        return None
+    return ("mla_backend (vLLM CUSTOM): the MTP drafter picks its own attention backend (vLLM does not pass "
+            "--attention-backend on to it); put \"attention_backend\": \"CUSTOM\" in --speculative-config to run "
+            "its attention on this backend too")
+
+
 def config_problems(vllm_config: VllmConfig | None) -> list[str]:
     """Engine settings this backend cannot serve (heads per call, spec-decode depth, prefill context parallelism)."""
     if vllm_config is None or vllm_config.model_config is None:
@@ -203,6 +216,9 @@ class TileLangMLAMetadataBuilder(MLACommonMetadataBuilder[TileLangMLAMetadata]):
                             f"<= {MAX_Q_LEN}")
         if problems:
             raise ValueError("mla_backend (CUSTOM): " + "; ".join(problems))
+        hint = draft_backend_hint(vllm_config.speculative_config)
+        if hint:
+            getattr(logger, "info_once", logger.info)(hint)
         q_lens = range(1, self.reorder_batch_threshold + 1)
         heads = decode_heads(vllm_config)  # the heads forward_mqa sees (DCP: the group's, all-gathered)
         self._decode = DecodeMetadataBuilder(vllm_config.scheduler_config.max_num_seqs, heads, self.page_size, q_lens,
