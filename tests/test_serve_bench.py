@@ -280,6 +280,12 @@ def test_markdown_tables_show_median_spread_and_the_speedup_of_ours():
     data = _synthetic_report()
     data["backends"]["CUSTOM"]["workloads"][0]["profile"]["communication_us_per_step"] = 537.0
     assert "| decode b16 8k | 41% (1234 µs; communication 537 µs) | 48% (1234 µs) | – | – |" in report.markdown(data)
+    # the MTP drafter's backend is noted where it is not the backend under test (None: vLLM chose it)
+    data["backends"]["CUSTOM"]["engine_info"]["draft_attention_backend"] = "CUSTOM"
+    data["backends"]["FLASHMLA"]["engine_info"]["draft_attention_backend"] = None
+    text = report.markdown(data)
+    assert "its MTP layer's attention ran on a backend vLLM chose" in text
+    assert text.count("its MTP layer's attention ran on") == 1
 
 
 def test_verification_passes_only_when_every_rank_checked_calls_within_the_limits():

@@ -384,6 +384,9 @@ def engine_table(data: dict) -> list[str]:
         ran = str(info.get("attention_backend") or "")
         if ran and not ran.lower().endswith(backend.lower()):  # an engine may swap a backend it cannot run
             notes.append(f"the engine reports attention backend {ran}")
+        draft = info.get("draft_attention_backend", backend)  # absent without MTP; None: vLLM chose it
+        if draft != backend:
+            notes.append(f"its MTP layer's attention ran on {draft or 'a backend vLLM chose'}")
         skipped = [f"{w['workload']}: {w.get('reason') or w.get('error')}" for w in result.get("workloads", [])
                    if w.get("status") in ("skipped", "error")]
         notes += skipped
