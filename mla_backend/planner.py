@@ -239,6 +239,15 @@ def balanced_cut(blocks: list[int], num_parts: int, segment_cost: int,
     return lo, starts + [total] * (num_parts + 1 - len(starts))
 
 
+def hopper_cut(plan: SplitPlan, blocks: list[int], segment_cost: int) -> list[int] | None:
+    """The Hopper plan kernel's choice, in Python: the part starts of :func:`balanced_cut` where its costliest part is
+    ``BALANCED_MIN_GAIN`` cheaper than that of ``plan``'s one-width cut (the torch planner's), else None (the kernel
+    keeps one width). ``blocks``: KV blocks per request."""
+    worst = max(part_costs(blocks, plan.part_start.tolist(), segment_cost))
+    best, starts = balanced_cut(blocks, plan.num_parts, segment_cost, min_blocks_per_part(plan.rows))
+    return starts if best * BALANCED_MIN_GAIN[1] < worst * BALANCED_MIN_GAIN[0] else None
+
+
 def greedy_starts(blocks: list[int], cap: int, segment_cost: int) -> list[int]:
     """Start blocks of the parts that filling each part up to ``cap`` makes (``cap > segment_cost``)."""
     starts, used, flat = [0], 0, 0

@@ -440,17 +440,15 @@ def expected_plan(torch_ops: SplitPlanner, kv_lens: torch.Tensor):
     """The plan kernel's plan, in Python: the torch planner's one-width cut, replaced by ``balanced_cut`` where that
     is ``BALANCED_MIN_GAIN`` cheaper. Returns the fields of ``PLAN_FIELDS`` as CPU tensors (req_parts and cu_blocks
     cut to the batch)."""
-    from mla_backend.planner import BALANCED_MIN_GAIN, balanced_cut, min_blocks_per_part, part_costs
+    from mla_backend.planner import hopper_cut
 
     batch = kv_lens.shape[0]
     plan = torch_ops.plan(kv_lens.cpu())
     blocks = [-(-n // torch_ops.block_n) for n in kv_lens.tolist()]
-    worst = max(part_costs(blocks, plan.part_start.tolist(), torch_ops.segment_cost))
-    best, starts = balanced_cut(blocks, plan.num_parts, torch_ops.segment_cost, min_blocks_per_part(plan.rows))
-    want = {name: getattr(plan, name).clone() for name in PLAN_FIELDS}
-    if best * BALANCED_MIN_GAIN[1] < worst * BALANCED_MIN_GAIN[0]:
+    starts = hopper_cut(plan, blocks, torch_ops.segment_cost)
+    if starts is not None:
         fill_plan(plan, blocks, starts)
-        want = {name: getattr(plan, name).clone() for name in PLAN_FIELDS}
+    want = {name: getattr(plan, name).clone() for name in PLAN_FIELDS}
     want["cu_blocks"], want["req_parts"] = want["cu_blocks"][: batch + 1], want["req_parts"][: 2 * batch]
     return want
 

@@ -12,8 +12,8 @@ import torch
 from mla_backend import SplitPlanner, mla_decode_reference, plan_split_kv
 from mla_backend.kernels import configs
 from mla_backend.kernels.configs import MAX_PARTS
-from mla_backend.planner import (BALANCED_MIN_GAIN, SEGMENT_COST_BLOCKS, balanced_cut, greedy_starts,
-                                 min_blocks_per_part, num_parts_for, part_costs, plan_cost, warm_up_plan_kernels)
+from mla_backend.planner import (SEGMENT_COST_BLOCKS, balanced_cut, greedy_starts, hopper_cut, min_blocks_per_part,
+                                 num_parts_for, part_costs, plan_cost, warm_up_plan_kernels)
 from mla_problems import SCALE, fill_plan, make_problem
 
 LOG2E, LN2 = 1.0 / math.log(2.0), math.log(2.0)
@@ -394,10 +394,7 @@ def test_equal_lengths_keep_one_width_on_hopper():
     for cfg in equal:
         planner = SplitPlanner(cfg.b, cfg.h, cfg.s_q, device="cpu", num_sms=132, block_n=64)
         plan = planner.plan(torch.full((cfg.b,), cfg.s_k, dtype=torch.int32))
-        blocks = [-(-cfg.s_k // 64)] * cfg.b
-        one_width = max(part_costs(blocks, plan.part_start.tolist(), SEGMENT_COST_BLOCKS))
-        balanced, _ = balanced_cut(blocks, planner.num_parts, SEGMENT_COST_BLOCKS, min_blocks_per_part(cfg.h * cfg.s_q))
-        assert balanced * BALANCED_MIN_GAIN[1] >= one_width * BALANCED_MIN_GAIN[0], cfg
+        assert hopper_cut(plan, [-(-cfg.s_k // 64)] * cfg.b, SEGMENT_COST_BLOCKS) is None, cfg
 
 
 def test_balanced_cut_of_one_request_shorter_than_min_blocks():
