@@ -12,12 +12,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed (CI installs it with .ci/install_vllm.sh)")
 
-REPO = Path(__file__).resolve().parents[1]
-TINY_CONFIG = REPO / "tests" / "e2e" / "tiny_dsv3" / "config.json"
+E2E_SCRIPT = Path(__file__).resolve().parent / "e2e" / "vllm_e2e.py"
 
 
 def _e2e_module():
-    spec = importlib.util.spec_from_file_location("vllm_e2e", REPO / "tests" / "e2e" / "vllm_e2e.py")
+    spec = importlib.util.spec_from_file_location("vllm_e2e", E2E_SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -29,7 +28,7 @@ def test_e2e_engine_arguments_are_valid_engine_args():
     e2e = _e2e_module()
     for name, (_, *engines) in e2e.CASES.items():
         for eng in engines:
-            spec = dict(model_dir=str(TINY_CONFIG.parent), init="scaled", gpu_mem=0.5, max_model_len=4096,
+            spec = dict(model_dir=str(e2e.CONFIG.parent), init="scaled", gpu_mem=0.5, max_model_len=4096,
                         max_num_seqs=32, max_tokens=32, prompts=[[2]], **eng)
             args = EngineArgs(**e2e.engine_kwargs(spec, spec["model_dir"]))  # LLM(**kwargs) builds exactly this
             assert args.attention_backend == eng["backend"] and args.block_size == eng["block_size"], name
