@@ -23,11 +23,16 @@ from .hostile_process import PROGRESS_EVERY_S, force_survivors, process_main
 from .random_weights import vllm_worker_kwargs
 from .runner_common import write_result
 
-MTP_CONFIG = {"method": "mtp", "num_speculative_tokens": 1}
 # The engine's counters read into the report (sums over labels, except request_success by finish reason).
 COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
             "vllm:corrupted_requests", "vllm:request_success", "vllm:spec_decode_num_drafts",
             "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def mtp_config(num_tokens: int, backend: str, method: str = "mtp") -> dict:
+    """vLLM's speculative config for MTP with ``num_tokens`` drafts, its drafter on ``backend``: vLLM's drafter never
+    inherits the target's attention backend (it picks its own, FLASH_ATTN_MLA on Hopper) unless this names one."""
+    return {"method": method, "num_speculative_tokens": num_tokens, "attention_backend": backend}
 
 
 def common_kwargs(spec: HostileSpec, load: HostileLoad) -> dict:
@@ -46,7 +51,7 @@ def load_engine_kwargs(spec: HostileSpec) -> dict:
     kwargs.update(enable_prefix_caching=True, max_model_len=load.max_context,
                   num_gpu_blocks_override=load.pool_tokens // PAGE_TOKENS)
     if load.mtp:
-        kwargs["speculative_config"] = dict(MTP_CONFIG, attention_backend=spec.backend)
+        kwargs["speculative_config"] = mtp_config(1, spec.backend)
     return kwargs
 
 

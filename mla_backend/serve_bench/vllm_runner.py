@@ -17,7 +17,7 @@ import sys
 import time
 
 from .. import installed
-from .hostile_vllm import rank1_tokens
+from .hostile_vllm import mtp_config, rank1_tokens
 from .measure import TokenTracker, median_or_none, request_tpots
 from .random_weights import vllm_worker_kwargs
 from .runner_common import (WARMUP_PROMPTS, WARMUP_TOKENS, EngineChoice, EngineSession, EngineSpec, OutOfTime,
@@ -85,13 +85,11 @@ def decode_context_parallel_problem(fields: set[str] | None) -> str | None:
 
 def parallel_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
     """Tensor parallelism, MTP speculative decoding and decode context parallelism, as EngineArgs arguments (only
-    those that differ from vLLM's defaults). vLLM's drafter never inherits the target's attention backend (it picks
-    its own, FLASH_ATTN_MLA on Hopper), so the speculative config names the backend under test for the MTP layer too:
-    every attention call of the engine, draft and verification, runs on that backend."""
+    those that differ from vLLM's defaults). The MTP layer runs on the backend under test too (``mtp_config``): every
+    attention call of the engine, draft and verification, runs on that backend."""
     kwargs: dict = {"tensor_parallel_size": spec.tensor_parallel_size}
     if spec.speculative_tokens:
-        kwargs["speculative_config"] = {"method": MTP_METHOD, "num_speculative_tokens": spec.speculative_tokens,
-                                        "attention_backend": spec.backend}
+        kwargs["speculative_config"] = mtp_config(spec.speculative_tokens, spec.backend, MTP_METHOD)
     if spec.decode_context_parallel_size > 1:
         problem = decode_context_parallel_problem(engine_arg_fields() if fields is None else fields)
         if problem:
