@@ -302,6 +302,17 @@ def test_runner_parallel_arguments_without_the_engines(tmp_path):
     assert "speculative_draft_attention_backend" not in sglang_runner.parallel_kwargs(builtin, set())
 
 
+def test_sglang_gives_every_attention_replica_a_request(tmp_path):
+    # SGLang splits max_running_requests over the DP-attention replicas and refuses to start a replica with none
+    spec = _spec("sglang", "tilelang_mla", tmp_path, "--tensor-parallel-size", "2", "--dp-attention",
+                 "--workloads", "decode", "--batches", "1", "--gpu-memory-gib", "80")
+    kwargs = sglang_runner.server_kwargs(spec, fields=set())
+    assert (kwargs["max_running_requests"], kwargs["cuda_graph_max_bs_decode"]) == (2, 1)
+    tp_only = _spec("sglang", "tilelang_mla", tmp_path, "--tensor-parallel-size", "2", "--workloads", "decode",
+                    "--batches", "1", "--gpu-memory-gib", "80")
+    assert sglang_runner.server_kwargs(tp_only, fields=set())["max_running_requests"] == 1
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (CI installs it with .ci/install_vllm.sh)")
 def test_vllm_engine_args_accept_tensor_parallel_mtp_and_decode_context_parallel(tmp_path):
     from vllm.config import ParallelConfig

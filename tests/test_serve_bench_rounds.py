@@ -58,6 +58,30 @@ def test_rounds_start_every_backend_again_in_reversed_order_and_pool_the_repeats
     assert "| decode b1 1k | tpot_ms | 1.10, 2.10 | 1.10, 2.10 |" in text
 
 
+def test_a_stop_in_a_later_round_keeps_the_earlier_engines_and_names_the_rounds_not_run(tmp_path, round_engine,
+                                                                                       monkeypatch):
+    args = driver.build_parser().parse_args(["--engine", "vllm", "--batches", "1", "--contexts", "1k",
+                                             "--workloads", "decode", "--rounds", "2"])
+    run = driver.resolve(args)
+    run.engine, run.backends = round_engine, ("A", "B")
+    measure, calls = driver.measure_engine, []
+
+    def stopped_in_round_two(*a, **k):  # SIGTERM while round 2's first engine (B) runs
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("SIGTERM")
+        return measure(*a, **k)
+
+    monkeypatch.setattr(driver, "measure_engine", stopped_in_round_two)
+    results = driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", ["--engine", "vllm", "--rounds", "2"])
+    for backend in ("A", "B"):
+        assert results[backend]["status"] == "done"
+        assert results[backend]["rounds_skipped"] == ["round 2: serve-bench was stopped (SIGTERM)"]
+    text = report.markdown(report.assemble(dict(REPORT_ENV), run, results, wall_s=1.0))
+    assert "| decode b1 1k | tpot_ms | 1.10 | 1.10 |" in text  # each backend's one engine, not a dash
+    assert "- B: round 2: serve-bench was stopped (SIGTERM)" in text
+
+
 def test_pooling_keeps_what_an_engine_did_not_measure_and_records_failed_engines():
     cell = DecodeCell(1, 1024)
     first = {"status": "done", "engine_info": {"start_s": 30.0}, "wall_s": 60.0,

@@ -459,6 +459,11 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
         if backend is not None and backend not in results:
             results[backend] = {"backend": backend, "status": "failed", "workloads": [],
                                 "reason": f"{stopped} while this engine ran"}
+        for measured in results.values():  # later rounds not run: the earlier rounds' engines stay measured
+            if measured.get("status") == "done":
+                ran = len(measured.get("engines") or [measured])
+                measured.setdefault("rounds_skipped", []).extend(
+                    f"round {r + 1}: {stopped}" for r in range(ran, run.args.rounds))
         results.update((b, {"backend": b, "status": "skipped", "workloads": [], "reason": f"{stopped}; "
                             f"add it to this report later: {alone_command(argv, b)}"})
                        for b in run.backends if b not in results and b not in kept)

@@ -175,25 +175,36 @@ def metric_table(data: dict, key: str, title: str, digits: int, smaller_is_bette
 def engine_rounds_table(data: dict) -> list[str]:
     """Each engine process's median of every workload (``--rounds``, rounds.py): TPOT where the workload has it, else
     output tokens per second; engines in their start order."""
+    if data["settings"].get("rounds", 1) < 2:
+        return []
     backends = list(data["backends"])
     rows = []
     for workload in workload_names(data):
         records = [records_by_workload(data["backends"][b]).get(workload) or {} for b in backends]
-        key = next((k for k in ("tpot_ms", "output_tok_per_s") if any(k in (r.get("engine_medians") or {})
-                                                                      for r in records)), None)
+        key = next((k for k in ("tpot_ms", "output_tok_per_s") if any(_engine_medians(r, k) for r in records)), None)
         if key is None:
             continue
         digits = 2 if key == "tpot_ms" else 0
-        per_engine = [(r.get("engine_medians") or {}).get(key, []) for r in records]
+        per_engine = [_engine_medians(r, key) for r in records]
         cells = [", ".join("–" if v is None else f"{v:.{digits}f}" for v in values) or "–" for values in per_engine]
         rows.append(f"| {workload} | {key} | " + " | ".join(cells) + " |")
     if not rows:
         return []
+    missing = [f"- {b}: {why}" for b in backends for why in data["backends"][b].get("rounds_skipped", [])]
     return [f"#### Each engine process's median ({data['settings'].get('rounds', 1)} rounds, the order reversed every "
             "other round)", "", "| workload | metric | " + " | ".join(backends) + " |",
-            "|---" * (len(backends) + 2) + "|", *rows, "",
+            "|---" * (len(backends) + 2) + "|", *rows, "", *(["Engines not measured:", *missing, ""] if missing else []),
             "The tables above pool every engine's repeats; profiles and host timers are the first round's engines'.",
             ""]
+
+
+def _engine_medians(record: dict, key: str) -> list:
+    """Each engine's median of ``key`` in a workload record: the pooled list, or the one engine's median where a
+    backend's later rounds did not run."""
+    if "engine_medians" in record:
+        return record["engine_medians"].get(key, [])
+    value = record.get(key)
+    return [value["median"]] if isinstance(value, dict) and value.get("median") is not None else []
 
 
 def attention_share_table(data: dict) -> list[str]:

@@ -88,6 +88,13 @@ def parallel_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
     return kwargs
 
 
+def max_running_requests(spec: EngineSpec) -> int:
+    """The engine's request limit: the largest batch, and under DP attention at least one request per attention
+    replica (SGLang gives each replica ``max_running_requests // replicas`` and refuses to start with none)."""
+    replicas = spec.tensor_parallel_size if spec.dp_attention else 1
+    return max(spec.max_num_seqs, replicas)
+
+
 def server_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
     """The ``sglang.Engine`` / ``ServerArgs`` arguments: dummy weights, token-id prompts, radix (prefix) cache off,
     fixed seed, the backend under test, CUDA graphs up to the largest batch, the parallel layout (``fields``: the
@@ -96,7 +103,7 @@ def server_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
                   attention_backend=spec.backend, page_size=spec.page_size, kv_cache_dtype=spec.kv_cache_dtype,
                   disable_radix_cache=True, random_seed=spec.measure_plan.seed,
                   mem_fraction_static=spec.gpu_memory_fraction, context_length=spec.max_model_len,
-                  max_running_requests=spec.max_num_seqs, cuda_graph_max_bs_decode=spec.max_num_seqs,
+                  max_running_requests=max_running_requests(spec), cuda_graph_max_bs_decode=spec.max_num_seqs,
                   disable_shared_experts_fusion=True, log_level="warning", **parallel_kwargs(spec, fields))
     if spec.forces_tokens:
         kwargs["enable_custom_logit_processor"] = True  # the forced check's (forced_tokens_processor)
