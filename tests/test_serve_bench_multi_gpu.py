@@ -311,6 +311,9 @@ def test_sglang_gives_every_attention_replica_a_request(tmp_path):
     tp_only = _spec("sglang", "tilelang_mla", tmp_path, "--tensor-parallel-size", "2", "--workloads", "decode",
                     "--batches", "1", "--gpu-memory-gib", "80")
     assert sglang_runner.server_kwargs(tp_only, fields=set())["max_running_requests"] == 1
+    odd = _spec("sglang", "tilelang_mla", tmp_path, "--tensor-parallel-size", "2", "--dp-attention", "--workloads",
+                "decode", "--batches", "3", "--gpu-memory-gib", "80")
+    assert sglang_runner.server_kwargs(odd, fields=set())["max_running_requests"] == 4  # 2 per replica, not 1
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (CI installs it with .ci/install_vllm.sh)")

@@ -89,10 +89,11 @@ def parallel_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
 
 
 def max_running_requests(spec: EngineSpec) -> int:
-    """The engine's request limit: the largest batch, and under DP attention at least one request per attention
-    replica (SGLang gives each replica ``max_running_requests // replicas`` and refuses to start with none)."""
+    """The engine's request limit: the largest batch, under DP attention rounded up to a multiple of the attention
+    replicas. SGLang gives each replica ``max_running_requests // replicas`` (and refuses to start one with none);
+    its round-robin dispatch hands a replica up to ceil(batch / replicas) requests, which must all run at once."""
     replicas = spec.tensor_parallel_size if spec.dp_attention else 1
-    return max(spec.max_num_seqs, replicas)
+    return -(-spec.max_num_seqs // replicas) * replicas
 
 
 def server_kwargs(spec: EngineSpec, fields: set[str] | None = None) -> dict:
