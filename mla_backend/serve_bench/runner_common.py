@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .measure import RequestSeries, TokenTracker, decode_window_tpots, median_or_none, summarize, tpot_between
+from .parallel import ParallelOptions
 from .profile_trace import (host_ranges, host_step_ops, kernel_breakdown, load_trace_events, range_children,
                             traces_since)
 from .workloads import (FORCED, MIN_PREFILL_CHUNK, DecodeCell, ForcedDecode, MeasurePlan, MixedLoad, ThroughputLoad,
@@ -80,6 +81,11 @@ class EngineSpec:
     def forces_tokens(self) -> bool:
         """Whether a workload is the forced check (the engine then needs its forcing processor)."""
         return any(w["kind"] == FORCED for w in self.workloads)
+
+    @property
+    def parallel(self) -> ParallelOptions:
+        return ParallelOptions(self.tensor_parallel_size, self.dp_attention, self.speculative_tokens,
+                               self.decode_context_parallel_size)
 
     @property
     def measure_plan(self) -> MeasurePlan:

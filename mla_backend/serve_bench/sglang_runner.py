@@ -92,7 +92,7 @@ def max_running_requests(spec: EngineSpec) -> int:
     """The engine's request limit: the largest batch, under DP attention rounded up to a multiple of the attention
     replicas. SGLang gives each replica ``max_running_requests // replicas`` (and refuses to start one with none);
     its round-robin dispatch hands a replica up to ceil(batch / replicas) requests, which must all run at once."""
-    replicas = spec.tensor_parallel_size if spec.dp_attention else 1
+    replicas = spec.parallel.attention_data_parallel_size
     return -(-spec.max_num_seqs // replicas) * replicas
 
 
@@ -298,7 +298,7 @@ class SglangSession(EngineSession):
             per_rank = server.get("max_total_num_tokens")
             # under DP attention each GPU's pool holds its own share of the requests: the run holds dp_size times one
             # rank's tokens (SGLang reports one rank's)
-            replicas = self.spec.tensor_parallel_size if self.spec.dp_attention else 1
+            replicas = self.spec.parallel.attention_data_parallel_size
             info["kv_capacity_tokens"] = per_rank * replicas if per_rank else per_rank
             chunk = server.get("chunked_prefill_size")
             info["prefill_chunk_tokens"] = chunk if chunk and chunk > 0 else None
