@@ -28,8 +28,8 @@ PACKAGE_DIR = Path(__file__).with_name("prebuilt")
 MANIFEST = "manifest.json"
 
 # DeepSeek-V3 at TP1..TP8 (128 / 64 / 32 / 16 heads per GPU), decode and MTP with up to three drafts (SGLang's
-# default for DeepSeek-V3 with EAGLE is 3 steps, 4 draft tokens: q_len 4), the page sizes of SGLang (1, and 64 for FlashMLA-style pools)
-# and vLLM (16 and 64), a bf16 or fp8 cache.
+# default for DeepSeek-V3 with EAGLE is 3 steps, 4 draft tokens: q_len 4), the page sizes of SGLang (1, and 64 for
+# FlashMLA-style pools) and vLLM (16 and 64), a bf16 or fp8 cache.
 ENGINE_HEADS = (16, 32, 64, 128)
 ENGINE_Q_LENS = (1, 2, 3, 4)
 ENGINE_PAGE_SIZES = (1, 16, 64)
