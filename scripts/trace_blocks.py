@@ -13,7 +13,9 @@ slot), runs a few eager decodes of each shape and reports, over the steady block
   WG1: k wait, p_ready wait, P V (rescale, GEMM, wait);
   producer: page ids, k_free wait (buffer reuse), copy issue;
 and each role's clock rate over the whole program (clock64 against %globaltimer); a program of fewer than 61 blocks
-(short requests) also gets each block's WG0 period and k wait, where a request segment's start shows as a long one.
+(short requests) also gets each block's WG0 period and k wait, where a request segment's start shows as a long one,
+and with ``--fp8c`` each request segment's start and end: WG0's wait for Q8 and its epilogue before it, the
+producer's wait for q_free and its quantisation of Q, WG1's wait for WG0's l and its epilogue.
 ``--fp8c``: the fp8-compute kernel on an e4m3 cache (FP8C_STEPS: its P V is one step, issue and wait, and its
 producer only issues the next block's copy and waits for its own). A traced decode's outputs are not checked (the
 trace shares nothing with them, but this is a profiling run)."""
@@ -72,7 +74,34 @@ def summarise(words: list, shape: str, call_us: float, steps: dict = STEPS) -> s
     if blocks <= 60:
         out.append("  WG0 per block (period / k wait): " + ", ".join(
             f"{g}: {clock[0, g + 1][0] - clock[0, g][0]}/{clock[0, g][1] - clock[0, g][0]}" for g in range(blocks - 1)))
+    if steps is FP8C_STEPS:
+        out += segment_lines(clock, blocks)
     return "\n".join(out)
+
+
+def segment_lines(clock: dict, blocks: int) -> list[str]:
+    """The fp8-compute kernel's request segments (protocol.SEG_TRACE_STEP's stamps on each segment's first block):
+    what a segment's start and end cost each role, in cycles."""
+    from mla_backend.kernels.sm90.protocol import SEG_TRACE_STEP as SEG
+
+    starts = [g for g in range(blocks) if clock[0, g][SEG]]
+    out = [f"  segments: {len(starts)} (first blocks {starts})"]
+    for i, g0 in enumerate(starts):
+        last = (starts[i + 1] if i + 1 < len(starts) else blocks) - 1
+        wg0 = clock[0, g0]
+        parts = [f"  segment g={g0}..{last}: WG0 waits for Q8 {wg0[0] - wg0[SEG]}"]
+        if g0:
+            parts.append(f"after its previous epilogue of {wg0[SEG] - clock[0, g0 - 1][6]}")
+        producer = clock[2, g0]
+        if producer[SEG]:
+            parts.append(f"producer: q_free wait {producer[SEG - 1] - producer[SEG - 2]}, Q8 quantised in "
+                         f"{producer[SEG] - producer[SEG - 1]} (ready {wg0[0] - producer[SEG]} before WG0's S)")
+        wg1 = clock[1, g0]
+        if wg1[SEG] and clock[1, last][3]:
+            epilogue = f" {clock[1, last + 1][0] - wg1[SEG]}" if last + 1 < blocks and clock[1, last + 1][0] else ""
+            parts.append(f"WG1: waits {wg1[SEG] - clock[1, last][3]} for WG0's l, then its epilogue{epilogue}")
+        out.append("; ".join(parts))
+    return out
 
 
 def main() -> int:

@@ -53,14 +53,17 @@ def _vid(v) -> str:
 # ============================================================================ which variants
 def test_fp8c_block_trace_is_off_by_default_and_records_every_role():
     """KernelConfig.trace_part (scripts/trace_blocks.py --fp8c): no trace code in the shipped kernel; traced, each
-    role stamps its steps (scripts/trace_blocks.py's FP8C_STEPS: WG0 7, WG1 4, the producer 3) and ends its record."""
+    role stamps its steps (scripts/trace_blocks.py's FP8C_STEPS: WG0 7, WG1 4, the producer 3) and its segment stamps
+    (protocol.SEG_TRACE_STEP: WG0 and WG1 one, the producer three), and ends its record."""
     variant = LOWER_VARIANTS[0]
     plain = sm90.build_decode_kernel(*variant, cfg=FP8C).script()
     traced = sm90.build_decode_kernel(*variant, cfg=dataclasses.replace(FP8C, trace_part=3)).script()
     assert "mla_trace" not in plain and '"mla_trace_begin"' in traced
     stamps = re.findall(r'"mla_trace", (\d), \w+, (\d)\)', traced)
-    assert sorted({(int(r), int(k)) for r, k in stamps}) == [(0, k) for k in range(7)] + [(1, k) for k in range(4)] + [
-        (2, k) for k in range(3)]
+    seg = ws.SEG_TRACE_STEP
+    assert sorted({(int(r), int(k)) for r, k in stamps}) == sorted(
+        [(0, k) for k in [*range(7), seg]] + [(1, k) for k in [*range(4), seg]] + [(2, k) for k in [0, 1, 2, seg - 2,
+                                                                                                  seg - 1, seg]])
     assert all(f'"mla_trace_end", {role})' in traced for role in range(3))
 
 

@@ -45,7 +45,8 @@ from ...constants import HEAD_DIM, KV_LORA_RANK, ROPE_DIM
 from ..common import LOG2E, wait_for_inputs
 from ..configs import kernel_launch
 from .fp8c_roles import fp8c_roles
-from .protocol import HALF, alpha_slot, kv_buffer, kv_free_parity, kv_ready_parity, seg_free_parity
+from .protocol import (HALF, SEG_TRACE_STEP, alpha_slot, kv_buffer, kv_free_parity, kv_ready_parity,
+                       seg_free_parity)
 
 Q8_THREADS_PER_ROW = 8  # producer threads per Q row (each 72 of its 576 values)
 
@@ -167,10 +168,13 @@ def fp8c_macros(k):
         previous segment's), then per block the next block's copy and a wait for this block's own copies."""
         fill_block_any(kv_cache, page_table, pt0, blk_lo * block_n, kv_len, g0, kv80_l, kv80_r, k80_t, kv81_l,
                        kv81_r, k81_t, k_ready, k_free, t)
+        k.trace(2, g0, SEG_TRACE_STEP - 2)  # segment stamps: the wait for Q8, then its quantisation
         T.barrier_wait(q_free[0], seg_free_parity(seg))
+        k.trace(2, g0, SEG_TRACE_STEP - 1)
         quantise_q(q_nope, q_pe, q8_l, q8_r, q8_t, qscale, qraw, tok0, row0, t)
         T.fence_proxy_async()  # generic stores, read by WGMMA (async proxy)
         T.barrier_arrive(q_ready[0])
+        k.trace(2, g0, SEG_TRACE_STEP)
         for blk in T.serial(blk_hi - blk_lo):
             g = g0 + blk
             k.trace(2, g, 0)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..common import LN2, partial_lse, request_inputs, request_parts, segment_span
-from .protocol import (HALF, P8_SCALE, REGS_WG0, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer, kv_ready_parity,
-                       p_free_parity, p_ready_parity, seg_ready_parity, segment_first_block)
+from .protocol import (HALF, P8_SCALE, REGS_WG0, SEG_TRACE_STEP, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer,
+                       kv_ready_parity, p_free_parity, p_ready_parity, seg_ready_parity, segment_first_block)
 from .roles import wg0_segment
 
 
@@ -107,6 +107,7 @@ def fp8c_roles(k, c, e, f):
                 T.fill(acc_o_l, 0)
                 T.fill(l_sum, 0)
                 T.fill(m_cur, -T.infinity(accum))
+                trace(0, g0, SEG_TRACE_STEP)  # the segment's start: the previous one's epilogue is done
                 T.barrier_wait(q_ready[0], seg_ready_parity(seg))
                 for i in T.Parallel(block_rows):
                     q_scale_r[i] = qscale[i] * scale_log2
@@ -205,6 +206,7 @@ def fp8c_roles(k, c, e, f):
                 first, n_parts = request_parts(req_parts, req)
                 # WG0's l (and m) of the thread's columns, read before l_free hands l_shared back
                 T.barrier_wait(l_ready[0], seg_ready_parity(seg))
+                trace(1, g0, SEG_TRACE_STEP)  # WG0's l has come: WG1's epilogue starts
                 load_cols(l_shared, lc, mc)
                 T.barrier_arrive(l_free[0])
                 store_t_right(acc_o_r, lc, mc, l_r, m_r, alpha_r, w_r, kv_scale / P8_SCALE, first, n_parts, part, req,

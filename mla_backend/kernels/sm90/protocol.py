@@ -110,6 +110,10 @@ PRELUDE = _load_prelude()
 TRACE_ROLES, TRACE_BLOCKS, TRACE_STEPS = 3, 64, 8
 TRACE_HEAD = TRACE_ROLES * TRACE_BLOCKS * TRACE_STEPS  # where the per-role (clock, ns, clock, ns) words start
 TRACE_WORDS = TRACE_HEAD + TRACE_ROLES * 4
+# The fp8-compute kernel's segment stamps, on a segment's first block past the per-block steps: WG0 before its wait for
+# Q8 (the previous segment's epilogue done), WG1 once WG0's l has come (its epilogue's start); the producer at
+# SEG_TRACE_STEP - 2 .. SEG_TRACE_STEP: before its wait for q_free, after it, and after Q8's q_ready.
+SEG_TRACE_STEP = TRACE_STEPS - 1
 TRACE_PRELUDE = r'''
 __device__ long long* mla_trace_out[MLA_TRACE_ROLES];
 __device__ __forceinline__ bool mla_traced() {
