@@ -85,21 +85,22 @@ def segment_lines(clock: dict, blocks: int) -> list[str]:
     from mla_backend.kernels.sm90.protocol import SEG_TRACE_STEP as SEG
 
     starts = [g for g in range(blocks) if clock[0, g][SEG]]
+    pv_end = {role: len(FP8C_STEPS[role]) for role in (0, 1)}  # each consumer's stamp after its P V
     out = [f"  segments: {len(starts)} (first blocks {starts})"]
     for i, g0 in enumerate(starts):
         last = (starts[i + 1] if i + 1 < len(starts) else blocks) - 1
         wg0 = clock[0, g0]
         parts = [f"  segment g={g0}..{last}: WG0 waits for Q8 {wg0[0] - wg0[SEG]}"]
         if g0:
-            parts.append(f"after its previous epilogue of {wg0[SEG] - clock[0, g0 - 1][6]}")
+            parts.append(f"after its previous epilogue of {wg0[SEG] - clock[0, g0 - 1][pv_end[0]]}")
         producer = clock[2, g0]
         if producer[SEG]:
             parts.append(f"producer: q_free wait {producer[SEG - 1] - producer[SEG - 2]}, Q8 quantised in "
                          f"{producer[SEG] - producer[SEG - 1]} (ready {wg0[0] - producer[SEG]} before WG0's S)")
         wg1 = clock[1, g0]
-        if wg1[SEG] and clock[1, last][3]:
+        if wg1[SEG] and clock[1, last][pv_end[1]]:
             epilogue = f" {clock[1, last + 1][0] - wg1[SEG]}" if last + 1 < blocks and clock[1, last + 1][0] else ""
-            parts.append(f"WG1: waits {wg1[SEG] - clock[1, last][3]} for WG0's l, then its epilogue{epilogue}")
+            parts.append(f"WG1: waits {wg1[SEG] - clock[1, last][pv_end[1]]} for WG0's l, then its epilogue{epilogue}")
         out.append("; ".join(parts))
     return out
 
