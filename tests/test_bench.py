@@ -12,18 +12,42 @@ from mla_backend import bench
 def test_fp8_adds_both_of_ours_and_the_anchors_fp8_paths():
     assert bench.impl_list("ours,flashmla", fp8=False) == ["ours", "flashmla"]
     assert bench.impl_list("ours,flashmla,fa3", fp8=True) == ["ours", "flashmla", "fa3", "ours-fp8", "ours-fp8c",
-                                                              "flashmla-fp8"]
+                                                              "flashmla-fp8", "flashmla-fp8q"]
     with pytest.raises(ValueError, match=r"unknown impl\(s\) \['ours-fp8c'\]"):
         bench.impl_list("ours-fp8c", fp8=True)
 
 
 def test_fp8_cache_readers_and_their_implementation():
-    assert [bench.fp8_kv(n) for n in ("ours", "ours-fp8", "ours-fp8c", "flashmla-fp8", "fa3")] == [
-        False, True, True, True, False]
-    assert [bench.base_impl(n) for n in ("ours-fp8c", "ours-fp8", "flashmla-fp8", "fa3")] == [
-        "ours", "ours", "flashmla", "fa3"]
+    assert [bench.fp8_kv(n) for n in ("ours", "ours-fp8", "ours-fp8c", "flashmla-fp8", "flashmla-fp8q", "fa3")] == [
+        False, True, True, True, True, False]
+    assert [bench.base_impl(n) for n in ("ours-fp8c", "ours-fp8", "flashmla-fp8", "flashmla-fp8q", "fa3")] == [
+        "ours", "ours", "flashmla", "flashmla", "fa3"]
     # ours-fp8c quantises q as flashmla-fp8 does: a looser warning threshold than the exact-q fp8 path
     assert bench.tolerance("ours-fp8") < bench.tolerance("ours-fp8c") < bench.tolerance("flashmla-fp8")
+    assert bench.tolerance("flashmla-fp8q") == bench.tolerance("flashmla-fp8")
+
+
+def test_vllm_q_quantisation_for_flashmla_fp8():
+    """flashmla-fp8q's q equals what vLLM's own op hands FlashMLA's fp8 kernel (concatenated, times 1 / scale,
+    clamped to +-448, e4m3) on random values, some of which saturate."""
+    import torch
+
+    pytest.importorskip("vllm")
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    gen = torch.Generator().manual_seed(0)
+    q_nope, q_pe = (torch.randn(3, 4, n, generator=gen).mul(100).to(torch.bfloat16) for n in (512, 64))
+    scale = torch.tensor([0.5])
+    q8 = bench.concat_quantise_q(q_nope, q_pe, scale)
+    assert q8.shape == (3, 4, 576) and q8.dtype == torch.float8_e4m3fn
+    assert (q8.float().abs() == 448).any()  # some saturate, none overflow
+    flat = torch.cat((q_nope, q_pe), dim=-1).reshape(3, -1)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        quant = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR, compile_native=False)
+        expect, _ = quant.forward_native(flat, scale)
+    assert torch.equal(q8.view(torch.uint8).reshape(3, -1), expect.view(torch.uint8))
 
 
 def test_mixed_grid_is_short_ragged_requests_and_one_long_one():
