@@ -372,15 +372,15 @@ def make_runner(name: str, c: Case, anchors: dict, graphs: bool):
             tsm, nsp = mod.get_mla_metadata_dense_fp8(kvg.seqlens, cfg.s_q * cfg.h, 1)
             dq, dk = (torch.tensor([v], dtype=torch.float32, device=dev)
                       for v in (float(c.q.abs().max()) / FP8_MAX, K_SCALE))
-            q8 = concat_quantise_q(c.q_nope, c.q_pe, dq).view(q4.shape)
-            kernel = lambda q8: mod.flash_mla_with_kvcache_fp8(  # noqa: E731
-                q=q8, k_cache=k4, block_table=kvg.block_table, cache_seqlens=kvg.seqlens, head_dim_v=LATENT,
+            kernel = lambda q: mod.flash_mla_with_kvcache_fp8(  # noqa: E731
+                q=q, k_cache=k4, block_table=kvg.block_table, cache_seqlens=kvg.seqlens, head_dim_v=LATENT,
                 tile_scheduler_metadata=tsm, num_splits=nsp, softmax_scale=SOFTMAX_SCALE, causal=True,
                 descale_q=dq, descale_k=dk)[0]
             if name == FLASHMLA_FP8_Q:
                 quantise = compiled_concat_quantise_q()
                 fn = lambda: kernel(quantise(c.q_nope, c.q_pe, dq).view(q4.shape))  # noqa: E731
             else:
+                q8 = concat_quantise_q(c.q_nope, c.q_pe, dq).view(q4.shape)
                 fn = lambda: kernel(q8)  # noqa: E731
         return lambda: fn().view(c.T, cfg.h, LATENT)
     if base == "fa3":  # as vllm/v1/attention/backends/mla/flashattn_mla.py calls it
