@@ -31,7 +31,7 @@ from mla_backend.serve_bench import driver, report, resume, sglang_runner, verif
 from mla_backend.serve_bench.measure import (TokenTracker, decode_window_tpots, full_batch_start, request_tpots,
                                              summarize, tpot_between)
 from mla_backend.serve_bench.model_config import (DEEPSEEK_V3_ATTENTION, deepseek_v3_config, kv_bytes_per_token,
-                                                  parameter_counts, write_model_dir)
+                                                  parameter_counts, shared_config_dir, write_model_dir)
 from mla_backend.serve_bench.runner_common import (EngineSession, EngineSpec, decode_record, kv_capacity_problem,
                                                    measurement, mixed_repeat, refusal_reason, run_engine_process)
 from mla_backend.serve_bench.workloads import (DecodeCell, MeasurePlan, MixedLoad, ThroughputLoad, build_workloads,
@@ -69,6 +69,25 @@ def test_config_rejects_impossible_shapes_and_takes_overrides():
     with pytest.raises(ValueError, match="layers"):
         deepseek_v3_config(layers=0)
     assert deepseek_v3_config(n_routed_experts=32)["n_routed_experts"] == 32
+
+
+def test_one_model_directory_per_config_whatever_the_out_dir(tmp_path, monkeypatch):
+    """vLLM keys its compile cache by the model's path: runs of one config share a path, other configs do not."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    config, other = deepseek_v3_config(16, 4), deepseek_v3_config(16, 5)
+    first = shared_config_dir(config, fallback=tmp_path / "run1" / "model")
+    again = shared_config_dir(json.loads(json.dumps(config)), fallback=tmp_path / "run2" / "model")
+    assert first == again and first.parent == tmp_path / "cache" / "mla_backend" / "models"
+    assert json.loads((first / "config.json").read_text()) == config
+    assert shared_config_dir(other, fallback=tmp_path / "run3" / "model") != first
+    assert not (tmp_path / "run1").exists() and [p.name for p in first.iterdir()] == ["config.json"]
+    (first / "config.json").write_text("{}")  # a damaged file is written again, not trusted
+    assert json.loads((shared_config_dir(config, fallback=tmp_path / "x") / "config.json").read_text()) == config
+    # an unwritable cache: the run's own directory, as before
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("not a directory")
+    assert shared_config_dir(config, fallback=tmp_path / "run4" / "model") == tmp_path / "run4" / "model"
+    assert json.loads((tmp_path / "run4" / "model" / "config.json").read_text()) == config
 
 
 def test_parameter_counts_reproduce_deepseek_v3_at_full_size():

@@ -34,7 +34,7 @@ from ..host_trace import ENV_HOST_TIMERS
 from ..verify import ENV_VERIFY
 from . import agreement, hostile, resume, rounds, sglang_runner, verification, vllm_runner
 from .model_config import (DEFAULT_MODEL, HEAD_CHOICES_DOC, MODEL_CHOICES, kv_bytes_per_token, parameter_counts,
-                           write_config_dir)
+                           shared_config_dir)
 from .parallel import (MAX_SPECULATIVE_TOKENS, GpuInventory, ParallelOptions, check_parallel_options, detect_gpus,
                        resolve_model)
 from .runner_common import COMPILED, EngineChoice, EngineSpec, log_tail
@@ -521,9 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     t0 = time.perf_counter()
-    # The model's directory stays in --out-dir: vLLM keys its torch.compile cache by the model's path as well as its
-    # config, so a fixed path lets a backend that runs again with the same settings load its compiled graphs.
-    model_dir = write_config_dir(out_dir / "model", run.model_config)
+    model_dir = shared_config_dir(run.model_config, fallback=out_dir / "model")
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
         results = run_backends(run, model_dir, Path(tmp), out_dir, argv, kept)
     data = report.assemble(env, run, results, time.perf_counter() - t0)

@@ -35,7 +35,7 @@ from . import hostile_report
 from .hostile_load import (FORCED, LOAD, HostileLoad, HostileSpec, check_load, concurrency_schedule,
                            forced_selection, load_to_dict, plan_request, shared_prefixes)
 from . import sglang_runner, vllm_runner
-from .model_config import HEAD_CHOICES_DOC, deepseek_v3_config, write_config_dir
+from .model_config import HEAD_CHOICES_DOC, deepseek_v3_config, shared_config_dir
 
 HOSTILE = "hostile"
 # Seconds planned for what is not the load itself, as seen on an H100 with every compile cache empty.
@@ -204,7 +204,7 @@ def run(args, load: HostileLoad, backends: tuple[str, ...], model_config: dict, 
     baseline = backends[2] if len(backends) > 2 else None
     with tempfile.TemporaryDirectory(prefix="hostile_") as tmp:
         work = Path(tmp)
-        model_dir = write_config_dir(work / "model", model_config)
+        model_dir = shared_config_dir(model_config, fallback=work / "model")
         vocab_size = model_config["vocab_size"]
         loads_deadline = end - KILL_GRACE_S - (ENGINES[args.engine]["forced_s"] if reference else 0.0)
         phase = dict(args=args, model_dir=model_dir, vocab_size=vocab_size, work=work, out_dir=out_dir)

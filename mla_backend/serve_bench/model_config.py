@@ -18,7 +18,9 @@ Engines load either with dummy weights (``load_format="dummy"`` or random_weight
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import os
 from pathlib import Path
 
 from ..constants import KV_LORA_RANK, MAX_HEADS, ROPE_DIM
@@ -173,6 +175,30 @@ def write_config_dir(directory: str | Path, config: dict) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+def shared_config_dir(config: dict, fallback: str | Path) -> Path:
+    """A directory holding ``config`` as ``config.json``, named by its contents, under the user's cache
+    (``$XDG_CACHE_HOME`` or ``~/.cache``, then ``mla_backend/models/<sha256[:16]>``); ``fallback`` where that cannot be
+    written.
+
+    vLLM keys its torch.compile cache by the model's path as well as its config, so one path per config lets every
+    run of that config on a machine, whatever its ``--out-dir``, load the graphs the first one compiled (a cold
+    compile of a 10-layer DeepSeek-V3 with MTP takes minutes per engine start).
+    """
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    directory = cache / "mla_backend" / "models" / hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = directory / CONFIG_NAME
+    try:
+        if not path.is_file() or path.read_text() != text:
+            directory.mkdir(parents=True, exist_ok=True)
+            partial = directory / f".{CONFIG_NAME}.{os.getpid()}"  # another run may write the same file: replace whole
+            partial.write_text(text)
+            os.replace(partial, path)
+        return directory
+    except OSError:
+        return write_config_dir(fallback, config)
 
 
 def write_model_dir(directory: str | Path, heads: int = 16, layers: int = 8, **overrides) -> Path:
