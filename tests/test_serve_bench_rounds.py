@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from mla_backend.serve_bench import driver, report, rounds
+from mla_backend.serve_bench import driver, report, resume, rounds
 from mla_backend.serve_bench.runner_common import measurement
 from mla_backend.serve_bench.workloads import DecodeCell
 from test_serve_bench import REPORT_ENV
@@ -80,6 +80,44 @@ def test_a_stop_in_a_later_round_keeps_the_earlier_engines_and_names_the_rounds_
     text = report.markdown(report.assemble(dict(REPORT_ENV), run, results, wall_s=1.0))
     assert "| decode b1 1k | tpot_ms | 1.10 | 1.10 |" in text  # each backend's one engine, not a dash
     assert "- B: round 2: serve-bench was stopped (SIGTERM)" in text
+
+
+def test_resume_runs_only_the_rounds_an_earlier_stopped_run_lacks(tmp_path, round_engine, monkeypatch):
+    argv = ["--engine", "vllm", "--batches", "1", "--contexts", "1k", "--workloads", "decode", "--rounds", "2"]
+    run = driver.resolve(driver.build_parser().parse_args(argv))
+    run.engine, run.backends = round_engine, ("A", "B")
+    out = tmp_path / "out"
+    measure, calls = driver.measure_engine, []
+
+    def stopped_in_round_two(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("SIGTERM")
+        return measure(*a, **k)
+
+    monkeypatch.setattr(driver, "measure_engine", stopped_in_round_two)
+    first = driver.run_backends(run, tmp_path, tmp_path, out, argv)
+    report.write_outputs(out, report.assemble(dict(REPORT_ENV), run, first, wall_s=1.0))
+    monkeypatch.setattr(driver, "measure_engine", measure)
+    kept = resume.kept_backends(out, report.run_settings(run), run.model_config, dict(REPORT_ENV, date="later"))
+    assert sorted(kept) == ["A", "B"] and all(rounds.engines_run(r) == 1 for r in kept.values())
+    results = driver.run_backends(run, tmp_path, tmp_path, out, argv + ["--resume"], kept)
+    # the first run ran A and B and was stopped as round 2 began; this one starts round 2 only, in its order (B, A)
+    assert (out / "vllm-logs" / "order.txt").read_text().split() == ["A", "B", "B", "A"]
+    for backend in ("A", "B"):
+        result = results[backend]
+        assert "rounds_skipped" not in result and result["kept_rounds"] == 1
+        assert [e["start_s"] for e in result["engines"]] == [1.0, 2.0]
+        assert result["workloads"][0]["engine_medians"]["tpot_ms"] == pytest.approx([1.1, 2.1])
+    text = report.markdown(report.assemble(dict(REPORT_ENV), run, results, wall_s=1.0))
+    assert "| decode b1 1k | tpot_ms | 1.10, 2.10 | 1.10, 2.10 |" in text and "Engines not measured" not in text
+    assert "its first 1 engine(s) kept from the run of 2026-12-01T10:00:00+00:00" in text
+    # a report with every round is kept whole: nothing starts
+    report.write_outputs(out, report.assemble(dict(REPORT_ENV), run, results, wall_s=1.0))
+    kept = resume.kept_backends(out, report.run_settings(run), run.model_config, dict(REPORT_ENV, date="later"))
+    again = driver.run_backends(run, tmp_path, tmp_path, out, argv + ["--resume"], kept)
+    assert (out / "vllm-logs" / "order.txt").read_text().split() == ["A", "B", "B", "A"]
+    assert all(rounds.engines_run(r) == 2 for r in again.values())
 
 
 def test_pooling_keeps_what_an_engine_did_not_measure_and_records_failed_engines():

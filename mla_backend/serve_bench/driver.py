@@ -420,11 +420,11 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
     try:
         for round_index in range(run.args.rounds):
             for backend in rounds.round_order(run.backends, round_index):
-                if backend in kept:
+                if backend in kept and round_index < rounds.engines_run(kept[backend]):
                     if round_index == 0:
-                        results[backend] = kept[backend]
-                        print(f"[serve-bench] {backend}: kept from the run of "
-                              f"{kept[backend]['from_run'].get('date')}", flush=True)
+                        results[backend] = rounds.resumed(kept[backend], run.args.rounds)
+                        print(f"[serve-bench] {backend}: {rounds.engines_run(kept[backend])} engine(s) kept from the "
+                              f"run of {kept[backend]['from_run'].get('date')}", flush=True)
                     continue
                 if round_index and results[backend].get("status") != "done":
                     continue  # refused, failed or skipped in an earlier round: not started again
@@ -461,7 +461,7 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
                                 "reason": f"{stopped} while this engine ran"}
         for measured in results.values():  # later rounds not run: the earlier rounds' engines stay measured
             if measured.get("status") == "done":
-                ran = len(measured.get("engines") or [measured])
+                ran = rounds.engines_run(measured)
                 measured.setdefault("rounds_skipped", []).extend(
                     f"round {r + 1}: {stopped}" for r in range(ran, run.args.rounds))
         results.update((b, {"backend": b, "status": "skipped", "workloads": [], "reason": f"{stopped}; "

@@ -385,7 +385,9 @@ def engine_table(data: dict) -> list[str]:
         notes = [result.get("reason") or ""]
         earlier = result.get("from_run")
         if earlier:
-            notes.append(f"kept from the run of {earlier.get('date')} (commit {earlier.get('git')}): "
+            kept_rounds = result.get("kept_rounds")
+            what = f"its first {kept_rounds} engine(s) kept" if kept_rounds else "kept"
+            notes.append(f"{what} from the run of {earlier.get('date')} (commit {earlier.get('git')}): "
                          f"`{earlier.get('command')}`")
         if info.get("compiled_at_start"):
             notes.append(COLD_START_NOTE + _caches(info.get("grown_caches")))

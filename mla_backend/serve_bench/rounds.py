@@ -5,13 +5,31 @@ One engine process can run its host loop up to 1.5x slower than another of the s
 backends differ where the step is host-bound. With ``--rounds`` the driver starts every backend's engine once per
 round, the order reversed every other round (A B, then B A) so that each backend meets the machine's early and late
 states alike; here each workload's repeats are pooled over a backend's engines, so its median and spread cover the
-process-to-process variation, and each engine's own median is kept (``engine_medians``) for the report.
+process-to-process variation, and each engine's own median is kept (``engine_medians``) for the report. With
+``--resume`` a backend whose earlier run in the same ``--out-dir`` stopped after fewer rounds keeps those engines and
+runs only the rounds it lacks, so the rounds of one report may span several invocations.
 """
 
 from __future__ import annotations
 
 from .runner_common import measurement
 from .workloads import workload_from_dict
+
+
+def engines_run(result: dict) -> int:
+    """How many engine processes a backend's result pools (1 for a result of one engine)."""
+    return len(result.get("engines") or [result])
+
+
+def resumed(kept: dict, rounds: int) -> dict:
+    """A result kept by ``--resume`` that ran fewer than ``rounds`` engines, ready for this run to add the rest: the
+    rounds its run did not start are no longer "skipped" (this run starts them), and ``kept_rounds`` says how many
+    engines came from that run."""
+    if engines_run(kept) >= rounds:
+        return kept
+    result = {key: value for key, value in kept.items() if key != "rounds_skipped"}
+    result["kept_rounds"] = engines_run(kept)
+    return result
 
 
 def round_order(backends: tuple[str, ...], round_index: int) -> tuple[str, ...]:
