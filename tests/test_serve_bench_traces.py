@@ -23,7 +23,7 @@ from mla_backend.serve_bench import report
 from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, host_step_ops, kernel_breakdown,
                                                   load_trace_events, range_children, traces_since)
 from mla_backend.serve_bench.runner_common import EngineSession, read_profile
-from mla_backend.serve_bench.thread_cpu import ThreadCpu
+from mla_backend.serve_bench.thread_cpu import ThreadCpu, cpu_facts
 from test_serve_bench import REPORT_ENV, _synthetic_report
 
 def _trace(path: Path, kernels: dict[str, float]) -> Path:
@@ -248,7 +248,38 @@ def test_report_gives_each_rank_s_main_thread_and_its_busy_threads():
             {"tid": 9, "name": "output_thread", "main": False, "cpu_s": 4.1, "share": 0.328, "involuntary": 0}]}}]
     text = report.markdown(data)
     assert "#### Engine process threads: CPU time over each workload" in text
-    assert "| decode b16 8k | CUSTOM | 0 | 12.5 | 95% (3) | `output_thread` 33% |" in text
+    assert "| decode b16 8k | CUSTOM | 0 | 12.5 | 95% (3) | – | `output_thread` 33% |" in text  # no CPU facts: a dash
+
+
+def test_report_says_where_each_rank_s_main_thread_ran_and_flags_a_shared_core():
+    data = _synthetic_report()
+
+    def rank(n, cpu, siblings, mhz):
+        return {"rank": n, "ranges": {}, "threads": {
+            "wall_s": 3.3, "allowed_cpus": 32, "threads": [
+                {"tid": 7 + n, "name": "MainThread", "main": True, "cpu_s": 2.6, "share": 0.8, "involuntary": 4}],
+            "main_cpu": {"cpu": cpu, "mhz": mhz, "numa_node": 0, "smt_siblings": siblings}}}
+
+    workloads = data["backends"]["CUSTOM"]["workloads"]
+    workloads[0]["host_timers"] = [rank(0, 3, "3,19", 3100), rank(1, 19, "3,19", 2000)]
+    text = report.markdown(data)
+    assert ("| decode b16 8k | CUSTOM | 0 | 3.3 | 80% (4) | 3 (3100 MHz, node 0, core 3,19); **shares its core with "
+            "rank 1** | – |") in text
+    assert "| 1 | 3.3 | 80% (4) | 19 (2000 MHz, node 0, core 3,19); **shares its core with rank 0** | – |" in text
+    workloads[0]["host_timers"] = [rank(0, 3, "3,19", 3100), rank(1, 4, "4,20", None)]
+    text = report.markdown(data)
+    assert "| 3 (3100 MHz, node 0, core 3,19) | – |" in text and "| 4 (node 0, core 4,20) | – |" in text
+    assert "shares its core" not in text
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/devices/system/cpu/cpu0"), reason="CPU topology is read from Linux's /sys")
+def test_the_interval_says_which_cpu_the_main_thread_ran_on():
+    interval = ThreadCpu().interval()
+    where = interval["main_cpu"]
+    assert where["cpu"] in os.sched_getaffinity(0) and interval["allowed_cpus"] == len(os.sched_getaffinity(0))
+    assert str(where["cpu"]) in where["smt_siblings"].replace("-", ",").split(",") or "-" in where["smt_siblings"]
+    assert where["numa_node"] is not None and (where["mhz"] is None or where["mhz"] > 100)
+    assert cpu_facts(None) == {"cpu": None, "mhz": None, "numa_node": None, "smt_siblings": None}
 
 
 

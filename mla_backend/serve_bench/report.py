@@ -342,29 +342,47 @@ def host_timer_table(data: dict) -> list[str]:
                         "the whole workload, profiled steps excepted. " + HOST_TIMER_RANGES.get(engine, ""))
 
 
+def _where_cell(where: dict | None, sharing: list) -> str:
+    """The main thread's CPU at the interval's end (thread_cpu.cpu_facts), and the ranks whose main thread was on the
+    same physical core."""
+    if not where or where.get("cpu") is None:
+        return "–"
+    facts = [f"{where['mhz']} MHz" if where.get("mhz") is not None else None,
+             f"node {where['numa_node']}" if where.get("numa_node") is not None else None,
+             f"core {where['smt_siblings']}" if where.get("smt_siblings") else None]
+    cell = f"{where['cpu']} ({', '.join(f for f in facts if f)})" if any(facts) else str(where["cpu"])
+    return cell + (f"; **shares its core with rank {', '.join(map(str, sharing))}**" if sharing else "")
+
+
 def thread_cpu_table(data: dict) -> list[str]:
-    """Per workload, backend and rank: the engine process's main thread's CPU share and forced context switches, and
-    its other threads that were busy (thread_cpu.py; read with the host timers)."""
+    """Per workload, backend and rank: the engine process's main thread's CPU share and forced context switches, where
+    it ran, and its other threads that were busy (thread_cpu.py; read with the host timers)."""
     rows = []
     for workload, backend, record in workload_records(data):
-        for rank in record.get("host_timers") or []:
-            threads = rank.get("threads")
-            if not threads:
-                continue
+        ranks = [r for r in record.get("host_timers") or [] if r.get("threads")]
+        cores = {r.get("rank"): ((r["threads"].get("main_cpu") or {}).get("smt_siblings")
+                                 or (r["threads"].get("main_cpu") or {}).get("cpu")) for r in ranks}
+        for rank in ranks:
+            threads = rank["threads"]
             main = [t for t in threads["threads"] if t["main"]]
             others = ", ".join(f"`{t['name']}` {100 * t['share']:.0f}%" for t in threads["threads"] if not t["main"])
             main_cell = (f"{100 * main[0]['share']:.0f}% ({main[0]['involuntary']})" if main else "–")
+            own = cores[rank.get("rank")]
+            sharing = [other for other, core in cores.items()
+                       if other != rank.get("rank") and own is not None and core == own]
             rows.append(f"| {workload} | {backend} | {rank.get('rank')} | {threads['wall_s']} | {main_cell} | "
-                        f"{others or '–'} |")
+                        f"{_where_cell(threads.get('main_cpu'), sharing)} | {others or '–'} |")
     if not rows:
         return []
     return ["#### Engine process threads: CPU time over each workload", "",
             "| workload | backend | rank | wall s | main thread CPU (forced context switches) "
-            "| other busy threads, CPU |",
-            "|---|---|---|---|---|---|", *rows, "",
+            "| main thread's CPU at the end (clock, NUMA node, SMT siblings) | other busy threads, CPU |",
+            "|---|---|---|---|---|---|---|", *rows, "",
             "From `/proc` (user + system time per thread over the workload's wall time, the profiled steps included). "
             "A host-bound step runs at its main thread's speed: forced switches mean the kernel took its CPU away; a "
-            "busy thread beside it shares the process's interpreter lock and the cores.", ""]
+            "busy thread beside it shares the process's interpreter lock and the cores. Where the main thread ran is "
+            "read once, at the workload's end (a thread may move); two ranks' main threads on one physical core (SMT "
+            "siblings) each run slower.", ""]
 
 
 #: Engine-table note for a measured engine that filled a compile cache at its start (``--cold-start measure``;

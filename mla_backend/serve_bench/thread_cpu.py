@@ -2,8 +2,10 @@
 
 A host-bound decode step runs at the speed of the engine's main thread. When one engine's step code runs slower than
 another's on the same machine, this says whether that thread was starved (involuntary context switches: the kernel
-took the CPU away) or shared its process with a busy thread, rather than leaving it to guesswork. Read by serve-bench's
-vLLM worker extension and SGLang scheduler timers with the host timers (one interval per workload).
+took the CPU away) or shared its process with a busy thread, rather than leaving it to guesswork; and where it ran at
+the interval's end (:func:`cpu_facts`: the CPU, its clock, NUMA node and SMT siblings), so that two ranks' main threads
+on one physical core, or a core at a lower clock, show in the report. Read by serve-bench's vLLM worker extension and
+SGLang scheduler timers with the host timers (one interval per workload).
 """
 
 from __future__ import annotations
@@ -43,8 +45,47 @@ def read_threads(pid: int | None = None) -> dict[int, dict]:
         tid = int(tid_text)
         threads[tid] = {"name": python_names.get(tid, comm),
                         "cpu_s": (int(fields[11]) + int(fields[12])) / _TICKS_PER_S,
-                        "involuntary": int(involuntary)}
+                        "involuntary": int(involuntary),
+                        "last_cpu": int(fields[36]) if len(fields) > 36 else None}  # field 39, "processor"
     return threads
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cpu_mhz(cpu: int) -> float | None:
+    """CPU ``cpu``'s clock now, in MHz: cpufreq's current frequency, else ``/proc/cpuinfo``'s "cpu MHz" (None where
+    neither says; a virtual machine may report a constant)."""
+    khz = _read(f"/sys/devices/system/cpu/cpu{cpu}/cpufreq/scaling_cur_freq")
+    if khz and khz.isdigit():
+        return int(khz) / 1000
+    info = _read("/proc/cpuinfo") or ""
+    for block in info.split("\n\n"):
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {key.strip(): value.strip() for key, value in fields.items()}
+        if fields.get("processor") == str(cpu) and "cpu MHz" in fields:
+            return float(fields["cpu MHz"])
+    return None
+
+
+def cpu_facts(cpu: int | None) -> dict:
+    """Where a thread ran: ``{"cpu", "mhz", "numa_node", "smt_siblings"}`` (the CPU ids sharing its physical core, as
+    the kernel lists them, e.g. "3,35"); what Linux does not say is None."""
+    if cpu is None:
+        return {"cpu": None, "mhz": None, "numa_node": None, "smt_siblings": None}
+    base = f"/sys/devices/system/cpu/cpu{cpu}"
+    try:
+        nodes = [name for name in os.listdir(base) if name.startswith("node") and name[4:].isdigit()]
+    except OSError:
+        nodes = []
+    mhz = cpu_mhz(cpu)
+    return {"cpu": cpu, "mhz": None if mhz is None else round(mhz), "numa_node": int(nodes[0][4:]) if nodes else None,
+            "smt_siblings": _read(f"{base}/topology/thread_siblings_list")}
 
 
 class ThreadCpu:
@@ -56,8 +97,10 @@ class ThreadCpu:
         self._last = read_threads()
 
     def interval(self, reset: bool = True) -> dict:
-        """``{"wall_s", "threads": [...]}``: the main thread first, then the others at or above MIN_SHARE of the wall
-        time, busiest first; each ``{"tid", "name", "main", "cpu_s", "share", "involuntary"}``."""
+        """``{"wall_s", "threads": [...], "main_cpu", "allowed_cpus"}``: the main thread first, then the others at or
+        above MIN_SHARE of the wall time, busiest first, each ``{"tid", "name", "main", "cpu_s", "share",
+        "involuntary"}``; ``main_cpu`` is :func:`cpu_facts` of the CPU the main thread last ran on, ``allowed_cpus``
+        how many CPUs the process may run on."""
         now, current = time.monotonic(), read_threads()
         wall_s = max(now - self._start, 1e-9)
         rows = []
@@ -72,7 +115,9 @@ class ThreadCpu:
         rows.sort(key=lambda r: (not r["main"], -r["cpu_s"]))
         if reset:
             self._start, self._last = now, current
-        return {"wall_s": round(wall_s, 2), "threads": rows}
+        main_cpu = cpu_facts(current.get(os.getpid(), {}).get("last_cpu"))
+        allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return {"wall_s": round(wall_s, 2), "threads": rows, "main_cpu": main_cpu, "allowed_cpus": allowed}
 
 
 def process_timings(rank, threads: ThreadCpu | None, reset: bool = True) -> dict | None:
@@ -86,4 +131,4 @@ def process_timings(rank, threads: ThreadCpu | None, reset: bool = True) -> dict
     return {"rank": rank, "pid": os.getpid(), "ranges": ranges, "threads": threads.interval(reset)}
 
 
-__all__ = ["MIN_SHARE", "ThreadCpu", "process_timings", "read_threads"]
+__all__ = ["MIN_SHARE", "ThreadCpu", "cpu_facts", "cpu_mhz", "process_timings", "read_threads"]
