@@ -354,14 +354,19 @@ def _where_cell(where: dict | None, sharing: list) -> str:
     return cell + (f"; **shares its core with rank {', '.join(map(str, sharing))}**" if sharing else "")
 
 
+def _physical_core(threads: dict):
+    """The physical core a rank's main thread ended on: its SMT siblings list, else its CPU id (None where unknown)."""
+    where = threads.get("main_cpu") or {}
+    return where.get("smt_siblings") or where.get("cpu")
+
+
 def thread_cpu_table(data: dict) -> list[str]:
     """Per workload, backend and rank: the engine process's main thread's CPU share and forced context switches, where
     it ran, and its other threads that were busy (thread_cpu.py; read with the host timers)."""
     rows = []
     for workload, backend, record in workload_records(data):
         ranks = [r for r in record.get("host_timers") or [] if r.get("threads")]
-        cores = {r.get("rank"): ((r["threads"].get("main_cpu") or {}).get("smt_siblings")
-                                 or (r["threads"].get("main_cpu") or {}).get("cpu")) for r in ranks}
+        cores = {r.get("rank"): _physical_core(r["threads"]) for r in ranks}
         for rank in ranks:
             threads = rank["threads"]
             main = [t for t in threads["threads"] if t["main"]]
