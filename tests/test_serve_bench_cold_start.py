@@ -12,10 +12,11 @@ import pytest
 from mla_backend.serve_bench import driver, report
 from mla_backend.serve_bench.runner_common import COMPILED, run_engine_process
 from mla_backend.serve_bench.workloads import DecodeCell, MeasurePlan
-import test_serve_bench
-from test_serve_bench import REPORT_ENV, StubSession, _spec, _stub_run, _synthetic_report
+import test_serve_bench_driver
+from test_serve_bench import REPORT_ENV, StubSession, _spec, _synthetic_report
+from test_serve_bench_driver import _stub_run
 
-stub_engine = test_serve_bench.stub_engine  # the fixture: an engine choice whose engine process is a stand-in
+stub_engine = test_serve_bench_driver.stub_engine  # the fixture: an engine choice whose engine process is a stand-in
 
 
 class ColdSession(StubSession):
