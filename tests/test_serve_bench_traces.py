@@ -23,7 +23,7 @@ from mla_backend.serve_bench import report
 from mla_backend.serve_bench.profile_trace import (categorize, host_ranges, host_step_ops, kernel_breakdown,
                                                   load_trace_events, range_children, traces_since)
 from mla_backend.serve_bench.runner_common import EngineSession, read_profile
-from mla_backend.serve_bench.thread_cpu import ThreadCpu, cpu_facts
+from mla_backend.serve_bench.thread_cpu import ThreadCpu, cpu_facts, read_cpu_ticks, steal_share
 from test_serve_bench import REPORT_ENV, _synthetic_report
 
 def _trace(path: Path, kernels: dict[str, float]) -> Path:
@@ -248,7 +248,8 @@ def test_report_gives_each_rank_s_main_thread_and_its_busy_threads():
             {"tid": 9, "name": "output_thread", "main": False, "cpu_s": 4.1, "share": 0.328, "involuntary": 0}]}}]
     text = report.markdown(data)
     assert "#### Engine process threads: CPU time over each workload" in text
-    assert "| decode b16 8k | CUSTOM | 0 | 12.5 | 95% (3) | – | `output_thread` 33% |" in text  # no CPU facts: a dash
+    # no run-queue time, steal or CPU facts (a kernel without schedstat, not a virtual machine, older reports): dashes
+    assert "| decode b16 8k | CUSTOM | 0 | 12.5 | 95% (3) | – | – | – | `output_thread` 33% |" in text
 
 
 def test_report_says_where_each_rank_s_main_thread_ran_and_flags_a_shared_core():
@@ -256,20 +257,72 @@ def test_report_says_where_each_rank_s_main_thread_ran_and_flags_a_shared_core()
 
     def rank(n, cpu, siblings, mhz):
         return {"rank": n, "ranges": {}, "threads": {
-            "wall_s": 3.3, "allowed_cpus": 32, "threads": [
-                {"tid": 7 + n, "name": "MainThread", "main": True, "cpu_s": 2.6, "share": 0.8, "involuntary": 4}],
+            "wall_s": 3.3, "allowed_cpus": 32, "steal": 0.004, "threads": [
+                {"tid": 7 + n, "name": "MainThread", "main": True, "cpu_s": 2.6, "share": 0.8, "involuntary": 4,
+                 "runqueue_share": 0.012}],
             "main_cpu": {"cpu": cpu, "mhz": mhz, "numa_node": 0, "smt_siblings": siblings}}}
 
     workloads = data["backends"]["CUSTOM"]["workloads"]
     workloads[0]["host_timers"] = [rank(0, 3, "3,19", 3100), rank(1, 19, "3,19", 2000)]
     text = report.markdown(data)
-    assert ("| decode b16 8k | CUSTOM | 0 | 3.3 | 80% (4) | 3 (3100 MHz, node 0, core 3,19); **shares its core with "
-            "rank 1** | – |") in text
-    assert "| 1 | 3.3 | 80% (4) | 19 (2000 MHz, node 0, core 3,19); **shares its core with rank 0** | – |" in text
+    assert ("| decode b16 8k | CUSTOM | 0 | 3.3 | 80% (4) | 1.2% | 0.4% | 3 (3100 MHz, node 0, core 3,19); "
+            "**shares its core with rank 1** | – |") in text
+    assert ("| 1 | 3.3 | 80% (4) | 1.2% | 0.4% | 19 (2000 MHz, node 0, core 3,19); **shares its core with rank 0** "
+            "| – |") in text
     workloads[0]["host_timers"] = [rank(0, 3, "3,19", 3100), rank(1, 4, "4,20", None)]
     text = report.markdown(data)
     assert "| 3 (3100 MHz, node 0, core 3,19) | – |" in text and "| 4 (node 0, core 4,20) | – |" in text
     assert "shares its core" not in text
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat")
+                    or not hasattr(os, "sched_setaffinity"), reason="run-queue time is read from /proc's schedstat")
+def test_the_interval_says_how_long_the_main_thread_waited_for_its_cpu():
+    """The main thread and a busy process pinned to one CPU: the thread waits runnable for a good part of the time
+    (CFS shares the CPU about evenly); alone on it, it hardly waits."""
+    cpu = min(os.sched_getaffinity(0))
+    allowed = os.sched_getaffinity(0)
+
+    def spin(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
+    os.sched_setaffinity(0, {cpu})
+    try:
+        alone = ThreadCpu()
+        spin(0.4)
+        alone_share = alone.interval()["threads"][0]["runqueue_share"]
+        rival = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 3\n"
+                                  "while time.monotonic() < end: pass"])
+        try:
+            os.sched_setaffinity(rival.pid, {cpu})
+            shared = ThreadCpu()
+            spin(0.8)
+            interval = shared.interval()
+        finally:
+            rival.kill()
+            rival.wait()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    main = interval["threads"][0]
+    assert main["main"] and alone_share is not None and alone_share < 0.1, (alone_share, interval)
+    assert main["runqueue_share"] > 0.2 and main["share"] < 0.8, interval
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="steal time is read from Linux's /proc/stat")
+def test_steal_is_the_hypervisor_s_share_of_all_cpus_time():
+    before = read_cpu_ticks()
+    time.sleep(0.05)
+    after = read_cpu_ticks()
+    ticks, stolen = after["total"] - before["total"], after["steal"] - before["steal"]
+    assert ticks >= 0 and 0 <= stolen <= ticks
+    assert steal_share({"total": 1000, "steal": 10}, {"total": 3000, "steal": 60}) == 0.025
+    assert steal_share(None, after) is None and steal_share(after, after) is None
+    threads = ThreadCpu()
+    time.sleep(0.05)
+    steal = threads.interval()["steal"]
+    assert steal is None or 0 <= steal <= 1
 
 
 @pytest.mark.skipif(not os.path.isdir("/sys/devices/system/cpu/cpu0"), reason="CPU topology is read from Linux's /sys")

@@ -360,9 +360,14 @@ def _physical_core(threads: dict):
     return where.get("smt_siblings") or where.get("cpu")
 
 
+def _percent(share: float | None) -> str:
+    return "–" if share is None else f"{100 * share:.1f}%"
+
+
 def thread_cpu_table(data: dict) -> list[str]:
-    """Per workload, backend and rank: the engine process's main thread's CPU share and forced context switches, where
-    it ran, and its other threads that were busy (thread_cpu.py; read with the host timers)."""
+    """Per workload, backend and rank: the engine process's main thread's CPU share and forced context switches, the
+    share it waited runnable for a CPU, the virtual machine's steal over all CPUs, where the main thread ran, and its
+    other threads that were busy (thread_cpu.py; read with the host timers)."""
     rows = []
     for workload, backend, record in workload_records(data):
         ranks = [r for r in record.get("host_timers") or [] if r.get("threads")]
@@ -372,22 +377,27 @@ def thread_cpu_table(data: dict) -> list[str]:
             main = [t for t in threads["threads"] if t["main"]]
             others = ", ".join(f"`{t['name']}` {100 * t['share']:.0f}%" for t in threads["threads"] if not t["main"])
             main_cell = (f"{100 * main[0]['share']:.0f}% ({main[0]['involuntary']})" if main else "–")
+            queued = _percent(main[0].get("runqueue_share")) if main else "–"
             own = cores[rank.get("rank")]
             sharing = [other for other, core in cores.items()
                        if other != rank.get("rank") and own is not None and core == own]
             rows.append(f"| {workload} | {backend} | {rank.get('rank')} | {threads['wall_s']} | {main_cell} | "
+                        f"{queued} | {_percent(threads.get('steal'))} | "
                         f"{_where_cell(threads.get('main_cpu'), sharing)} | {others or '–'} |")
     if not rows:
         return []
     return ["#### Engine process threads: CPU time over each workload", "",
             "| workload | backend | rank | wall s | main thread CPU (forced context switches) "
+            "| main thread runnable, waiting for a CPU | stolen by the hypervisor, all CPUs "
             "| main thread's CPU at the end (clock, NUMA node, SMT siblings) | other busy threads, CPU |",
-            "|---|---|---|---|---|---|---|", *rows, "",
+            "|---|---|---|---|---|---|---|---|---|", *rows, "",
             "From `/proc` (user + system time per thread over the workload's wall time, the profiled steps included). "
-            "A host-bound step runs at its main thread's speed: forced switches mean the kernel took its CPU away; a "
-            "busy thread beside it shares the process's interpreter lock and the cores. Where the main thread ran is "
-            "read once, at the workload's end (a thread may move); two ranks' main threads on one physical core (SMT "
-            "siblings) each run slower.", ""]
+            "A host-bound step runs at its main thread's speed: forced switches mean the kernel took its CPU away, and "
+            "the time it waited runnable says for how long; the rest of its time off the CPU it slept (waiting on "
+            "another process, rank or the GPU). A busy thread beside it shares the process's interpreter lock and the "
+            "cores. On a virtual machine the hypervisor's steal slows every thread without showing in its counters. "
+            "Where the main thread ran is read once, at the workload's end (a thread may move); two ranks' main "
+            "threads on one physical core (SMT siblings) each run slower.", ""]
 
 
 #: Engine-table note for a measured engine that filled a compile cache at its start (``--cold-start measure``;

@@ -4,8 +4,12 @@ A host-bound decode step runs at the speed of the engine's main thread. When one
 another's on the same machine, this says whether that thread was starved (involuntary context switches: the kernel
 took the CPU away) or shared its process with a busy thread, rather than leaving it to guesswork; and where it ran at
 the interval's end (:func:`cpu_facts`: the CPU, its clock, NUMA node and SMT siblings), so that two ranks' main threads
-on one physical core, or a core at a lower clock, show in the report. Read by serve-bench's vLLM worker extension and
-SGLang scheduler timers with the host timers (one interval per workload).
+on one physical core, or a core at a lower clock, show in the report. Two more reads say where a thread's time off the
+CPU went: how long it was runnable but waited in the run queue (``/proc/.../schedstat``: another thread had its CPU),
+the rest being sleep (waiting on another process, a rank or the GPU); and, on a virtual machine, the share of all CPUs'
+time the hypervisor gave to other guests (``/proc/stat``'s steal), which slows every thread without showing in its own
+counters. Read by serve-bench's vLLM worker extension and SGLang scheduler timers with the host timers (one interval per
+workload).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ MIN_SHARE = 0.05
 
 def read_threads(pid: int | None = None) -> dict[int, dict]:
     """Per thread id of process ``pid`` (this one by default): ``name`` (the Python thread's name where it is one,
-    else the kernel's ``comm``), ``cpu_s`` (user + system seconds since it started) and ``involuntary`` (context
-    switches the kernel forced on it). Empty where ``/proc`` is absent."""
+    else the kernel's ``comm``), ``cpu_s`` (user + system seconds since it started), ``involuntary`` (context
+    switches the kernel forced on it), ``runqueue_s`` (seconds it was runnable but waited for a CPU; None where the
+    kernel keeps no schedstat) and ``last_cpu``. Empty where ``/proc`` is absent."""
     pid = os.getpid() if pid is None else pid
     python_names = {t.native_id: t.name for t in threading.enumerate()} if pid == os.getpid() else {}
     task_dir = f"/proc/{pid}/task"
@@ -42,10 +47,12 @@ def read_threads(pid: int | None = None) -> dict[int, dict]:
         comm = stat[stat.index("(") + 1: stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state): utime and stime are fields 14 and 15
         involuntary = status.split("nonvoluntary_ctxt_switches:")[1].split()[0] if "nonvoluntary" in status else 0
+        schedstat = (_read(f"{task_dir}/{tid_text}/schedstat") or "").split()  # ns on CPU, ns in the run queue, runs
         tid = int(tid_text)
         threads[tid] = {"name": python_names.get(tid, comm),
                         "cpu_s": (int(fields[11]) + int(fields[12])) / _TICKS_PER_S,
                         "involuntary": int(involuntary),
+                        "runqueue_s": int(schedstat[1]) / 1e9 if len(schedstat) > 1 else None,
                         "last_cpu": int(fields[36]) if len(fields) > 36 else None}  # field 39, "processor"
     return threads
 
@@ -56,6 +63,24 @@ def _read(path: str) -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+def read_cpu_ticks() -> dict | None:
+    """All CPUs' time since boot in ``/proc/stat`` ticks: ``{"total", "steal"}`` (steal: time the hypervisor ran
+    other guests on this machine's virtual CPUs); None without ``/proc/stat``."""
+    first = (_read("/proc/stat") or "").split("\n", 1)[0].split()
+    if len(first) < 5 or first[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal [guest guest_nice]: guest time is already inside user and nice
+    values = [int(v) for v in first[1:9]]
+    return {"total": sum(values), "steal": values[7] if len(values) > 7 else 0}
+
+
+def steal_share(before: dict | None, after: dict | None) -> float | None:
+    """The share of all CPUs' time between two :func:`read_cpu_ticks` that the hypervisor stole (None where unknown)."""
+    if not before or not after or after["total"] <= before["total"]:
+        return None
+    return round((after["steal"] - before["steal"]) / (after["total"] - before["total"]), 4)
 
 
 def cpu_mhz(cpu: int) -> float | None:
@@ -95,29 +120,35 @@ class ThreadCpu:
     def __init__(self):
         self._start = time.monotonic()
         self._last = read_threads()
+        self._ticks = read_cpu_ticks()
 
     def interval(self, reset: bool = True) -> dict:
-        """``{"wall_s", "threads": [...], "main_cpu", "allowed_cpus"}``: the main thread first, then the others at or
-        above MIN_SHARE of the wall time, busiest first, each ``{"tid", "name", "main", "cpu_s", "share",
-        "involuntary"}``; ``main_cpu`` is :func:`cpu_facts` of the CPU the main thread last ran on, ``allowed_cpus``
-        how many CPUs the process may run on."""
-        now, current = time.monotonic(), read_threads()
+        """``{"wall_s", "threads": [...], "main_cpu", "allowed_cpus", "steal"}``: the main thread first, then the
+        others at or above MIN_SHARE of the wall time, busiest first, each ``{"tid", "name", "main", "cpu_s", "share",
+        "involuntary", "runqueue_share"}`` (runqueue_share: of the wall time, runnable but waiting for a CPU; None
+        where unknown); ``main_cpu`` is :func:`cpu_facts` of the CPU the main thread last ran on, ``allowed_cpus``
+        how many CPUs the process may run on, ``steal`` the share of all CPUs' time the hypervisor stole."""
+        now, current, ticks = time.monotonic(), read_threads(), read_cpu_ticks()
         wall_s = max(now - self._start, 1e-9)
         rows = []
         for tid, t in current.items():
-            before = self._last.get(tid, {"cpu_s": 0.0, "involuntary": 0})
+            before = self._last.get(tid, {"cpu_s": 0.0, "involuntary": 0, "runqueue_s": 0.0})
             cpu_s = t["cpu_s"] - before["cpu_s"]
             main = tid == os.getpid()
             if main or cpu_s >= MIN_SHARE * wall_s:
+                queued = (None if t.get("runqueue_s") is None or before.get("runqueue_s") is None
+                          else round((t["runqueue_s"] - before["runqueue_s"]) / wall_s, 4))
                 rows.append({"tid": tid, "name": t["name"], "main": main, "cpu_s": round(cpu_s, 2),
                              "share": round(cpu_s / wall_s, 3),
-                             "involuntary": t["involuntary"] - before["involuntary"]})
+                             "involuntary": t["involuntary"] - before["involuntary"], "runqueue_share": queued})
         rows.sort(key=lambda r: (not r["main"], -r["cpu_s"]))
+        steal = steal_share(self._ticks, ticks)
         if reset:
-            self._start, self._last = now, current
+            self._start, self._last, self._ticks = now, current, ticks
         main_cpu = cpu_facts(current.get(os.getpid(), {}).get("last_cpu"))
         allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        return {"wall_s": round(wall_s, 2), "threads": rows, "main_cpu": main_cpu, "allowed_cpus": allowed}
+        return {"wall_s": round(wall_s, 2), "threads": rows, "main_cpu": main_cpu, "allowed_cpus": allowed,
+                "steal": steal}
 
 
 def process_timings(rank, threads: ThreadCpu | None, reset: bool = True) -> dict | None:
@@ -131,4 +162,5 @@ def process_timings(rank, threads: ThreadCpu | None, reset: bool = True) -> dict
     return {"rank": rank, "pid": os.getpid(), "ranges": ranges, "threads": threads.interval(reset)}
 
 
-__all__ = ["MIN_SHARE", "ThreadCpu", "cpu_facts", "cpu_mhz", "process_timings", "read_threads"]
+__all__ = ["MIN_SHARE", "ThreadCpu", "cpu_facts", "cpu_mhz", "process_timings", "read_cpu_ticks", "read_threads",
+           "steal_share"]
