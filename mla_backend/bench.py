@@ -41,7 +41,7 @@ QO = HEAD + LATENT  # q (576) + out (512) elements per (token, head)
 SOFTMAX_SCALE = 192 ** -0.5
 K_SCALE = 0.5  # non-unit fp8 dequantisation scale
 MAX_SQ = 2  # ragged lengths are shared by both s_q classes, so they are clamped at the largest s_q
-IMPLS = ("ours", "flashmla", "fa3", "triton")
+IMPLS = ("ours", "flashmla", "fa3", "triton", "flashmla-sgl")  # flashmla-sgl: SGLang 0.5.17's sgl-kernel build
 # ours-fp8c: ours with an fp8 cache and fp8_compute=True (q quantised per (token, head) row, e4m3 tensor cores)
 FP8_COMPUTE = "ours-fp8c"
 # flashmla-fp8 times FlashMLA's fp8 kernel on a q quantised ahead; flashmla-fp8q adds what vLLM runs before it in
@@ -49,7 +49,7 @@ FP8_COMPUTE = "ours-fp8c"
 # the work ours-fp8c does inside its kernel
 FLASHMLA_FP8_Q = "flashmla-fp8q"
 FP8_IMPLS = {"ours": ("ours-fp8", FP8_COMPUTE), "flashmla": ("flashmla-fp8", FLASHMLA_FP8_Q), "triton": ("triton-fp8",)}
-ORDER = ("ours", "flashmla", "fa3", "triton", "ours-fp8", FP8_COMPUTE, "flashmla-fp8", FLASHMLA_FP8_Q, "triton-fp8")
+ORDER = ("ours", "flashmla", "flashmla-sgl", "fa3", "triton", "ours-fp8", FP8_COMPUTE, "flashmla-fp8", FLASHMLA_FP8_Q, "triton-fp8")
 FP8_MAX = 448.0  # e4m3's largest finite value
 # The served grid's spread of lengths: serve-bench's 4k decode cells as SGLang's DP-attention GPUs held them
 # (4096-4300 tokens, RESULTS section 11)
@@ -316,6 +316,9 @@ def load_anchors(wanted) -> dict:
                                                   get_scheduler_metadata, is_fa_version_supported)
                 out[name] = ((flash_attn_varlen_func, get_scheduler_metadata) if is_fa_version_supported(3)
                              else f"FA3 unsupported here: {fa_version_unsupported_reason(3)}")
+            elif name == "flashmla-sgl":
+                from sgl_kernel import flash_mla as sfm
+                out[name] = sfm
             elif name == "triton":
                 from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
                 out[name] = decode_attention_fwd
@@ -383,6 +386,15 @@ def make_runner(name: str, c: Case, anchors: dict, graphs: bool):
                 q8 = concat_quantise_q(c.q_nope, c.q_pe, dq).view(q4.shape)
                 fn = lambda: kernel(q8)  # noqa: E731
         return lambda: fn().view(c.T, cfg.h, LATENT)
+    if base == "flashmla-sgl":  # as sglang/srt/layers/attention/flashmla_backend.py calls it
+        if cfg.page != 64 or fp8:
+            raise Skip("flashmla-sgl: bf16 cache, page 64 only here")
+        q4, k4 = c.q.view(cfg.b, cfg.s_q, cfg.h, HEAD), kv.unsqueeze(-2)
+        tsm, nsp = mod.get_mla_metadata(kvg.seqlens, cfg.s_q * cfg.h, 1, is_fp8_kvcache=False)
+        return lambda: mod.flash_mla_with_kvcache(
+            q=q4, k_cache=k4, block_table=kvg.block_table, cache_seqlens=kvg.seqlens, head_dim_v=LATENT,
+            tile_scheduler_metadata=tsm, num_splits=nsp, softmax_scale=SOFTMAX_SCALE, causal=True)[0].view(
+                c.T, cfg.h, LATENT)
     if base == "fa3":  # as vllm/v1/attention/backends/mla/flashattn_mla.py calls it
         if cfg.page % 16:
             raise Skip("vLLM FLASH_ATTN_MLA needs a page size that is a multiple of 16")
@@ -541,7 +553,7 @@ def run(args, cfgs: list[Config], impls: list[str]) -> list[dict]:
                 rec["impls"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(f"WARNING: {name} failed on {cfg.label()}: {rec['impls'][name]['error']}")
         t = {n: v["us"] for n, v in rec["impls"].items() if "us" in v}
-        best = min((t[n] for n in ("flashmla", "fa3") if n in t), default=None)
+        best = min((t[n] for n in ("flashmla", "flashmla-sgl", "fa3") if n in t), default=None)
         rec["ratio"] = t["ours"] / best if best and "ours" in t else None
         if first_of_class:  # all impls vs each other, and (--check) vs the fp32 reference on sampled requests
             lines = check_cross(outs) + (check_sampled(c, outs) if args.check and outs else [])
