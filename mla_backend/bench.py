@@ -1,6 +1,7 @@
-"""MLA paged-decode benchmark: our TileLang op vs vLLM 0.26's FlashMLA, FA3-MLA and Triton-MLA, on one GPU.
+"""MLA paged-decode benchmark: our TileLang op vs vLLM 0.26's FlashMLA, FA3-MLA and Triton-MLA and SGLang's FlashMLA
+build (``flashmla-sgl``, sgl-kernel), on one GPU.
 
-``mla-backend bench [--quick | --grid G] [--filter b=128,h=16] [--impls ours,flashmla,fa3,triton]
+``mla-backend bench [--quick | --grid G] [--filter b=128,h=16] [--impls ours,flashmla,fa3,triton,flashmla-sgl]
 [--fp8] [--graphs] [--check] [--out-dir DIR] [--dry-run]``; also ``python -m mla_backend.bench``.
 ``mla-backend bench --host``: the host time of one call instead (``bench_host.py``).
 
@@ -41,7 +42,8 @@ QO = HEAD + LATENT  # q (576) + out (512) elements per (token, head)
 SOFTMAX_SCALE = 192 ** -0.5
 K_SCALE = 0.5  # non-unit fp8 dequantisation scale
 MAX_SQ = 2  # ragged lengths are shared by both s_q classes, so they are clamped at the largest s_q
-IMPLS = ("ours", "flashmla", "fa3", "triton", "flashmla-sgl")  # flashmla-sgl: SGLang 0.5.17's sgl-kernel build
+# flashmla-sgl: FlashMLA as SGLang's sgl-kernel builds it (a newer release than vLLM 0.26's; SGLang's flashmla backend)
+IMPLS = ("ours", "flashmla", "fa3", "triton", "flashmla-sgl")
 # ours-fp8c: ours with an fp8 cache and fp8_compute=True (q quantised per (token, head) row, e4m3 tensor cores)
 FP8_COMPUTE = "ours-fp8c"
 # flashmla-fp8 times FlashMLA's fp8 kernel on a q quantised ahead; flashmla-fp8q adds what vLLM runs before it in
@@ -49,7 +51,8 @@ FP8_COMPUTE = "ours-fp8c"
 # the work ours-fp8c does inside its kernel
 FLASHMLA_FP8_Q = "flashmla-fp8q"
 FP8_IMPLS = {"ours": ("ours-fp8", FP8_COMPUTE), "flashmla": ("flashmla-fp8", FLASHMLA_FP8_Q), "triton": ("triton-fp8",)}
-ORDER = ("ours", "flashmla", "flashmla-sgl", "fa3", "triton", "ours-fp8", FP8_COMPUTE, "flashmla-fp8", FLASHMLA_FP8_Q, "triton-fp8")
+ORDER = ("ours", "flashmla", "flashmla-sgl", "fa3", "triton", "ours-fp8", FP8_COMPUTE, "flashmla-fp8", FLASHMLA_FP8_Q,
+         "triton-fp8")
 FP8_MAX = 448.0  # e4m3's largest finite value
 # The served grid's spread of lengths: serve-bench's 4k decode cells as SGLang's DP-attention GPUs held them
 # (4096-4300 tokens, RESULTS section 11)
@@ -303,7 +306,8 @@ class Case:
 
 
 def load_anchors(wanted) -> dict:
-    """vLLM 0.26 kernels by name: the module / functions, or a string saying why they are skipped."""
+    """The anchors' kernels by name (vLLM 0.26's; sgl-kernel's for flashmla-sgl): the module / functions, or a string
+    saying why they are skipped."""
     out = {}
     for name in wanted:
         try:
@@ -323,7 +327,8 @@ def load_anchors(wanted) -> dict:
                 from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
                 out[name] = decode_attention_fwd
         except Exception as e:  # noqa: BLE001 - whatever stops the import means "skip, with the reason"
-            out[name] = f"cannot import vLLM's {name} kernel: {type(e).__name__}: {e}"
+            engine = "SGLang" if name == "flashmla-sgl" else "vLLM"
+            out[name] = f"cannot import {engine}'s {name} kernel: {type(e).__name__}: {e}"
     return out
 
 
@@ -388,7 +393,7 @@ def make_runner(name: str, c: Case, anchors: dict, graphs: bool):
         return lambda: fn().view(c.T, cfg.h, LATENT)
     if base == "flashmla-sgl":  # as sglang/srt/layers/attention/flashmla_backend.py calls it
         if cfg.page != 64 or fp8:
-            raise Skip("flashmla-sgl: bf16 cache, page 64 only here")
+            raise Skip("flashmla-sgl is timed with a 16-bit cache and page 64 (SGLang's flashmla pool)")
         q4, k4 = c.q.view(cfg.b, cfg.s_q, cfg.h, HEAD), kv.unsqueeze(-2)
         tsm, nsp = mod.get_mla_metadata(kvg.seqlens, cfg.s_q * cfg.h, 1, is_fp8_kvcache=False)
         return lambda: mod.flash_mla_with_kvcache(
@@ -613,8 +618,8 @@ def markdown(results: list[dict], impls: list[str], env: dict, settings: dict) -
         lines.append(f"| {r['label']} | " + " | ".join(us(r, n) for n in impls)
                      + (f" | {o['gbps']:.0f} | {o['tflops']:.1f}" if "us" in o else " | – | –")
                      + f" | {r['plan_us']:.1f} | " + (f"{r['ratio']:.2f}" if r["ratio"] else "–") + " |")
-    lines += ["", "ours / best = our time / min(FlashMLA, FA3) time (below 1: ours is faster). GB/s = "
-              "(Σlen·576·kv_bytes + b·s_q·h·1088·2) / t; TFLOP/s = 2·s_q·Σlen·h·1088 / t."]
+    lines += ["", "ours / best = our time / min(FlashMLA, FlashMLA (sgl-kernel), FA3) time (below 1: ours is faster). "
+              "GB/s = (Σlen·576·kv_bytes + b·s_q·h·1088·2) / t; TFLOP/s = 2·s_q·Σlen·h·1088 / t."]
     return "\n".join(lines) + "\n"
 
 
@@ -752,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         env[pkg] = env[pkg] or getattr(sys.modules.get(pkg), "__version__", None)
     files = save(args.out_dir, results, impls, env, settings) if args.out_dir else []
     print(f"done in {time.perf_counter() - t0:.0f}s" + (f"; wrote {', '.join(files)}" if files else ""))
-    print(f"\n{timing}.\nCells: median us, GB/s, TFLOP/s. ours / best = ours time / min(flashmla, fa3) "
+    print(f"\n{timing}.\nCells: median us, GB/s, TFLOP/s. ours / best = ours time / min(flashmla, flashmla-sgl, fa3) "
           "(below 1: ours is faster).")
     print("\n".join(table(results, impls)))
     if not any("us" in v for r in results for v in r["impls"].values()):

@@ -17,6 +17,21 @@ def test_fp8_adds_both_of_ours_and_the_anchors_fp8_paths():
         bench.impl_list("ours-fp8c", fp8=True)
 
 
+def test_sglang_flashmla_build_is_an_anchor_of_its_own():
+    """flashmla-sgl (FlashMLA as SGLang's sgl-kernel builds it) is listed after vLLM's FlashMLA, has no fp8 path here,
+    counts as a best anchor, and where sgl-kernel does not import it is skipped with SGLang named in the reason."""
+    import importlib.util
+
+    assert bench.impl_list("flashmla-sgl,ours,flashmla", fp8=True) == ["ours", "flashmla", "flashmla-sgl", "ours-fp8",
+                                                                        "ours-fp8c", "flashmla-fp8", "flashmla-fp8q"]
+    assert bench.base_impl("flashmla-sgl") == "flashmla-sgl" and not bench.fp8_kv("flashmla-sgl")
+    anchor = bench.load_anchors({"flashmla-sgl"})["flashmla-sgl"]
+    if importlib.util.find_spec("sgl_kernel") is None:
+        assert isinstance(anchor, str) and anchor.startswith("cannot import SGLang's flashmla-sgl kernel"), anchor
+    else:
+        assert isinstance(anchor, str) or callable(anchor.flash_mla_with_kvcache)
+
+
 def test_fp8_cache_readers_and_their_implementation():
     assert [bench.fp8_kv(n) for n in ("ours", "ours-fp8", "ours-fp8c", "flashmla-fp8", "flashmla-fp8q", "fa3")] == [
         False, True, True, True, True, False]
