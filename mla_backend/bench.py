@@ -576,7 +576,7 @@ def environment(argv: list[str]) -> dict:
     env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": "mla-backend bench " + " ".join(argv), "python": sys.version.split()[0],
            "torch": torch.__version__, "cuda_runtime": torch.version.cuda}
-    env.update({pkg: installed.version(pkg) for pkg in ("triton", "vllm", "tilelang")})
+    env.update({pkg: installed.version(pkg) for pkg in ("triton", "vllm", "tilelang", "sglang-kernel")})
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(torch.cuda.current_device())
         env.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / 2**30, 1))
@@ -608,7 +608,9 @@ def markdown(results: list[dict], impls: list[str], env: dict, settings: dict) -
     us = lambda r, n: f"{r['impls'][n]['us']:.1f}" if "us" in r["impls"].get(n, {}) else "–"  # noqa: E731
     lines = [f"### MLA decode on {env.get('gpu')} ({env['date'][:10]})", "",
              f"torch {env['torch']} (CUDA {env['cuda_runtime']}), triton {env['triton']}, vLLM {env['vllm']}, "
-             f"tilelang {env['tilelang']} (Hopper kernel `{env.get('sm90_kernel')}`), driver {env.get('driver')}, "
+             f"tilelang {env['tilelang']} (Hopper kernel `{env.get('sm90_kernel')}`), "
+             + (f"sgl-kernel {env['sglang-kernel']}, " if env.get("sglang-kernel") else "")
+             + f"driver {env.get('driver')}, "
              f"commit {env.get('git')}. "
              f"{settings['timing']}. Command: `{env['command']}`", "",
              "| config | " + " | ".join(f"{n} µs" for n in impls) + " | ours GB/s | ours TFLOP/s | plan µs | ours / best |",
