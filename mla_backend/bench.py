@@ -205,12 +205,26 @@ def metrics(cfg: Config, sum_len: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- timing
+def sm_clock_reader(device):
+    """A zero-argument call giving ``device``'s SM clock in MHz through NVML (``torch.cuda.clock_rate``), or None where
+    NVML cannot be read (no pynvml, no NVIDIA GPU)."""
+    try:
+        torch.cuda.clock_rate(device)
+    except Exception:  # noqa: BLE001 - whatever stops NVML means "no clock in the records"
+        return None
+    return lambda: torch.cuda.clock_rate(device)
+
+
 class Timer:
-    """Median of CUDA-event timings; the L2 is flushed (a buffer zeroed) before every run."""
+    """Median of CUDA-event timings; the L2 is flushed (a buffer zeroed) before every run. Where NVML is readable the
+    SM clock is sampled while the timed runs execute (``sm_mhz``, the median sample): a kernel of tens of microseconds
+    between flushes may run at another clock than one of milliseconds, which the GPU's power limit throttles."""
 
     def __init__(self, device, flush_mb: int = 256, budget_s: float = 0.25, reps: tuple = (10, 100)):
         self.flush = torch.empty(flush_mb << 20, dtype=torch.int8, device=device)
         self.budget_s, self.reps = budget_s, reps
+        self.read_sm_mhz = sm_clock_reader(device)
+        self.sm_mhz = None
 
     @staticmethod
     def host_us(fn, n: int = 5) -> float:
@@ -230,7 +244,8 @@ class Timer:
         if reps <= 0:  # as many as fit the time budget (+ ~100 us flush + spin per run)
             reps = max(self.reps[0], min(self.reps[1], int(self.budget_s / ((once + 120 + 2 * host_us) * 1e-6))))
         ts = self._run(fn, reps, spin)
-        return {"us": statistics.median(ts), "min_us": min(ts), "reps": reps, "host_us": host_us}
+        return {"us": statistics.median(ts), "min_us": min(ts), "reps": reps, "host_us": host_us,
+                "sm_mhz": self.sm_mhz}
 
     def _run(self, fn, reps: int, spin: int) -> list[float]:
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
@@ -241,7 +256,12 @@ class Timer:
             start.record()
             fn()
             end.record()
+        clocks = []
+        if self.read_sm_mhz is not None:  # while the GPU works through the enqueued runs
+            while not ev[-1][1].query():
+                clocks.append(self.read_sm_mhz())
         torch.cuda.synchronize()
+        self.sm_mhz = statistics.median(clocks) if clocks else None
         return [s.elapsed_time(e) * 1e3 for s, e in ev]
 
 
@@ -622,7 +642,19 @@ def markdown(results: list[dict], impls: list[str], env: dict, settings: dict) -
                      + f" | {r['plan_us']:.1f} | " + (f"{r['ratio']:.2f}" if r["ratio"] else "–") + " |")
     lines += ["", "ours / best = our time / min(FlashMLA, FlashMLA (sgl-kernel), FA3) time (below 1: ours is faster). "
               "GB/s = (Σlen·576·kv_bytes + b·s_q·h·1088·2) / t; TFLOP/s = 2·s_q·Σlen·h·1088 / t."]
-    return "\n".join(lines) + "\n"
+    clocks = clock_summary(results, impls)
+    return "\n".join(lines + ([clocks] if clocks else [])) + "\n"
+
+
+def clock_summary(results: list[dict], impls: list[str]) -> str | None:
+    """One line: each impl's SM clock while it was timed (NVML), lowest to highest over the configs; None without
+    samples."""
+    spans = []
+    for n in impls:
+        mhz = [r["impls"][n]["sm_mhz"] for r in results if r["impls"].get(n, {}).get("sm_mhz")]
+        if mhz:
+            spans.append(f"{n} {min(mhz):.0f}" + (f"-{max(mhz):.0f}" if max(mhz) != min(mhz) else ""))
+    return ("SM clock while timed (NVML samples, median per config), MHz: " + ", ".join(spans) + ".") if spans else None
 
 
 def plot_results(results: list[dict], impls: list[str], path: str, title: str = "") -> bool:
@@ -660,7 +692,7 @@ def save(out_dir: str, results: list[dict], impls: list[str], env: dict, setting
         json.dump({"env": env, "settings": settings, "impls": impls, "results": results}, f, indent=1)
     fields = ["label", "kind", "b", "s_k", "h", "s_q", "lens", "page", "sum_len", "max_len", "bytes", "flop",
               "plan_us", "plan_host_us", "ratio"]
-    stats = ["us", "min_us", "reps", "host_us", "gbps", "tflops"]
+    stats = ["us", "min_us", "reps", "host_us", "gbps", "tflops", "sm_mhz"]
     with open(base + ".csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(fields + ["impl"] + stats + ["status"])

@@ -38,6 +38,21 @@ def test_sglang_flashmla_build_is_an_anchor_of_its_own():
     assert "sgl-kernel" not in plain.split("\n")[2]
 
 
+def test_sm_clock_while_timed_is_summarised_per_impl():
+    """The report's clock line: per impl the lowest and highest of its configs' median NVML samples, impls without
+    samples left out, no line at all without any; without an NVIDIA GPU there is no clock reader."""
+    import torch
+
+    results = [{"impls": {"ours": {"us": 50.0, "sm_mhz": 1980.0}, "flashmla-sgl": {"us": 49.0, "sm_mhz": 1755.0}}},
+               {"impls": {"ours": {"us": 900.0, "sm_mhz": 1830.0}, "flashmla-sgl": {"skip": "page 16"}}},
+               {"impls": {"ours": {"us": 80.0, "sm_mhz": None}}}]
+    assert bench.clock_summary(results, ["ours", "flashmla-sgl", "fa3"]) == (
+        "SM clock while timed (NVML samples, median per config), MHz: ours 1830-1980, flashmla-sgl 1755.")
+    assert bench.clock_summary(results[2:], ["ours"]) is None
+    if not torch.cuda.is_available():
+        assert bench.sm_clock_reader(torch.device("cpu")) is None
+
+
 def test_fp8_cache_readers_and_their_implementation():
     assert [bench.fp8_kv(n) for n in ("ours", "ours-fp8", "ours-fp8c", "flashmla-fp8", "flashmla-fp8q", "fa3")] == [
         False, True, True, True, True, False]
