@@ -42,8 +42,10 @@ QO = HEAD + LATENT  # q (576) + out (512) elements per (token, head)
 SOFTMAX_SCALE = 192 ** -0.5
 K_SCALE = 0.5  # non-unit fp8 dequantisation scale
 MAX_SQ = 2  # ragged lengths are shared by both s_q classes, so they are clamped at the largest s_q
-# flashmla-sgl: FlashMLA as SGLang's sgl-kernel builds it (a newer release than vLLM 0.26's; SGLang's flashmla backend)
-IMPLS = ("ours", "flashmla", "fa3", "triton", "flashmla-sgl")
+# FlashMLA as SGLang's sgl-kernel builds it (a newer release than vLLM 0.26's; SGLang's flashmla backend)
+FLASHMLA_SGL = "flashmla-sgl"
+IMPLS = ("ours", "flashmla", "fa3", "triton", FLASHMLA_SGL)
+BEST_ANCHORS = ("flashmla", FLASHMLA_SGL, "fa3")  # ours / best: our time over the fastest of these
 # ours-fp8c: ours with an fp8 cache and fp8_compute=True (q quantised per (token, head) row, e4m3 tensor cores)
 FP8_COMPUTE = "ours-fp8c"
 # flashmla-fp8 times FlashMLA's fp8 kernel on a q quantised ahead; flashmla-fp8q adds what vLLM runs before it in
@@ -51,7 +53,7 @@ FP8_COMPUTE = "ours-fp8c"
 # the work ours-fp8c does inside its kernel
 FLASHMLA_FP8_Q = "flashmla-fp8q"
 FP8_IMPLS = {"ours": ("ours-fp8", FP8_COMPUTE), "flashmla": ("flashmla-fp8", FLASHMLA_FP8_Q), "triton": ("triton-fp8",)}
-ORDER = ("ours", "flashmla", "flashmla-sgl", "fa3", "triton", "ours-fp8", FP8_COMPUTE, "flashmla-fp8", FLASHMLA_FP8_Q,
+ORDER = ("ours", "flashmla", FLASHMLA_SGL, "fa3", "triton", "ours-fp8", FP8_COMPUTE, "flashmla-fp8", FLASHMLA_FP8_Q,
          "triton-fp8")
 FP8_MAX = 448.0  # e4m3's largest finite value
 # The served grid's spread of lengths: serve-bench's 4k decode cells as SGLang's DP-attention GPUs held them
@@ -224,7 +226,6 @@ class Timer:
         self.flush = torch.empty(flush_mb << 20, dtype=torch.int8, device=device)
         self.budget_s, self.reps = budget_s, reps
         self.read_sm_mhz = sm_clock_reader(device)
-        self.sm_mhz = None
 
     @staticmethod
     def host_us(fn, n: int = 5) -> float:
@@ -240,14 +241,14 @@ class Timer:
 
     def __call__(self, fn, reps: int = 0, host_us: float = 50.0) -> dict:
         spin = int((2 * host_us + 20) * 2000)  # cycles (~2 GHz): the call is enqueued before the start event fires
-        once = self._run(fn, 1, spin)[0]
+        once = self._run(fn, 1, spin)[0][0]
         if reps <= 0:  # as many as fit the time budget (+ ~100 us flush + spin per run)
             reps = max(self.reps[0], min(self.reps[1], int(self.budget_s / ((once + 120 + 2 * host_us) * 1e-6))))
-        ts = self._run(fn, reps, spin)
-        return {"us": statistics.median(ts), "min_us": min(ts), "reps": reps, "host_us": host_us,
-                "sm_mhz": self.sm_mhz}
+        ts, sm_mhz = self._run(fn, reps, spin)
+        return {"us": statistics.median(ts), "min_us": min(ts), "reps": reps, "host_us": host_us, "sm_mhz": sm_mhz}
 
-    def _run(self, fn, reps: int, spin: int) -> list[float]:
+    def _run(self, fn, reps: int, spin: int) -> tuple[list[float], float | None]:
+        """The reps' times in µs, and the median SM clock sampled while they ran (None without NVML)."""
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in ev:
             self.flush.zero_()
@@ -261,8 +262,7 @@ class Timer:
             while not ev[-1][1].query():
                 clocks.append(self.read_sm_mhz())
         torch.cuda.synchronize()
-        self.sm_mhz = statistics.median(clocks) if clocks else None
-        return [s.elapsed_time(e) * 1e3 for s, e in ev]
+        return [s.elapsed_time(e) * 1e3 for s, e in ev], (statistics.median(clocks) if clocks else None)
 
 
 def as_graph(fn):
@@ -340,14 +340,14 @@ def load_anchors(wanted) -> dict:
                                                   get_scheduler_metadata, is_fa_version_supported)
                 out[name] = ((flash_attn_varlen_func, get_scheduler_metadata) if is_fa_version_supported(3)
                              else f"FA3 unsupported here: {fa_version_unsupported_reason(3)}")
-            elif name == "flashmla-sgl":
+            elif name == FLASHMLA_SGL:
                 from sgl_kernel import flash_mla as sfm
                 out[name] = sfm
             elif name == "triton":
                 from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
                 out[name] = decode_attention_fwd
         except Exception as e:  # noqa: BLE001 - whatever stops the import means "skip, with the reason"
-            engine = "SGLang" if name == "flashmla-sgl" else "vLLM"
+            engine = "SGLang" if name == FLASHMLA_SGL else "vLLM"
             out[name] = f"cannot import {engine}'s {name} kernel: {type(e).__name__}: {e}"
     return out
 
@@ -411,7 +411,7 @@ def make_runner(name: str, c: Case, anchors: dict, graphs: bool):
                 q8 = concat_quantise_q(c.q_nope, c.q_pe, dq).view(q4.shape)
                 fn = lambda: kernel(q8)  # noqa: E731
         return lambda: fn().view(c.T, cfg.h, LATENT)
-    if base == "flashmla-sgl":  # as sglang/srt/layers/attention/flashmla_backend.py calls it
+    if base == FLASHMLA_SGL:  # as sglang/srt/layers/attention/flashmla_backend.py calls it
         if cfg.page != 64 or fp8:
             raise Skip("flashmla-sgl is timed with a 16-bit cache and page 64 (SGLang's flashmla pool)")
         q4, k4 = c.q.view(cfg.b, cfg.s_q, cfg.h, HEAD), kv.unsqueeze(-2)
@@ -578,7 +578,7 @@ def run(args, cfgs: list[Config], impls: list[str]) -> list[dict]:
                 rec["impls"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(f"WARNING: {name} failed on {cfg.label()}: {rec['impls'][name]['error']}")
         t = {n: v["us"] for n, v in rec["impls"].items() if "us" in v}
-        best = min((t[n] for n in ("flashmla", "flashmla-sgl", "fa3") if n in t), default=None)
+        best = min((t[n] for n in BEST_ANCHORS if n in t), default=None)
         rec["ratio"] = t["ours"] / best if best and "ours" in t else None
         if first_of_class:  # all impls vs each other, and (--check) vs the fp32 reference on sampled requests
             lines = check_cross(outs) + (check_sampled(c, outs) if args.check and outs else [])
