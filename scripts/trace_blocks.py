@@ -8,8 +8,9 @@ A shape is quick_time's: b,s_k,h,s_q,page, then optionally ``ragged`` (the bench
 Builds the Hopper kernel with ``KernelConfig.trace_part = P`` (clock64 per step into the plan's unused last partial
 slot), runs a few eager decodes of each shape and reports, over the steady blocks (4..59; in a program of fewer than
 61 blocks, all but its first and last) of the last launch, the median cycles of:
-  WG0: k wait (block landed?), S, softmax (mask, max, exp2, P to registers, alpha), p_free wait, P store + p_ready,
-       P V issue (+ row sums), P V wait, and the block period;
+  WG0: k wait (an fp8 cache's whole block; a 16-bit cache waits per tile inside S, so there it is the stamps' own
+       cost), S, the p_free wait and softmax (mask, max, exp2, P to registers, alpha), nothing (two stamps back to
+       back: their cost), P store and the P V issue + p_ready, the row sums, P V wait, and the block period;
   WG1: k wait, p_ready wait, P V (rescale, GEMM, wait);
   producer: page ids, k_free wait (buffer reuse), copy issue;
 and each role's clock rate over the whole program (clock64 against %globaltimer); a program of fewer than 61 blocks
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-STEPS = {0: ("k wait", "S", "softmax", "p_free wait", "P store", "PV issue", "PV wait"),
+STEPS = {0: ("k wait", "S", "p_free wait + softmax", "stamps", "P store + PV issue", "row sums", "PV wait"),
          1: ("k wait", "p_ready wait", "PV"),
          2: ("pages", "k_free wait", "issue")}
 FP8C_STEPS = {0: ("k wait", "S", "softmax", "p_free wait", "P8 store", "PV"),
