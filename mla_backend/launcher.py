@@ -147,9 +147,9 @@ class KernelVariant:
         kernels = self.kernels
         kernels.split(q_nope, q_pe, kv_cache, scales.k_scale_t, md.page_table, md.page_table_start, md.kv_lens,
                       md.qo_indptr, cu, plan.part_begin_req, plan.part_end_req, plan.part_start, plan.req_parts,
-                      scales.softmax_t, out, lse, plan.out_partial, plan.lse_partial, plan.merge_count)
-        # The combine runs whatever the split kernel merged itself: it writes empty requests and merges the requests
-        # with more parts than that (the host does not know the lengths).
+                      scales.softmax_t, out, lse, plan.out_partial, plan.lse_partial)
+        # The combine runs whatever the plan: it writes empty requests and merges split ones (the host does not know
+        # the lengths).
         combine = self._runtime.pick_combine(kernels, batch, plan.rows, plan.num_parts)
         combine(md.qo_indptr, cu, plan.req_parts, plan.out_partial, plan.lse_partial, out, lse)
         if verify.VERIFYING and not capturing(q_nope.device):

@@ -34,7 +34,6 @@ from .metadata import INDEX_DTYPE, MLADecodeMetadata
 MIN_BLOCKS_PER_PART = 1
 MIN_BLOCKS_PER_PART_WIDE = 2
 SMALL_PARTIAL_ROWS = 32
-MIN_BLOCK_ROWS = 16  # the fewest rows of any kernel config's tile: merge counters for every kernel's row blocks
 # What a request segment costs a part beyond its blocks, in blocks: its Q, its partial written and merged, the
 # pipeline's restart. Fitted to an A/B on the H100 (benchmarks/RESULTS.md): parts aligned to equal requests
 # (1-3 blocks wider, half the segments) were 2.4-9.8% faster at h=128 / 64 / 32 x s_q 2, 7 wider 1% faster at h=16
@@ -56,8 +55,6 @@ class SplitPlan:
         those of unused parts the total).
     req_parts: int32 ``[2 * max_batch]``: per request its first part and its number of parts (0 if empty).
     out_partial: fp32 ``[num_parts + max_batch, rows, 512]``; lse_partial: fp32 ``[.., rows]`` (log2).
-    merge_count: int32 ``[max_batch * ceil(rows / 16)]`` zeros: per (request, row block), the split kernel's
-        count of finished parts (kernels that merge in their epilogue; the last program resets it to 0).
     """
 
     cu_blocks: torch.Tensor
@@ -67,7 +64,6 @@ class SplitPlan:
     req_parts: torch.Tensor
     out_partial: torch.Tensor
     lse_partial: torch.Tensor
-    merge_count: torch.Tensor
     num_parts: int
     rows: int
     block_n: int  # KV tokens per block of work: the kernel checks it equals its own block_n
@@ -157,7 +153,6 @@ class SplitPlanner:
             req_parts=torch.zeros(2 * max_batch, **i32),
             out_partial=torch.empty(self.num_parts + max_batch, rows, KV_LORA_RANK, dtype=torch.float32, device=device),
             lse_partial=torch.empty(self.num_parts + max_batch, rows, dtype=torch.float32, device=device),
-            merge_count=torch.zeros(max_batch * -(-rows // MIN_BLOCK_ROWS), **i32),
             num_parts=self.num_parts,
             rows=rows,
             block_n=self.block_n,

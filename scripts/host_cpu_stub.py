@@ -73,7 +73,7 @@ def tilelang_stand_in(prim_func):
 
 def seed_kernels(heads: int, stub: str) -> None:
     from mla_backend.kernels import runtime
-    from mla_backend.kernels.configs import config_for, merged_parts
+    from mla_backend.kernels.configs import config_for
 
     cfg = config_for("sm90")
     if stub == "noop":
@@ -85,10 +85,9 @@ def seed_kernels(heads: int, stub: str) -> None:
         from mla_backend.kernels import sm90
 
         split = tilelang_stand_in(sm90.build_decode_kernel(heads, 1, 64, "bfloat16", "bfloat16", cfg))
-        combine = tilelang_stand_in(comb.build_combine_kernel(heads, 1, "bfloat16", merged=merged_parts(cfg),
-                                                              pdl=cfg.pdl))
+        combine = tilelang_stand_in(comb.build_combine_kernel(heads, 1, "bfloat16", pdl=cfg.pdl))
     key = runtime._variant_key((heads, 1, 64, torch.bfloat16, torch.bfloat16, "sm90"), cfg)
-    runtime._KERNELS[key] = runtime.Kernels(split, combine, combine, combine, merged_parts(cfg))
+    runtime._KERNELS[key] = runtime.Kernels(split, combine, combine, combine)
 
 
 def problem(batch: int, heads: int):

@@ -184,12 +184,10 @@ def test_tiled_and_row_combines_agree_bit_for_bit(heads, q_len, monkeypatch):
 
 
 @pytest.mark.parametrize("heads,q_len,kv_dtype", [(16, 1, BF16), (16, 1, FP8), (64, 1, BF16), (128, 2, BF16)])
-def test_two_part_requests_merged_in_kernel(heads, q_len, kv_dtype):
-    """A plan (12 parts per row block) that cuts requests into one, two and more parts: two-part requests are merged
-    by the second of their programs to finish (config merge_pairs), the others by the combine. Against the reference,
-    the same bits on every run (whichever program finishes second), and every merge counter back at 0."""
+def test_split_requests_merged_by_the_combine(heads, q_len, kv_dtype):
+    """A plan (12 parts per row block) that cuts requests into one, two and more parts: each part of a split request
+    leaves its partial, the combine merges them. Against the reference, and the same bits on every run."""
     _kernel_or_skip(heads=heads, q_len=q_len, kv_dtype=kv_dtype)
-    from mla_backend.kernels.configs import config_for, merged_parts
     from mla_backend.kernels.common import num_row_blocks
 
     lens = [3000, 1, 5000, 64, 700, 2500, 129, 4096, 0, 1300]
@@ -198,13 +196,11 @@ def test_two_part_requests_merged_in_kernel(heads, q_len, kv_dtype):
     md.plan = SplitPlanner(len(lens), heads, q_len, "cuda", num_sms=12 * row_blocks).plan(md.kv_lens)
     parts = parts_per_request(md.plan, len(lens))
     assert 1 in parts and 2 in parts and max(parts) > 2, parts
-    assert merged_parts(config_for("sm90")) == 2
     check(q, kv_cache, md, k_scale, BF16, rel_tol=2e-2 if kv_dtype == FP8 else 1e-2)
     first = mla_decode(q, kv_cache, md, SCALE, k_scale=k_scale if kv_dtype == FP8 else None)
     for _ in range(5):
         again = mla_decode(q, kv_cache, md, SCALE, k_scale=k_scale if kv_dtype == FP8 else None)
-        assert torch.equal(first, again), "the merged output depends on which program finished second"
-    assert int(md.plan.merge_count.abs().sum()) == 0, "a merge counter was left non-zero"
+        assert torch.equal(first, again), "the merged output changed between runs"
 
 
 @pytest.mark.parametrize("heads,q_len,kv_dtype,fp8_compute", [(128, 1, BF16, False), (16, 1, BF16, False),

@@ -112,7 +112,7 @@ def test_fp8c_budgets_fit():
     assert all(r % 8 == 0 and 24 <= r <= 256 for r in (wg0, wg1, producer))
     assert wg0 + wg1 + producer <= ws.REGS_PER_CTA_SLOT
     assert [ws.grows(r) for r in (wg0, wg1, producer)] == [1, 1, 0]
-    budget = ws.smem_budget(merge=True, fp8c=True)
+    budget = ws.smem_budget(fp8c=True)
     assert budget["dynamic"] == 36864 + 73728 + 4096 + 3 * 256 + 256 + 256 + 16 == 115984
     assert budget["total"] <= SM90_SMEM_LIMIT
 
@@ -332,8 +332,8 @@ def test_fp8c_kernel_lowers(lowered_fp8c, variant):
     assert sections["wg0"].count("mla_pv8_vt(") == 2 and sections["wg1"].count("mla_pv8_vt(") == 2
     assert "mla_p8_store_ldsm(acc_s" in sections["wg0"] and "tl::wgmma_ss<" not in sections["wg1"]
     assert "mla_q8_inv_scale<" in sections["producer"] and "mla_q8_store8<" in sections["producer"]
-    assert smem == ws.smem_budget(merge=True, fp8c=True)["dynamic"], f"dynamic shared memory {smem} B"
-    assert smem + ws.smem_budget(merge=True, fp8c=True)["static"] <= SM90_SMEM_LIMIT
+    assert smem == ws.smem_budget(fp8c=True)["dynamic"], f"dynamic shared memory {smem} B"
+    assert smem + ws.smem_budget(fp8c=True)["static"] <= SM90_SMEM_LIMIT
     # 8 for the pipeline (k_ready, k_free: 2 each), 1 for the merge tickets
     assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 9
     assert "k_free[0].init(256);" in src and "k_ready[0].init(128);" in src

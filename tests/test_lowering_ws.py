@@ -171,7 +171,7 @@ def test_ws_kernel_lowers(lowered, variant):
     for mark in _role_marks(variant).values():
         assert mark in src
 
-    budget = ws.smem_budget(rs_pv=True, merge=True)
+    budget = ws.smem_budget(rs_pv=True)
     # Exactly the sum of the buffers: TileLang merged no two of them (its liveness analysis is
     # sequential and would not know that the roles run concurrently).
     assert smem == budget["dynamic"], f"dynamic shared memory {smem} B, the budget says {budget}"
@@ -251,7 +251,7 @@ def test_kernels_wait_for_the_previous_kernel_before_any_read(lowered, lowered_t
     wait = body.index("cudaGridDependencySynchronize();")
     reads = [m.start() for name in ("part_start", "req_parts", "cu_blocks", "part_begin_req", "part_end_req", "kv_lens",
                                     "qo_indptr", "page_table", "page_table_start", "k_scale", "sm_scale", "q_nope",
-                                    "q_pe", "merge_count") for m in [re.search(rf"\b{name}\[", body)] if m]
+                                    "q_pe") for m in [re.search(rf"\b{name}\[", body)] if m]
     assert reads and wait < min(reads) and "cudaTriggerProgrammaticLaunchCompletion" not in body
     assert "tma_load" not in body[:wait]  # (a descriptor's prefetch may come first: descriptors are parameters)
 
@@ -339,8 +339,8 @@ def test_wg0_multiplies_p_from_registers(lowered):
                 for m in re.findall(rf"initialize_wgmma_descriptor<1, 1, 64>\(desc_\w+, {SMEM_ADDRESS}\)", wg1)}
     assert stores <= swizzled, f"WG1 does not read P (byte {stores}) as the 128-byte-swizzled tile: {swizzled}"
     assert "mla_store_rows64(" in wg0
-    # none in the block loop: the segment's start, the l hand-off and the merge ticket (merge_pairs) have one each
-    assert len(list(named_barriers(wg0))) == 3
+    # none in the block loop: the segment's start and the l hand-off have one each
+    assert len(list(named_barriers(wg0))) == 2
 
 
 def test_wg0_follows_fa3_order():
@@ -358,26 +358,6 @@ def test_wg0_follows_fa3_order():
     rescale = at(r"acc_o_l\[i, d\] = acc_o_l\[i, d\] \* alpha\[i\]")
     wg0_pv, p_ready = at(r"wgmma_gemm\(T\.region\(p_frag"), at(r"ptx_arrive_barrier\(p_ready\w*\[0\]\)")
     assert pfree_wait < row_max and rescale < exp and wg0_pv < p_ready
-
-
-def test_two_part_requests_are_merged_by_both_consumers(lowered):
-    """merge_pairs (default): both consumer warpgroups take the program's ticket (thread 0's, published by a
-    one-arrival mbarrier per ticket slot), merge their half of O from the other part's partial, and count a stored
-    partial (named barrier 13 over their 256 threads); the producer does none of it. The combine then skips two-part
-    requests (``merged=2``)."""
-    from mla_backend.kernels.combine import build_combine_kernel
-
-    variant = (128, 1, 64, "bfloat16", "bfloat16")
-    sections = _role_sections(lowered[variant][0], variant)
-    for role, add in (("wg0", "mla_merge2_add_rows("), ("wg1", "mla_merge2_add_rows(")):
-        for call in ("mla_merge_ticket(", "mla_merge_wait(", "mla_merge_done(", "mla_merge2_weights<false>(", add):
-            assert call in sections[role], (role, call)
-    assert "mla_merge" not in sections["producer"]
-    assert f"barrier.sync {ws.MERGE_NAMED_BARRIER}, 256" in lowered[variant][0]
-    assert "ticket_ready[0].init(1);" in lowered[variant][0] and "ticket_ready[1].init(1);" in lowered[variant][0]
-    assert "mbarrier.arrive.release.cta" in lowered[variant][0]
-    assert configs.merged_parts(configs.SM90) == 2
-    assert "if n_read[0] > 2:" in build_combine_kernel(16, 1, "bfloat16", merged=2).script()
 
 
 def test_block_trace_is_off_by_default_and_calls_nothing():
@@ -432,7 +412,7 @@ def test_tws_kernel_lowers(lowered_tws, variant):
             # conversion (it waits for this block's loads) comes before the next block's loads
             assert producer.count("mla_ldg16(") == 6
             assert after_free[:first_load].count("mla_e4m3x16_store") == 1, "next block's loads before the drain"
-    assert smem == ws.smem_budget(transposed=True, merge=True)["dynamic"], f"dynamic shared memory {smem} B"
+    assert smem == ws.smem_budget(transposed=True)["dynamic"], f"dynamic shared memory {smem} B"
     # 8 for the pipeline (10 barriers), 1 for the merge tickets (ticket_ready: 2)
     assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 9, "expected 9 mbarrier arrays (12 barriers)"
 

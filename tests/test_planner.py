@@ -107,7 +107,7 @@ def test_buffer_shapes_depend_only_on_max_batch_sms_and_rows():
     b = SplitPlanner(32, 32, 1, device="cpu", num_sms=132)  # same rows = heads * q_len
     shapes = lambda p: {k: tuple(getattr(p, k).shape) for k in  # noqa: E731
                         ("cu_blocks", "part_begin_req", "part_end_req", "part_start", "req_parts", "out_partial",
-                         "lse_partial", "merge_count")}
+                         "lse_partial")}
     buffers = a.buffers
     ptrs = [t.data_ptr() for t in (buffers.cu_blocks, buffers.part_begin_req, buffers.out_partial)]
     seen = set()
@@ -122,9 +122,7 @@ def test_buffer_shapes_depend_only_on_max_batch_sms_and_rows():
     parts = num_parts_for(132, 16, 2)
     assert shapes(a.buffers) == {"cu_blocks": (33,), "part_begin_req": (parts,), "part_end_req": (parts,),
                                "part_start": (parts + 1,), "req_parts": (64,), "out_partial": (parts + 32, 32, 512),
-                               "lse_partial": (parts + 32, 32), "merge_count": (32 * 2,)}
-    # the kernels' merge counters start at 0 (they reset them themselves, so no plan() call touches them)
-    assert not a.buffers.merge_count.any()
+                               "lse_partial": (parts + 32, 32)}
     # one part per SM and 64-row tile
     assert num_parts_for(132, 128, 1) == 66 and num_parts_for(132, 16, 1) == 132 and num_parts_for(132, 128, 4) == 16
     # the combine kernel holds one LSE per part of a request in shared memory: never more than MAX_PARTS parts
@@ -159,23 +157,11 @@ def test_plan_split_kv_reuses_planner():
 
 
 # ----------------------------------------------------------------------------- split + combine run
-def merge_two(o_a, lse_a, o_b, lse_b):
-    """The split kernel's merge of a two-part request (mla_merge2_*): symmetric in its parts, 0 / -inf if both saw
-    nothing. Returns (out, natural-log lse)."""
-    top = torch.maximum(lse_a, lse_b)
-    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
-    w_a, w_b = torch.exp2(lse_a - top), torch.exp2(lse_b - top)
-    total = w_a + w_b
-    out = (w_a[..., None] * o_a + w_b[..., None] * o_b) / torch.where(total > 0, total, 1)[..., None]
-    return out, torch.where(total > 0, (torch.log2(total) + top) * LN2, torch.full_like(top, -math.inf))
-
-
-def simulate(plan, p, block_n: int, scale: float = SCALE, merge_pairs: bool = False):
+def simulate(plan, p, block_n: int, scale: float = SCALE):
     """Pure-Python mirror of mla_decode_split + mla_decode_combine (fp64, log2 domain).
 
     Returns (out [T, H, 512], lse [T, H]) and asserts that every slot the combine reads was written
-    by the split step and every output row was written once. ``merge_pairs``: two-part requests are merged as the
-    split kernel does (checked the same whichever part finishes second), the combine takes the others.
+    by the split step and every output row was written once.
     """
     batch, q_len = len(p.lens), p.q_lens[0]
     num_tokens, heads, _ = p.q.shape
@@ -214,12 +200,6 @@ def simulate(plan, p, block_n: int, scale: float = SCALE, merge_pairs: bool = Fa
         first, last = req_parts[req][0], req_parts[req][0] + req_parts[req][1] - 1
         if hi == lo:
             out[tok0: tok0 + q_len], lse[tok0: tok0 + q_len] = 0.0, -math.inf
-        elif merge_pairs and last == first + 1:
-            a, b = first + req, last + req
-            out[tok0: tok0 + q_len], lse[tok0: tok0 + q_len] = merge_two(partial_o[a], partial_lse[a], partial_o[b],
-                                                                         partial_lse[b])
-            swapped = merge_two(partial_o[b], partial_lse[b], partial_o[a], partial_lse[a])
-            assert torch.equal(swapped[0], out[tok0: tok0 + q_len]) and torch.equal(swapped[1], lse[tok0: tok0 + q_len])
         elif last > first:
             slots = [s + req for s in range(first, last + 1)]
             assert all(s in partial_o for s in slots), "combine reads a slot the split never wrote"
@@ -236,9 +216,8 @@ def simulate(plan, p, block_n: int, scale: float = SCALE, merge_pairs: bool = Fa
 
 
 @pytest.mark.parametrize("balanced", [False, True])
-@pytest.mark.parametrize("merge_pairs", [False, True])
 @pytest.mark.parametrize("heads,q_len,num_sms,batch,max_len", CASES)
-def test_split_and_combine_follow_the_reference(heads, q_len, num_sms, batch, max_len, merge_pairs, balanced):
+def test_split_and_combine_follow_the_reference(heads, q_len, num_sms, batch, max_len, balanced):
     lens = random_lens(heads + q_len, batch, max_len)
     lens[0] = q_len - 1 if q_len > 1 else 0  # a request whose first queries see nothing
     p = make_problem(lens, heads, q_len, 16, torch.bfloat16, seed=num_sms)
@@ -251,7 +230,7 @@ def test_split_and_combine_follow_the_reference(heads, q_len, num_sms, batch, ma
     n_split = sum(count > 1 for _, count in plan_lists(plan, batch)[4])
     if max_len >= 400:
         assert n_split > 0, "this case should exercise the combine path"
-    out, lse = simulate(plan, p, planner.block_n, merge_pairs=merge_pairs)
+    out, lse = simulate(plan, p, planner.block_n)
     ref_out, ref_lse = mla_decode_reference(p.q[..., :512], p.q[..., 512:], p.kv_cache, p.metadata(), SCALE)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     # the reference rounds its output to bf16; the simulation stays in fp64

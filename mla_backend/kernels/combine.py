@@ -38,10 +38,10 @@ def use_wide_combine(batch: int, rows: int, num_parts: int) -> bool:
 
 
 # The tiled combine: a program per (request, COMBINE_TILE_ROWS rows) merges them side by side. A large batch's combine
-# often has nothing to do (requests unsplit, or of two parts the split kernel merged) but still launches its programs:
+# often has little to do (most requests unsplit) but still launches its programs:
 # at b=64 x 128 rows, 8192 per-row programs take 6.6 us on the H100 for nothing, 512 tiled ones 2.3 (end to end
 # b=64 s_k=4096 h=64 s_q=2: 153.7 -> 149.4 us), and with work (ragged lengths) the tiled one is faster from 64 rows
-# (b=64 h=128: 9.3 -> 7.1 us; b=128 h=128 s_q=2, where the split kernel merges most: 21.3 -> 4.1). Below 64 rows a
+# (b=64 h=128: 9.3 -> 7.1 us). Below 64 rows a
 # request's one or two whole-width programs were slower where there is work (h=16 b=64 ragged 4.5 -> 6.3 us), so
 # there each program takes a quarter of the 512 columns: idle 1.8-2.3 us instead of 2.4-4.1, with work
 # 4.3-4.9 instead of 5.1-6.0 from 2048 rows in all, but still 0.7-1.6 us slower at 1024 (b=64 h=16, b=32 h=32).
@@ -116,8 +116,7 @@ def count_request_parts(req_parts, req, first: T.Ref, n_read: T.Ref):
     n_read = T.min(parts, MAX_PARTS)
 
 
-def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: int = 0, chunks: int = 1,
-                               pdl: bool = False):
+def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, chunks: int = 1, pdl: bool = False):
     """The combine of :func:`build_combine_kernel` (same arguments and results) with one program per (request,
     ``COMBINE_TILE_ROWS`` rows, 512 / ``chunks`` columns): each row's ``COMBINE_TILE_LANES`` threads turn its partial
     LSEs into normalised weights in shared memory (up to ``MAX_PARTS`` parts), then the 128 threads sum the partial
@@ -159,7 +158,7 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
                         out[tok0 + (row0 + i) // num_heads, (row0 + i) % num_heads, chunk * cols + d] = T.cast(0, dtype)
                 if lane == 0 and row0 + r < rows and chunk == 0:
                     lse[tok0 + (row0 + r) // num_heads, (row0 + r) % num_heads] = -T.infinity(accum)
-            elif n_read > max(1, merged):
+            elif n_read > 1:
                 # lane l walks parts l, l + 8, ...: the row's max (exact in any order), then exp2(LSE - max) into
                 # weight_s; every lane sums the row's weights in part order, as the per-row combine does up to
                 # COMBINE_SERIAL_LSE parts, so that the two give the same bits there (which one runs depends on the
@@ -204,13 +203,11 @@ def build_tiled_combine_kernel(num_heads: int, q_len: int, dtype: str, merged: i
     return combine_prim_func("mla_decode_combine_tiled", num_heads, q_len, dtype, dims, tiled_program)
 
 
-def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False, merged: int = 0,
-                         pdl: bool = False):
+def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = False, pdl: bool = False):
     """Merges the partial outputs of split requests; writes zeros / -inf for empty requests.
 
     One program per (request, row), or with ``wide`` per (request, row, 128-dim chunk); requests whose single
-    part wrote the output directly return, and so do those of up to ``merged`` parts, which the split kernel
-    merged itself (``configs.merged_parts``). The request's partial LSEs become merge weights in shared memory:
+    part wrote the output directly return. The request's partial LSEs become merge weights in shared memory:
     more than ``COMBINE_SERIAL_LSE`` parts (up to ``MAX_PARTS``, two per thread) are reduced across the block
     (max, then the sum of exp2), fewer are walked serially by every thread (no block barrier). The 512-wide rows
     are summed ``COMBINE_UNROLL`` at a time, then ``COMBINE_TAIL`` at a time from clamped indices (no branch
@@ -256,7 +253,7 @@ def build_combine_kernel(num_heads: int, q_len: int, dtype: str, wide: bool = Fa
                     out[tok, head, d0 + d] = T.cast(0, dtype)
                 if chunk == 0:
                     lse[tok, head] = -T.infinity(accum)
-            elif n_read > max(1, merged):
+            elif n_read > 1:
                 if wide:
                     tx = T.get_thread_binding()
                     grp = tx // lanes

@@ -35,7 +35,6 @@ class SplitDims(NamedTuple):
     num_entries: Any  # page-table entries
     num_parts: Any  # the plan's parts (one program column each)
     num_slots: Any  # partial slots
-    num_counts: Any  # merge counters
     num_req_entries: Any  # entries of the plan's per-request part table (2 per request of the planner's max batch)
 
 
@@ -58,10 +57,9 @@ def split_prim_func(num_heads: int, q_len: int, page_size: int, dtype: str, kv_d
         where each part starts, the last entry the total); req_parts int32 ``[num_req_entries]`` (request r's first
         part at ``2 r``, its number of parts at ``2 r + 1``); sm_scale fp32 ``[1]``;
         out ``[num_tokens, H, 512]`` (``dtype``); lse fp32 ``[num_tokens, H]`` (natural log);
-        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2);
-        merge_count int32 ``[num_counts]`` (the kernels that merge splits themselves count parts there).
+        out_partial fp32 ``[num_slots, H * q_len, 512]``; lse_partial fp32 ``[num_slots, H * q_len]`` (log2).
     """
-    num_tokens, batch, num_pages, num_entries, num_parts, num_slots, num_counts, num_req_entries = dims
+    num_tokens, batch, num_pages, num_entries, num_parts, num_slots, num_req_entries = dims
     rows = num_heads * q_len
     accum = "float32"
     # q halves are read in place from whatever views the engine hands over (vLLM's q_nope is a transposed bmm
@@ -90,11 +88,9 @@ def split_prim_func(num_heads: int, q_len: int, page_size: int, dtype: str, kv_d
         lse: T.Tensor([num_tokens, num_heads], accum),
         out_partial: T.Tensor([num_slots, rows, KV_LORA_RANK], accum),
         lse_partial: T.Tensor([num_slots, rows], accum),
-        merge_count: T.Tensor([num_counts], "int32"),
     ):
         program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
-                part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial,
-                merge_count)
+                part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial)
 
     return mla_decode_split
 

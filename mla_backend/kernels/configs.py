@@ -35,7 +35,7 @@ class KernelConfig:
 
 # Hopper (kernels/sm90/): 2 consumer warpgroups + 1 producer (FlashMLA-style), 64-token blocks, 2 buffers; the
 # consumers transposed (S^T = K Q^T) where h x q_len <= 16. Whole blocks of a 16-bit cache arrive by TMA, shared by
-# the two CTAs of a cluster where the row blocks pair up; a request cut into two parts is merged in the split kernel.
+# the two CTAs of a cluster where the row blocks pair up.
 SM90 = KernelConfig(block_rows=64, block_n=64, threads=384, num_stages=2, kernel="tws", pdl=True)
 # MI300X (kernels/portable.py): 64 KB of LDS, so one stage and 16-row tiles (MFMA has no WGMMA 64-row minimum);
 # 128 threads keep the 512-wide fp32 accumulator in registers. 58368 B of LDS (TileLang 0.1.9's count; 57344 B in
@@ -65,12 +65,6 @@ def fp8_compute_applies(arch: str, num_heads: int, q_len: int | None, fp8_cache:
     """Whether ``fp8_compute=True`` changes the kernel of this shape: an fp8 cache on sm90 with at least
     ``FP8_COMPUTE_MIN_ROWS`` rows; everywhere else the cache is converted to 16 bits and q kept as it is."""
     return fp8_cache and arch == "sm90" and q_len is not None and num_heads * q_len >= FP8_COMPUTE_MIN_ROWS
-
-
-def merged_parts(cfg: KernelConfig) -> int:
-    """Parts of a request the split kernel of ``cfg`` merges itself: 2 (sm90) or 0; the combine takes the other split
-    requests."""
-    return 2 if cfg.kernel == "tws" else 0
 
 
 def compat_pass_configs() -> dict:

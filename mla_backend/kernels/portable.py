@@ -96,9 +96,8 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
 
     @T.macro
     def split_program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
-                      part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial,
-                      merge_count):
-        """The grid (part, row block); merge_count is not read here (the combine merges every split request)."""
+                      part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial):
+        """The grid (part, row block); the combine merges every split request."""
         with T.Kernel(num_parts, n_row_blocks, threads=cfg.threads) as (part, row_block):
             q_shared = T.alloc_shared([block_rows, KV_LORA_RANK], dtype)
             q_pe_shared = T.alloc_shared([block_rows, ROPE_DIM], dtype)

@@ -18,7 +18,7 @@ import torch
 
 from . import prebuilt
 from .combine import use_tiled_combine, use_wide_combine
-from .configs import KernelConfig, compat_pass_configs, config_for, merged_parts, target_for_arch
+from .configs import KernelConfig, compat_pass_configs, config_for, target_for_arch
 
 logger = logging.getLogger("mla_backend")
 
@@ -40,7 +40,6 @@ class Kernels(NamedTuple):
     combine: Any  # one program per (request, row)
     combine_wide: Any  # per (request, row, 128 dims): short batches with many parts per request
     combine_tiled: Any  # per (request, COMBINE_TILE_ROWS rows) side by side: large batches (sm90 only, else None)
-    merged: int  # parts of a request the split kernel merges itself (configs.merged_parts)
 
 
 def pick_combine(kernels: "Kernels", batch: int, rows: int, num_parts: int):
@@ -93,10 +92,10 @@ def launch_entry(kernel, num_args: int):
 
 
 def launch_entries(kernels: Kernels) -> Kernels:
-    """``kernels`` with each kernel replaced by its :func:`launch_entry` (split: 18 arguments, combines: 7)."""
+    """``kernels`` with each kernel replaced by its :func:`launch_entry` (split: 17 arguments, combines: 7)."""
     combine = lambda k: None if k is None else launch_entry(k, 7)  # noqa: E731
-    return Kernels(launch_entry(kernels.split, 18), combine(kernels.combine), combine(kernels.combine_wide),
-                   combine(kernels.combine_tiled), kernels.merged)
+    return Kernels(launch_entry(kernels.split, 17), combine(kernels.combine), combine(kernels.combine_wide),
+                   combine(kernels.combine_tiled))
 
 
 STATS = CompileStats()
@@ -156,13 +155,12 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         split = tilelang.compile(
             build_decode_kernel(num_heads, q_len, page_size, tl_dtype(dtype), tl_dtype(kv_dtype), cfg),
             target=target, pass_configs=pass_configs)
-        merged = merged_parts(cfg)  # requests the split kernel merges: the combine skips them
         combine, combine_wide = (
-            tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, merged=merged,
-                                                  pdl=cfg.pdl), target=target, pass_configs=pass_configs)
+            tilelang.compile(build_combine_kernel(num_heads, q_len, tl_dtype(dtype), wide=wide, pdl=cfg.pdl),
+                             target=target, pass_configs=pass_configs)
             for wide in (False, True))
         combine_tiled = (tilelang.compile(comb.build_tiled_combine_kernel(
-            num_heads, q_len, tl_dtype(dtype), merged=merged, chunks=comb.tiled_combine_chunks(num_heads * q_len),
+            num_heads, q_len, tl_dtype(dtype), chunks=comb.tiled_combine_chunks(num_heads * q_len),
             pdl=cfg.pdl),
             target=target, pass_configs=pass_configs) if arch == "sm90" else None)
         seconds = time.perf_counter() - start
@@ -174,7 +172,7 @@ def get_kernels(num_heads: int, q_len: int, page_size: int, dtype: torch.dtype, 
         logger.info("mla_backend: kernel h=%d q_len=%d page=%d %s/%s %s (%s%s) ready in %.2fs (%s)", num_heads,
                     q_len, page_size, dtype, kv_dtype, arch, cfg.kernel, ", e4m3 compute" if cfg.fp8_compute else "",
                     seconds, source)
-        _KERNELS[key] = kernels = Kernels(split, combine, combine_wide, combine_tiled, merged)
+        _KERNELS[key] = kernels = Kernels(split, combine, combine_wide, combine_tiled)
         return kernels
 
 

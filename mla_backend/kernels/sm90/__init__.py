@@ -10,7 +10,7 @@ be built with ``block_n=configs.SM90.block_n`` (64). The combine kernels of ``co
 depend on the block size).
 
 Modules: ``protocol`` (budgets, barrier parities, the CUDA prelude ``prelude.cuh``), ``producer`` (Q and KV into
-shared memory), ``consumers`` (S, mask, P V), ``epilogue`` (normalise, merge, write), ``roles`` (each warpgroup's
+shared memory), ``consumers`` (S, mask, P V), ``epilogue`` (normalise, write), ``roles`` (each warpgroup's
 request walk), ``kernel`` (one variant's choices and the prim_func); ``fp8c`` and ``fp8c_roles`` (with its device
 helpers ``fp8c.cuh``): the ws kernel for an fp8 cache with ``KernelConfig.fp8_compute``, S and P V on e4m3 WGMMA.
 
@@ -33,11 +33,9 @@ Shared memory (bytes; the Hopper per-block limit is 232448 = 227 KiB, static + d
     KV x 2     2 x 64 x 576 x 2        147456
     P          64 x 64 x 2               8192
     alpha x 2, l  3 x 64 x 4              768   (rs_pv; without it one alpha: 512)
-    m, ticket  64 x 4 + 16                272   (merge_pairs: WG0's row max for WG1, the merge ticket)
-    dynamic                            230416   (TileLang's dyn_shared_memory_buf)
-    mbarriers  12 x 8, static            1024   (10 + merge_pairs' 2; nvcc pads static shared to the 1 KiB alignment
-                                                 of the dynamic buffer)
-    total                              231440   (1008 B to spare)
+    dynamic                            230144   (TileLang's dyn_shared_memory_buf)
+    mbarriers  10 x 8, static            1024   (nvcc pads static shared to the 1 KiB alignment of the dynamic buffer)
+    total                              231168   (1280 B to spare)
 
 There is no room for a separate fp8 staging tile (64 x 576 x 1 = 36864 B), so for an fp8 cache the
 producer loads with plain loads and converts in registers; the per-tensor ``k_scale`` is applied to S
@@ -73,12 +71,8 @@ included); ``s`` counts the non-empty request segments the program has started. 
     l_ready         128   WG0 after writing l (segment s) WG1 at the end of segment s: s & 1
     l_free          128   WG1 after reading l (segment s) WG0 before writing l(s): (s & 1) ^ 1
 
-A request the plan cuts into two parts (``merge_pairs``, the default) is merged by the second of its two programs to
-finish, per row block: at the segment's end thread 0 takes a ticket from the request's counter (``plan.merge_count``)
-and publishes it to both consumers through a one-arrival mbarrier per ticket slot; the first stores its partial and,
-after named barrier 13 (the consumers' 256 threads), adds 1 << 16, the second
-waits for that (``ld.acquire``), adds the other partial to its own normalised O by LSE (the same rounding either way
-round), writes out / lse and resets the counter. Requests of more parts and empty ones are left to the combine.
+A request the plan cuts into parts leaves an fp32 partial and its LSE per part; the combine kernel (``combine.py``)
+merges them, and writes the empty requests.
 
 docs/kernels.md walks through the phases (request boundary, odd block count, empty segment, a part
 that touches several requests); tests/test_lowering_ws_protocol.py simulates them for random plans.

@@ -119,34 +119,6 @@ __device__ __forceinline__ void mla_ot_normalize(float* acc, const float* l, flo
   for (int jj = 0; jj < 16; ++jj) f[jj] = l[jj] == 0.f ? 0.f : kv_scale / l[jj];
   mla_ot_mul_cols(acc, f);
 }
-// The merging program (two-part request), after mla_ot_normalize: per column the weights of mla_merge2_weights
-// (own LSE from the unmerged l, m: partial_lse), acc = w_own acc + w_other partial, then divided by the merged sum.
-// lse_other: the other part's LSE slot at the tile's first row; src: its partial at that row and the consumer's first
-// dim (row stride 512 floats); rows from rows_left on are padding (never read).
-__device__ __forceinline__ void mla_ot_merge(float* acc, const float* l, const float* m, const float* lse_other,
-                                             const float* src, int rows_left) {
-  const int t = mla_wg_thread(), w = t >> 5, g = (t >> 2) & 7, q = t & 3;
-#pragma unroll
-  for (int jj = 0; jj < 16; ++jj) {
-    const int c = mla_ot_col(q, jj);
-    const bool ok = c < rows_left;
-    const float own = l[jj] == 0.f ? -INFINITY : log2f(l[jj]) + m[jj];
-    const float other = ok ? mla_ldcg(lse_other + c) : -INFINITY;
-    float top = fmaxf(own, other);
-    top = top == -INFINITY ? 0.f : top;
-    const float w_own = exp2f(own - top), w_other = exp2f(other - top);
-    const float sum = __fadd_rn(w_own, w_other), f = sum == 0.f ? 0.f : 1.f / sum;
-    const int j = jj >> 1, e = jj & 1;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 v = ok ? mla_ldcg2(src + c * 512 + 64 * i + 16 * w + 2 * g) : make_float2(0.f, 0.f);
-      float& a0 = acc[32 * i + 4 * j + e];
-      float& a1 = acc[32 * i + 4 * j + 2 + e];
-      a0 = mla_merge2(w_own, a0, w_other, v.x) * f;
-      a1 = mla_merge2(w_own, a1, w_other, v.y) * f;
-    }
-  }
-}
 // O^T to a row-major [rows, 512] destination: dst at row 0 and the consumer's first dim; row row0 + c of column c;
 // each float pair (dims d, d + 1 of one row) as one store: kOut 0 fp32 (the partial slot), 1 bf16, 2 fp16.
 template <int kOut>

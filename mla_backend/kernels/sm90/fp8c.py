@@ -11,8 +11,8 @@ WGMMA, the cache never converted.
 * P V as ``O^T = V^T P^T`` (both consumers, 256 dims each): e4m3 WGMMA reads B only K-major, and V^T is the A
   operand, which may come from registers: ``ldmatrix.trans`` of the consumer's K8 tile (two byte permutes per
   register) builds V^T's fragments, P8 [rows, tokens] is the K-major B. No V^T is ever stored. The accumulator is
-  O^T (a thread holds two adjacent dims of 16 query rows), so alpha, 1 / l and the merge of a two-part request scale
-  its columns (from the shared alpha slots and l / m), and the epilogue writes O^T to the output's rows.
+  O^T (a thread holds two adjacent dims of 16 query rows), so alpha and 1 / l scale its columns (from the shared
+  alpha slots and l), and the epilogue writes O^T to the output's rows.
 * WG1 (168 registers: 128 accumulators plus an RS WGMMA's A registers in flight): ``O[:, 256:]`` from P8 and its
   K8 tile. The epilogue undoes P's 256 and applies k_scale.
 
@@ -28,11 +28,11 @@ Barriers beyond the 16-bit ws kernel's (arrive counts in threads; protocol.py's 
                           proxy fence)
 
 p_ready / p_free, q_free and l_ready / l_free are the 16-bit kernel's (p_free: WG1 is done with P8, its B operand).
-WG0 reads its own alpha slot back (inside its P V) after its named barrier, and its columns of l / m after the one
-that follows ``send_l``; WG1 reads them between p_ready and p_free, l_ready and l_free.
+WG0 reads its own alpha slot back (inside its P V) after its named barrier, and its columns of l after the one that
+follows ``send_l``; WG1 reads them between p_ready and p_free, l_ready and l_free.
 
-Shared memory (bytes): Q8 64 x 576 = 36864, qscale 256, K8 x 2 = 73728, P8 64 x 64 = 4096, alpha slots 512, l and m
-512, merge ticket 16: 115984 dynamic.
+Shared memory (bytes): Q8 64 x 576 = 36864, qscale 256, K8 x 2 = 73728, P8 64 x 64 = 4096, alpha slots 512, l 256:
+115712 dynamic.
 """
 
 from functools import lru_cache
@@ -215,7 +215,7 @@ def fp8c_program(k, c, e, num_parts, batch, prelude: str):
     ``num_parts`` and ``batch``: the plan's dimensions; ``prelude``: protocol.PRELUDE, the trace prelude where
     ``KernelConfig.trace_part`` is set, then fp8c_prelude())."""
     r = fp8c_roles(k, c, e, fp8c_macros(k))
-    accum, block_n, block_rows, q_rows, in_merge = k.accum, k.block_n, k.block_rows, k.q_rows, k.in_merge
+    accum, block_n, block_rows, q_rows = k.accum, k.block_n, k.block_rows, k.q_rows
     e4m3 = "float8_e4m3"
 
     def tiles(n_rows):
@@ -225,8 +225,7 @@ def fp8c_program(k, c, e, num_parts, batch, prelude: str):
 
     @T.macro
     def split_program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
-                      part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial,
-                      merge_count):
+                      part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial):
         with kernel_launch(num_parts, k.n_row_blocks, threads=k.threads, prelude=prelude) as (part, row_block):
             q8_l, q8_r, q8_t = tiles(q_rows)
             kv80_l, kv80_r, k80_t = tiles(block_n)  # the two K8 buffers
@@ -239,16 +238,7 @@ def fp8c_program(k, c, e, num_parts, batch, prelude: str):
             # alpha by alpha_slot(g), as in the 16-bit kernel (WG0 stores it after its p_free wait here, so the
             # simulation in tests/test_lowering_fp8c.py passes with one slot too)
             alpha_slots = T.alloc_shared([2 * block_rows], accum)
-            l_shared = T.alloc_shared([2 * q_rows if in_merge else q_rows], accum)  # l (in_merge: then m) for WG1
-            if in_merge:
-                ticket_slots = T.alloc_shared([2], "int32")
-                ticket_ready = T.alloc_barrier([1, 1])
-                merge_ticket = (ticket_slots, ticket_ready)
-                merge_state = T.alloc_local([2], "int32")
-                m_r = T.alloc_fragment([q_rows], accum)
-                w_r = T.alloc_local([4], accum)
-            else:
-                merge_ticket = merge_state = m_r = w_r = None
+            l_shared = T.alloc_shared([q_rows], accum)  # l for WG1
             acc_s = T.alloc_fragment([block_rows, block_n], accum)
             acc_o_l = T.alloc_fragment([block_rows, HALF], accum)
             acc_o_r = T.alloc_fragment([block_rows, HALF], accum)
@@ -260,9 +250,7 @@ def fp8c_program(k, c, e, num_parts, batch, prelude: str):
             l_sum = T.alloc_fragment([q_rows], accum)
             q_scale_r = T.alloc_fragment([q_rows], accum)
             l_r = T.alloc_fragment([q_rows], accum)
-            # l and m of a consumer thread's 16 O^T columns
-            lc = T.alloc_local([16], accum)
-            mc = T.alloc_local([16], accum)
+            lc = T.alloc_local([16], accum)  # l of a consumer thread's 16 O^T columns
             alpha_r = T.alloc_fragment([q_rows], accum)
             qraw = T.alloc_local([9, 8], k.dtype)  # producer: 9 chunks of a Q row
             k_ready = T.alloc_barrier([128, 128])
@@ -288,15 +276,14 @@ def fp8c_program(k, c, e, num_parts, batch, prelude: str):
             seg = 0
             if tx < 128:
                 r.wg0(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
-                      merge_count, q8_l, q8_r, q8_t, qscale, kv80_l, kv80_r, k80_t, kv81_l, kv81_r, k81_t, p8,
-                      alpha_slots, l_shared, merge_ticket, merge_state, acc_s, acc_o_l, m_prev, m_cur, alpha, row_sum,
-                      l_sum, q_scale_r, k_ready, k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg, row0,
-                      req_parts, part_lo, part_hi, kv_scale, scale_log2, part, row_block, lc, mc)
+                      q8_l, q8_r, q8_t, qscale, kv80_l, kv80_r, k80_t, kv81_l, kv81_r, k81_t, p8, alpha_slots, l_shared,
+                      acc_s, acc_o_l, m_prev, m_cur, alpha, row_sum, l_sum, q_scale_r, k_ready, k_free, q_ready, q_free,
+                      p_ready, p_free, l_ready, l_free, seg, row0, req_parts, part_lo, part_hi, kv_scale, scale_log2,
+                      part, lc)
             elif tx < 256:
                 r.wg1(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
-                      merge_count, kv80_r, kv81_r, p8, alpha_slots, l_shared, merge_ticket, merge_state, m_r, w_r,
-                      acc_o_r, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready, l_free, seg, row0, req_parts,
-                      part_lo, part_hi, kv_scale, part, row_block, lc, mc)
+                      kv80_r, kv81_r, p8, alpha_slots, l_shared, acc_o_r, l_r, alpha_r, k_ready, k_free, p_ready,
+                      p_free, l_ready, l_free, seg, row0, req_parts, part_lo, part_hi, kv_scale, part, lc)
             else:
                 r.producer(q_nope, q_pe, kv_cache, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
                            part_begin_req, part_end_req, q8_l, q8_r, q8_t, qscale, qraw, kv80_l, kv80_r, k80_t,

@@ -2,7 +2,7 @@
 
 WG0: S on e4m3 WGMMA, the online softmax, P8 and O^T[:256] (the LSE too); WG1: O^T[256:]; the producer: Q8 and the
 K8 blocks. Same request walk, segment numbering and parities as the 16-bit ws roles (roles.py); the accumulators are
-O^T, so every per-row scale (alpha, 1 / l, the merge weights) goes to the thread's 16 O^T columns.
+O^T, so every per-row scale (alpha, 1 / l) goes to the thread's 16 O^T columns.
 """
 
 from types import SimpleNamespace
@@ -18,33 +18,23 @@ from .roles import wg0_segment
 def fp8c_roles(k, c, e, f):
     """WG0, WG1 and the producer of variant ``k`` (c, e: the 16-bit kernel's consumer and epilogue macros; f:
     fp8c.fp8c_macros), as a namespace (wg0, wg1, producer)."""
-    accum, block_n, block_rows, in_merge, q_len = k.accum, k.block_n, k.block_rows, k.in_merge, k.q_len
+    accum, block_n, block_rows, q_len = k.accum, k.block_n, k.block_rows, k.q_len
     num_heads, q_rows, rows = k.num_heads, k.q_rows, k.rows
     mask_scale, trace, trace_end = c.mask_scale, k.trace, k.trace_end
     score8, pv8, produce_segment = f.score8, f.pv8, f.produce_segment
     out_kind = 1 if k.dtype == "bfloat16" else 2  # mla_ot_store's kOut for ``out`` (bf16 or fp16)
 
     def make_store_t(col0: int, with_lse: bool):
-        """A consumer's segment end for O^T (its dims col0 .. col0 + 256), once ``lc`` / ``mc`` hold l and m (log2
-        max) of the thread's 16 columns: normalise per column, merge a two-part request if this program finishes
-        second, write each row's dims (make_store_segment's order of steps; fp8c.cuh's mla_ot_*). WG0
-        (``with_lse``) also merges its row-layout l and m (``l_row``, ``m_row``; ``w_own`` / ``w_other`` scratch)
-        for the LSE, which it writes as make_store_rows does."""
+        """A consumer's segment end for O^T (its dims col0 .. col0 + 256), once ``lc`` holds l of the thread's 16
+        columns: normalise per column, write each row's dims (make_store_segment's order of steps; fp8c.cuh's
+        mla_ot_*). WG0 (``with_lse``) also writes the LSE from its row-layout l and m (``l_row``, ``m_row``) as
+        make_store_rows does."""
 
         @T.macro
-        def store_t(acc, lc, mc, l_row, m_row, w_own, w_other, kv_scale, first, n_parts, part, req, row_block, row0,
-                    tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial, lse_partial):
+        def store_t(acc, lc, l_row, m_row, kv_scale, n_parts, part, req, row0, tok0, out, lse, out_partial,
+                    lse_partial):
             T.evaluate(T.call_extern("handle", "mla_ot_normalize", acc.data, lc.data, kv_scale))
-            if in_merge:
-                e.merge_begin(merge_count, merge_ticket, req, row_block, first, part, n_parts, merge_state)
-                if merge_state[1] == 1:
-                    other = e.merge_other(first, part, req)
-                    T.evaluate(T.call_extern("handle", "mla_ot_merge", acc.data, lc.data, mc.data,
-                                             T.access_ptr(lse_partial[other, row0], "r"),
-                                             T.access_ptr(out_partial[other, row0, col0], "r"), rows - row0))
-                    if with_lse:
-                        e.merge_weights(l_row, m_row, w_own, w_other, other, row0, lse_partial)
-            if e.store_direct(n_parts, merge_state):
+            if e.store_direct(n_parts):
                 T.evaluate(T.call_extern("handle", f"mla_ot_store<{out_kind}>", acc.data,
                                          T.access_ptr(out[tok0, 0, col0], "w"), row0, rows - row0))
                 if with_lse:
@@ -59,19 +49,15 @@ def fp8c_roles(k, c, e, f):
                     for i in T.Parallel(block_rows):
                         if row0 + i < rows:
                             lse_partial[part + req, row0 + i] = partial_lse(l_row[i], m_row[i])
-            if in_merge:
-                e.merge_end(merge_count, req, row_block, n_parts, merge_state)
 
         return store_t
 
     store_t_left, store_t_right = make_store_t(0, True), make_store_t(HALF, False)
 
     @T.macro
-    def load_cols(l_shared, lc, mc):
-        """The thread's 16 columns of l (and with in_merge m) from ``l_shared`` (plain addresses)."""
+    def load_cols(l_shared, lc):
+        """The thread's 16 columns of l from ``l_shared`` (plain addresses)."""
         T.evaluate(T.call_extern("handle", "mla_ot_cols", lc.data, T.address_of(l_shared[0]), 0))
-        if in_merge:
-            T.evaluate(T.call_extern("handle", "mla_ot_cols", mc.data, T.address_of(l_shared[0]), q_rows))
 
     @T.macro
     def zero_pad_q8(q8_l, q8_r, q8_t, qscale, row0):
@@ -92,10 +78,9 @@ def fp8c_roles(k, c, e, f):
 
     @T.macro
     def wg0(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
-            merge_count, q8_l, q8_r, q8_t, qscale, kv80_l, kv80_r, k80_t, kv81_l, kv81_r, k81_t, p8, alpha_slots,
-            l_shared, merge_ticket, merge_state, acc_s, acc_o_l, m_prev, m_cur, alpha, row_sum, l_sum, q_scale_r,
-            k_ready, k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, row0, req_parts, part_lo,
-            part_hi, kv_scale, scale_log2, part, row_block, lc, mc):
+            q8_l, q8_r, q8_t, qscale, kv80_l, kv80_r, k80_t, kv81_l, kv81_r, k81_t, p8, alpha_slots, l_shared, acc_s,
+            acc_o_l, m_prev, m_cur, alpha, row_sum, l_sum, q_scale_r, k_ready, k_free, q_ready, q_free, p_ready, p_free,
+            l_ready, l_free, seg: T.Ref, row0, req_parts, part_lo, part_hi, kv_scale, scale_log2, part, lc):
         """WG0: S, the softmax, P8, O^T[:256]."""
         T.set_max_nreg(REGS_WG0, 1)
         if k.pad_rows:
@@ -163,23 +148,20 @@ def fp8c_roles(k, c, e, f):
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
-                # l (and m) to WG1 through l_shared; WG0 reads its columns back after its named barrier (l_shared is
+                # l to WG1 through l_shared; WG0 reads its columns back after its named barrier (l_shared is
                 # rewritten at the next segment's end, after more named barriers)
-                e.send_l(l_sum, m_cur, l_shared, l_free, l_ready, seg)
+                e.send_l(l_sum, l_shared, l_free, l_ready, seg)
                 T.sync_threads(WG0_NAMED_BARRIER, 128)
-                load_cols(l_shared, lc, mc)
-                first, n_parts = request_parts(req_parts, req)
-                store_t_left(acc_o_l, lc, mc, l_sum, m_cur, alpha, m_prev, kv_scale / P8_SCALE, first, n_parts, part,
-                             req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial,
-                             lse_partial)
+                load_cols(l_shared, lc)
+                store_t_left(acc_o_l, lc, l_sum, m_cur, kv_scale / P8_SCALE, request_parts(req_parts, req)[1], part,
+                             req, row0, tok0, out, lse, out_partial, lse_partial)
                 seg = seg + 1
         trace_end(0)
 
     @T.macro
-    def wg1(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, merge_count,
-            kv80_r, kv81_r, p8, alpha_slots, l_shared, merge_ticket, merge_state, m_r, w_r, acc_o_r, l_r, alpha_r,
-            k_ready, k_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, row0, req_parts, part_lo, part_hi, kv_scale,
-            part, row_block, lc, mc):
+    def wg1(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, kv80_r, kv81_r,
+            p8, alpha_slots, l_shared, acc_o_r, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready, l_free,
+            seg: T.Ref, row0, req_parts, part_lo, part_hi, kv_scale, part, lc):
         """WG1: O^T[256:] from P8 and its K8 tile."""
         T.set_max_nreg(k.regs_wg1, grows(k.regs_wg1, k.threads))
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
@@ -203,15 +185,13 @@ def fp8c_roles(k, c, e, f):
                     T.barrier_arrive(p_free[0])
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
-                first, n_parts = request_parts(req_parts, req)
-                # WG0's l (and m) of the thread's columns, read before l_free hands l_shared back
+                # WG0's l of the thread's columns, read before l_free hands l_shared back
                 T.barrier_wait(l_ready[0], seg_ready_parity(seg))
                 trace(1, g0, SEG_TRACE_STEP)  # WG0's l has come: WG1's epilogue starts
-                load_cols(l_shared, lc, mc)
+                load_cols(l_shared, lc)
                 T.barrier_arrive(l_free[0])
-                store_t_right(acc_o_r, lc, mc, l_r, m_r, alpha_r, w_r, kv_scale / P8_SCALE, first, n_parts, part, req,
-                              row_block, row0, tok0, merge_count, merge_ticket, merge_state, out, lse, out_partial,
-                              lse_partial)
+                store_t_right(acc_o_r, lc, l_r, l_r, kv_scale / P8_SCALE, request_parts(req_parts, req)[1], part, req,
+                              row0, tok0, out, lse, out_partial, lse_partial)
                 seg = seg + 1
         trace_end(1)
 

@@ -12,7 +12,7 @@ import tilelang.language as T
 
 from ...constants import ROPE_DIM
 from ..common import LOG2E, make_store_rows, num_row_blocks, split_dims, split_prim_func, wait_for_inputs
-from ..configs import SM90, KernelConfig, fp8_compute_applies, kernel_launch, merged_parts
+from ..configs import SM90, KernelConfig, fp8_compute_applies, kernel_launch
 from .consumers import consumer_macros
 from .epilogue import epilogue_macros, make_store_cols
 from .fp8c import fp8c_prelude, fp8c_program
@@ -93,10 +93,6 @@ def variant_spec(num_heads: int, q_len: int, page_size: int, dtype: str, kv_dtyp
         """The rank of a cluster_kv pair that issues tile ``part`` of block g for both CTAs."""
         return g % 2 if part == PART_T else (0 if part == PART_L else 1)
 
-    # a request split into two parts is merged by the second of its programs to finish (merge_begin), not by the
-    # combine kernel
-    in_merge = merged_parts(cfg) == 2
-
     tracing = cfg.trace_part >= 0
 
     @T.macro
@@ -123,7 +119,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
     as the portable kernel's."""
     k = variant_spec(num_heads, q_len, page_size, dtype, kv_dtype, cfg)
     accum, block_n, block_rows, cdtype = k.accum, k.block_n, k.block_rows, k.cdtype
-    cfg, cluster, fp8_rows, in_merge = k.cfg, k.cluster, k.fp8_rows, k.in_merge
+    cfg, cluster, fp8_rows = k.cfg, k.cluster, k.fp8_rows
     is_fp8, kv_dtype, n_producers, n_row_blocks = k.is_fp8, k.kv_dtype, k.n_producers, k.n_row_blocks
     q_rows, q_to_f16, regs_producer = k.q_rows, k.q_to_f16, k.regs_producer
     rs_pv, threads, tile_ready, tracing = k.rs_pv, k.threads, k.tile_ready, k.tracing
@@ -140,8 +136,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
 
     @T.macro
     def split_program(q_nope, q_pe, kv_cache, k_scale, page_table, page_table_start, kv_lens, qo_indptr, cu_blocks,
-                      part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial,
-                      merge_count):
+                      part_begin_req, part_end_req, part_start, req_parts, sm_scale, out, lse, out_partial, lse_partial):
         """The grid (part, row block; a cluster of two row blocks with cluster_kv), one role per warpgroup."""
         with kernel_launch(num_parts, n_row_blocks, threads=threads, prelude=prelude,
                            cluster_dims=(1, 2, 1) if cluster else None) as (part, row_block):
@@ -153,17 +148,7 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             alpha_shared = T.alloc_shared([q_rows], accum)
             alpha_slots = T.alloc_shared([2 * block_rows], accum) if rs_pv else None  # rs_pv: alpha, by alpha_slot
             p_frag = T.alloc_fragment([block_rows, block_n], cdtype) if rs_pv else None
-            # l of WG0's rows for WG1 (with in_merge also m, after it)
-            l_shared = T.alloc_shared([2 * q_rows if in_merge else q_rows], accum)
-            if in_merge:
-                ticket_slots = T.alloc_shared([2], "int32")  # a program's tickets: its first / last segment's
-                ticket_ready = T.alloc_barrier([1, 1])  # one per slot: thread 0 has written it
-                merge_ticket = (ticket_slots, ticket_ready)
-                merge_state = T.alloc_local([2], "int32")  # [ticket, 1 when this program merges the request]
-                m_r = T.alloc_fragment([q_rows], accum)  # WG1: WG0's row max
-                w_r = T.alloc_local([4], accum)  # WG1: the other part's merge weights (only the PRELUDE helpers index it)
-            else:
-                merge_ticket = merge_state = m_r = w_r = None
+            l_shared = T.alloc_shared([q_rows], accum)  # l of WG0's rows for WG1
 
             # S (rows x tokens) and O (rows x dims); tws: S^T and O^T
             acc_s = T.alloc_fragment([block_n, q_rows] if transposed else [block_rows, block_n], accum)
@@ -220,28 +205,27 @@ def build_decode_kernel(num_heads: int, q_len: int, page_size: int, dtype: str, 
             if tx < 128:
                 if transposed:
                     wg0_tws(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial,
-                        lse_partial, merge_count, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared,
-                        colmax_s, alpha_shared, l_shared, merge_ticket, merge_state, acc_s, acc_o_l, l_acc, m_prev,
-                        m_cur, alpha, l_sum, k_ready, k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg,
-                        tx, row0, req_parts, part_lo, part_hi, kv_scale, scale_log2, part, row_block)
+                        lse_partial, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared, colmax_s,
+                        alpha_shared, l_shared, acc_s, acc_o_l, l_acc, m_prev, m_cur, alpha, l_sum, k_ready, k_free,
+                        q_ready, q_free, p_ready, p_free, l_ready, l_free, seg, tx, row0, req_parts, part_lo, part_hi,
+                        kv_scale, scale_log2, part)
                 else:
                     wg0_ws(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial,
-                        lse_partial, merge_count, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared,
-                        alpha_shared, alpha_slots, p_frag, l_shared, merge_ticket, merge_state, acc_s, acc_o_l,
-                        m_prev, m_cur, alpha, row_sum, l_sum, k_ready, k_free, q_ready, q_free, p_ready, p_free,
-                        l_ready, l_free, seg, tx, row0, req_parts, part_lo, part_hi, kv_scale, scale_log2, part,
-                        row_block)
+                        lse_partial, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared, alpha_shared,
+                        alpha_slots, p_frag, l_shared, acc_s, acc_o_l, m_prev, m_cur, alpha, row_sum, l_sum, k_ready,
+                        k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg, tx, row0, req_parts, part_lo,
+                        part_hi, kv_scale, scale_log2, part)
             elif tx < 256:
                 if transposed:
                     wg1_tws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
-                        merge_count, kv0_r, kv1_r, p_shared, alpha_shared, l_shared, merge_ticket, merge_state, m_r,
-                        w_r, acc_o_r0, acc_o_r1, acc_o_r2, acc_o_r3, l_r, alpha_r, k_ready, k_free, p_ready, p_free,
-                        l_ready, l_free, seg, row0, req_parts, part_lo, part_hi, kv_scale, part, row_block)
+                        kv0_r, kv1_r, p_shared, alpha_shared, l_shared, acc_o_r0, acc_o_r1, acc_o_r2, acc_o_r3, l_r,
+                        alpha_r, k_ready, k_free, p_ready, p_free, l_ready, l_free, seg, row0, req_parts, part_lo,
+                        part_hi, kv_scale, part)
                 else:
                     wg1_ws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
-                        merge_count, kv0_r, kv1_r, p_shared, alpha_shared, alpha_slots, l_shared, merge_ticket,
-                        merge_state, m_r, w_r, acc_o_r, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready,
-                        l_free, seg, tx, row0, req_parts, part_lo, part_hi, kv_scale, part, row_block)
+                        kv0_r, kv1_r, p_shared, alpha_shared, alpha_slots, l_shared, acc_o_r, l_r, alpha_r, k_ready,
+                        k_free, p_ready, p_free, l_ready, l_free, seg, tx, row0, req_parts, part_lo, part_hi, kv_scale,
+                        part)
             else:
                 T.set_max_nreg(regs_producer, grows(regs_producer, threads))
                 t = tx - 256 if n_producers == 1 else (tx - 256) % 128

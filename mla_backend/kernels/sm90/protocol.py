@@ -68,12 +68,6 @@ def grows(count: int, threads: int = 384) -> int:
 # Named barrier of WG0's one explicit bar.sync; TileLang numbers its own from 3 up, one per thread range
 # (its cross-warp reductions, tws only, use 1 and 2).
 WG0_NAMED_BARRIER = 15
-# Named barrier of both consumer warpgroups (threads 0..255) in the epilogue of a request merged in the kernel.
-MERGE_NAMED_BARRIER = 13
-# A request's merge counter: tickets in the low 16 bits, partials stored (1 << MERGE_DONE_SHIFT each) above.
-MERGE_DONE_SHIFT = 16
-# 8-byte loads of a partial in flight per thread of a merging warpgroup (WG1 holds 128 accumulator registers of 168)
-MERGE_LOADS = 8
 
 # tws ("transposed"): where the rows (h x q_len) fit in TWS_COLS, the consumers compute S^T = K Q^T with the 64
 # KV tokens as WGMMA's M and the rows as N (m64n16), and O^T = V^T P^T, instead of padding the rows to M = 64:
@@ -96,9 +90,7 @@ P8_SCALE = 256.0
 # MLA_* placeholders filled in from the constants above.
 def _load_prelude() -> str:
     text = resources.files(__package__).joinpath("prelude.cuh").read_text()
-    return ("\n" + text).replace("MLA_Q_F16_SCALE", f"{2.0 ** -Q_F16_SHIFT!r}f").replace(
-        "MLA_MERGE_BARRIER", str(MERGE_NAMED_BARRIER)).replace("MLA_MERGE_DONE_SHIFT", str(MERGE_DONE_SHIFT)).replace(
-        "MLA_MERGE_LOADS", str(MERGE_LOADS))
+    return ("\n" + text).replace("MLA_Q_F16_SCALE", f"{2.0 ** -Q_F16_SHIFT!r}f")
 
 
 PRELUDE = _load_prelude()
@@ -159,16 +151,15 @@ FP8_PREFETCH_AHEAD = 2
 
 
 def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, transposed: bool = False,
-                rs_pv: bool = False, merge: bool = False, fp8c: bool = False) -> dict:
+                rs_pv: bool = False, fp8c: bool = False) -> dict:
     """Shared-memory bytes of the warp-specialised kernel (the docstring's table).
 
     ``dynamic`` is what TileLang allocates (``dyn_shared_memory_buf``); the mbarriers are static
     ``__shared__`` arrays, which nvcc pads to 1024 B so that the 1024-aligned dynamic buffer follows.
     ``transposed`` (tws): Q and P have TWS_COLS rows, plus 128 floats each for the column max exchange
     (``mla_colmax4``, two halves by block parity) and TileLang's scratch for the column sums. ``rs_pv``: two
-    alpha slots instead of one. ``merge`` (merge_pairs): WG0 hands WG1 its row maxima beside l, and the merge
-    ticket's two slots (16 B with TileLang's alignment). ``fp8c`` (the fp8-compute ws kernel): Q, the KV buffers and P
-    in e4m3, two alpha slots, and each Q row's scale.
+    alpha slots instead of one. ``fp8c`` (the fp8-compute ws kernel): Q, the KV buffers and P in e4m3, two alpha
+    slots, and each Q row's scale.
     """
     if fp8c:
         elem_bytes, rs_pv = 1, True
@@ -179,9 +170,6 @@ def smem_budget(block_rows: int = 64, block_n: int = 64, elem_bytes: int = 2, tr
         "p": q_rows * block_n * elem_bytes,
         "alpha_l": (3 if rs_pv and not transposed else 2) * q_rows * 4,
     }
-    if merge:
-        parts["alpha_l"] += q_rows * 4
-        parts["merge_ticket"] = 16
     if fp8c:
         parts["qscale"] = q_rows * 4
     if transposed:

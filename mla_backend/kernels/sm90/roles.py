@@ -48,10 +48,10 @@ def wg0_roles(k, c, e, p):
 
     @T.macro
     def wg0_tws(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
-                merge_count, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared, colmax_s, alpha_shared,
-                l_shared, merge_ticket, merge_state, acc_s, acc_o_l, l_acc, m_prev, m_cur, alpha, l_sum, k_ready,
+                q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared, colmax_s, alpha_shared,
+                l_shared, acc_s, acc_o_l, l_acc, m_prev, m_cur, alpha, l_sum, k_ready,
                 k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, tx, row0, req_parts, part_lo, part_hi,
-                kv_scale, scale_log2, part, row_block):
+                kv_scale, scale_log2, part):
         """tws WG0: S^T, softmax down the columns, P, O^T[:256]. Same protocol as ws WG0; the running max is a
         cross-warp reduction per block, the row sums stay per thread (l_acc, rescaled like O) until the segment's end."""
         # Same protocol as WG0 below; the running max is a cross-warp reduction per block, the row
@@ -95,17 +95,16 @@ def wg0_roles(k, c, e, p):
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
                 T.reduce_sum(l_acc, l_sum, dim=0)
-                wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg, kv_scale,
-                                req_parts, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
-                                lse, out_partial, lse_partial)
+                wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, l_shared, l_free, l_ready, seg, kv_scale, req_parts,
+                                part, req, row0, tok0, out, lse, out_partial, lse_partial)
                 seg = seg + 1
 
     @T.macro
     def wg0_ws(kv_lens, qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
-                merge_count, q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared, alpha_shared,
-                alpha_slots, p_frag, l_shared, merge_ticket, merge_state, acc_s, acc_o_l, m_prev, m_cur, alpha,
+                q_l, q_r, q_t, kv0_l, kv0_r, k0_t, kv1_l, kv1_r, k1_t, p_shared, alpha_shared,
+                alpha_slots, p_frag, l_shared, acc_s, acc_o_l, m_prev, m_cur, alpha,
                 row_sum, l_sum, k_ready, k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, tx, row0,
-                req_parts, part_lo, part_hi, kv_scale, scale_log2, part, row_block):
+                req_parts, part_lo, part_hi, kv_scale, scale_log2, part):
         """ws WG0: S, softmax, P, O[:, :256]."""
         T.set_max_nreg(REGS_WG0, 1)
         if pad_rows:
@@ -179,9 +178,8 @@ def wg0_roles(k, c, e, p):
 
                 # each thread held its share of the row sums
                 T.evaluate(T.call_extern("handle", "mla_quad_sum2", l_sum.data))
-                wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, m_prev, l_shared, l_free, l_ready, seg, kv_scale,
-                                req_parts, part, req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
-                                lse, out_partial, lse_partial)
+                wg0_end_segment(acc_o_l, l_sum, m_cur, alpha, l_shared, l_free, l_ready, seg, kv_scale, req_parts,
+                                part, req, row0, tok0, out, lse, out_partial, lse_partial)
                 seg = seg + 1
         trace_end(0)
 
@@ -190,13 +188,11 @@ def wg0_roles(k, c, e, p):
 
 def wg1_roles(k, c, e, p):
     """WG1 of variant ``k`` (tws, ws) and its producer warpgroup(s): (wg1_tws, wg1_ws, producer)."""
-    block_rows, in_merge, q_rows = k.block_rows, k.in_merge, k.q_rows
+    block_rows, q_rows = k.block_rows, k.q_rows
     regs_wg1, rs_pv, store_right_t = k.regs_wg1, k.rs_pv, k.store_right_t
     threads, tile_ready, trace = k.threads, k.tile_ready, k.trace
     trace_end = k.trace_end
-    merge_add, merge_begin, merge_end = e.merge_add, e.merge_begin, e.merge_end
-    merge_other, merge_weights, store_direct = e.merge_other, e.merge_weights, e.store_direct
-    receive_l, wg1_store_segment = e.receive_l, e.wg1_store_segment
+    receive_l, store_direct, wg1_store_segment = e.receive_l, e.store_direct, e.wg1_store_segment
     pv_block, pv_quarters, rescale_rows = c.pv_block, c.pv_quarters, c.rescale_rows
     release_kv = p.release_kv
     block_n, cluster_rope, is_fp8 = k.block_n, k.cluster_rope, k.is_fp8
@@ -206,10 +202,9 @@ def wg1_roles(k, c, e, p):
     produce_segment = p.produce_segment
 
     @T.macro
-    def wg1_tws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, merge_count,
-                kv0_r, kv1_r, p_shared, alpha_shared, l_shared, merge_ticket, merge_state, m_r, w_r, acc_o_r0,
-                acc_o_r1, acc_o_r2, acc_o_r3, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready, l_free, seg: T.Ref,
-                row0, req_parts, part_lo, part_hi, kv_scale, part, row_block):
+    def wg1_tws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, kv0_r, kv1_r,
+                p_shared, alpha_shared, l_shared, acc_o_r0, acc_o_r1, acc_o_r2, acc_o_r3, l_r, alpha_r, k_ready, k_free,
+                p_ready, p_free, l_ready, l_free, seg: T.Ref, row0, req_parts, part_lo, part_hi, kv_scale, part):
         """tws WG1: O^T[256:] as four 64-dim tiles."""
         T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
@@ -239,26 +234,12 @@ def wg1_roles(k, c, e, p):
                     T.barrier_arrive(p_free[0])
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
-                receive_l(l_r, m_r, l_shared, l_ready, l_free, seg)
-                first, n_parts = request_parts(req_parts, req)
+                receive_l(l_r, l_shared, l_ready, l_free, seg)
+                direct = store_direct(request_parts(req_parts, req)[1])
                 store_right_t[0].normalize(acc_o_r0, l_r, kv_scale, alpha_r)
                 store_right_t[1].normalize(acc_o_r1, l_r, kv_scale, alpha_r)
                 store_right_t[2].normalize(acc_o_r2, l_r, kv_scale, alpha_r)
                 store_right_t[3].normalize(acc_o_r3, l_r, kv_scale, alpha_r)
-                if in_merge:
-                    merge_begin(merge_count, merge_ticket, req, row_block, first, part, n_parts, merge_state)
-                    if merge_state[1] == 1:
-                        other = merge_other(first, part, req)
-                        merge_weights(l_r, m_r, alpha_r, w_r, other, row0, lse_partial)
-                        merge_add(acc_o_r0, alpha_r, w_r, other, row0, HALF, out_partial, 1)
-                        merge_add(acc_o_r1, alpha_r, w_r, other, row0, HALF + TWS_TILE, out_partial, 1)
-                        merge_add(acc_o_r2, alpha_r, w_r, other, row0, HALF + 2 * TWS_TILE, out_partial, 1)
-                        merge_add(acc_o_r3, alpha_r, w_r, other, row0, HALF + 3 * TWS_TILE, out_partial, 1)
-                        store_right_t[0].normalize(acc_o_r0, l_r, T.float32(1), alpha_r)
-                        store_right_t[1].normalize(acc_o_r1, l_r, T.float32(1), alpha_r)
-                        store_right_t[2].normalize(acc_o_r2, l_r, T.float32(1), alpha_r)
-                        store_right_t[3].normalize(acc_o_r3, l_r, T.float32(1), alpha_r)
-                direct = store_direct(n_parts, merge_state)
                 store_right_t[0].write(acc_o_r0, l_r, l_r, direct, part + req, tok0, row0, out, lse,
                                        out_partial, lse_partial)
                 store_right_t[1].write(acc_o_r1, l_r, l_r, direct, part + req, tok0, row0, out, lse,
@@ -267,15 +248,13 @@ def wg1_roles(k, c, e, p):
                                        out_partial, lse_partial)
                 store_right_t[3].write(acc_o_r3, l_r, l_r, direct, part + req, tok0, row0, out, lse,
                                        out_partial, lse_partial)
-                if in_merge:
-                    merge_end(merge_count, req, row_block, n_parts, merge_state)
                 seg = seg + 1
 
     @T.macro
-    def wg1_ws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial, merge_count,
-                kv0_r, kv1_r, p_shared, alpha_shared, alpha_slots, l_shared, merge_ticket, merge_state, m_r, w_r,
+    def wg1_ws(qo_indptr, cu_blocks, part_begin_req, part_end_req, out, lse, out_partial, lse_partial,
+                kv0_r, kv1_r, p_shared, alpha_shared, alpha_slots, l_shared,
                 acc_o_r, l_r, alpha_r, k_ready, k_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, tx, row0, req_parts,
-                part_lo, part_hi, kv_scale, part, row_block):
+                part_lo, part_hi, kv_scale, part):
         """ws WG1: O[:, 256:] from P in shared memory."""
         T.set_max_nreg(regs_wg1, grows(regs_wg1, threads))  # fp8's 160 is a .dec
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
@@ -302,11 +281,9 @@ def wg1_roles(k, c, e, p):
                     T.barrier_arrive(p_free[0])
                     release_kv(k_free, g, tx)
 
-                receive_l(l_r, m_r, l_shared, l_ready, l_free, seg)
-                first, n_parts = request_parts(req_parts, req)
-                wg1_store_segment(acc_o_r, l_r, m_r, alpha_r, w_r, alpha_r, kv_scale, first, n_parts, part,
-                                  req, row_block, row0, tok0, merge_count, merge_ticket, merge_state, out,
-                                  lse, out_partial, lse_partial)
+                receive_l(l_r, l_shared, l_ready, l_free, seg)
+                wg1_store_segment(acc_o_r, l_r, l_r, alpha_r, kv_scale, request_parts(req_parts, req)[1], part, req,
+                                  row0, tok0, out, lse, out_partial, lse_partial)
                 seg = seg + 1
         trace_end(1)
 
