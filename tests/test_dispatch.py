@@ -85,8 +85,8 @@ def test_combine_choice_by_shape():
     from mla_backend.kernels.runtime import Kernels, pick_combine
 
     row, wide, tiled = "row", "wide", "tiled"  # stand-ins for the compiled kernels
-    sm90 = Kernels(None, row, wide, tiled, 2)
-    gfx942 = Kernels(None, row, wide, None, 0)
+    sm90 = Kernels(None, row, wide, tiled)
+    gfx942 = Kernels(None, row, wide, None)
     assert pick_combine(sm90, 1, 16, 132) == wide  # b=1 h=16: 16 programs, 132 parts
     assert pick_combine(sm90, 16, 16, 132) == row  # 256 rows in all
     assert pick_combine(sm90, 64, 128, 66) == tiled and pick_combine(sm90, 16, 128, 66) == tiled

@@ -64,8 +64,7 @@ def _prim_func(kind: str, variant: tuple, cfg: configs.KernelConfig):
     if kind == "plan":
         return build_plan_kernel(*variant, pdl=cfg.pdl)
     if kind == "tiled":
-        return build_tiled_combine_kernel(*variant, merged=2, chunks=tiled_combine_chunks(variant[0] * variant[1]),
-                                          pdl=cfg.pdl)
+        return build_tiled_combine_kernel(*variant, chunks=tiled_combine_chunks(variant[0] * variant[1]), pdl=cfg.pdl)
     *shape, wide = variant
     return build_combine_kernel(*shape, wide=wide, pdl=cfg.pdl)  # the combines serve every config
 
@@ -127,14 +126,14 @@ def test_tiled_combine_lowers(cuda_lowered, variant):
     """16 rows per program (and below 64 rows a quarter of the columns): each row's 8 lanes take its partial LSEs'
     max by three xor shuffles and write exp2(LSE - max) to shared memory (16 rows x MAX_PARTS), summed in part order
     by every lane (the per-row combine's order); then every thread loads float4s of the 16 partial rows, 4 parts back
-    to back, and adds each term by one fma; requests of at most two parts (merged by the split kernel) are skipped."""
+    to back, and adds each term by one fma; requests of one part (written by the split kernel) are skipped."""
     art = cuda_lowered("tiled", variant)
     src = art.kernel_source
     assert re.search(r'extern "C" __global__ void\b.*mla_decode_combine_tiled', src)
     assert _waits_before(src, "qo_indptr[")
     assert src.count("__shfl_xor_sync(") == 1 and "(4 >> delta" in src, "the LSE max is not an 8-lane shuffle"
     assert re.search(r"for \(int j = 0; j < n_read; \+\+j\) \{\s*total = \(total \+ weight_s\[", src), "sum not in part order"
-    assert "if (2 < n_read)" in src
+    assert "if (1 < n_read)" in src
     assert src.count("*(float4*)(out_partial") == 1 and "for (int u = 0; u < 4; ++u)" in src
     assert "= __fmaf_rn(" in src, "the partial rows' terms are not added by an explicit fma (the per-row combine's bits)"
     narrow = variant[0] * variant[1] < 64

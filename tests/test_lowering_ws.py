@@ -176,8 +176,8 @@ def test_ws_kernel_lowers(lowered, variant):
     # sequential and would not know that the roles run concurrently).
     assert smem == budget["dynamic"], f"dynamic shared memory {smem} B, the budget says {budget}"
     assert smem + budget["static"] <= SM90_SMEM_LIMIT
-    # 8 for the pipeline (10 barriers), 1 for the merge tickets (ticket_ready: 2)
-    assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 9, "expected 9 mbarrier arrays (12 barriers)"
+    # 8 arrays for the pipeline's 10 barriers
+    assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 8, "expected 8 mbarrier arrays (10 barriers)"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -413,8 +413,8 @@ def test_tws_kernel_lowers(lowered_tws, variant):
             assert producer.count("mla_ldg16(") == 6
             assert after_free[:first_load].count("mla_e4m3x16_store") == 1, "next block's loads before the drain"
     assert smem == ws.smem_budget(transposed=True)["dynamic"], f"dynamic shared memory {smem} B"
-    # 8 for the pipeline (10 barriers), 1 for the merge tickets (ticket_ready: 2)
-    assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 9, "expected 9 mbarrier arrays (12 barriers)"
+    # 8 arrays for the pipeline's 10 barriers
+    assert len(re.findall(r"\b(uint64_t) \w+_mem\[", src)) == 8, "expected 8 mbarrier arrays (10 barriers)"
 
 
 def _cuobjdump() -> str | None:
