@@ -90,11 +90,11 @@ __device__ __forceinline__ void mla_vt_frags(unsigned* a, unsigned base, int i, 
 // dim 64 i + 16 w + 2 g + (v / 2) % 2 (of the consumer's 256) of query row (column) 8 (v / 4) + 2 q + v % 2; a thread's
 // 16 columns are mla_ot_col(q, jj), jj = 2 (v / 4) + v % 2.
 __device__ __forceinline__ int mla_ot_col(int q, int jj) { return 8 * (jj >> 1) + 2 * q + (jj & 1); }
-// dst[jj] = src[offset + column jj of this thread] (src: 64 per-row values in shared memory: alpha, l or m). Volatile
+// dst[jj] = src[column jj of this thread] (src: 64 per-row values in shared memory: alpha or l). Volatile
 // loads: they stay ahead of the mbarrier arrive that hands the slots back (TileLang's arrive has no memory clobber).
-__device__ __forceinline__ void mla_ot_cols(float* dst, const float* src, int offset = 0) {
+__device__ __forceinline__ void mla_ot_cols(float* dst, const float* src) {
   const int q = mla_wg_thread() & 3;
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(src + offset + 2 * q));
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(src + 2 * q));
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(dst[2 * j]), "=f"(dst[2 * j + 1]) : "r"(a + 32 * j));

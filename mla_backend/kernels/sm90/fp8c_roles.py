@@ -57,7 +57,7 @@ def fp8c_roles(k, c, e, f):
     @T.macro
     def load_cols(l_shared, lc):
         """The thread's 16 columns of l from ``l_shared`` (plain addresses)."""
-        T.evaluate(T.call_extern("handle", "mla_ot_cols", lc.data, T.address_of(l_shared[0]), 0))
+        T.evaluate(T.call_extern("handle", "mla_ot_cols", lc.data, T.address_of(l_shared[0])))
 
     @T.macro
     def zero_pad_q8(q8_l, q8_r, q8_t, qscale, row0):
