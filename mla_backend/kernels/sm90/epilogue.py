@@ -57,20 +57,21 @@ def epilogue_macros(k):
     q_rows, store_left, store_left_t, store_right, transposed = (
         k.q_rows, k.store_left, k.store_left_t, k.store_right, k.transposed)
 
-    def store_direct(n_parts):
-        """A segment's store goes to out / lse: the request lies in this part (else to its partial slot, which the
-        combine kernel merges)."""
-        return n_parts == 1
+    def store_direct(req_parts, req):
+        """A segment's store goes to out / lse: request ``req`` lies in one part (else to this part's partial slot,
+        which the combine kernel merges)."""
+        return request_parts(req_parts, req)[1] == 1
 
     def make_store_segment(store: SegmentStore):
         """A consumer's segment end after the l hand-off, for ``store``'s columns: normalise O, write (``factor`` is
         scratch)."""
 
         @T.macro
-        def store_segment(acc, l, m, factor, kv_scale, n_parts, part, req, row0, tok0, out, lse, out_partial,
+        def store_segment(acc, l, m, factor, kv_scale, req_parts, part, req, row0, tok0, out, lse, out_partial,
                           lse_partial):
             store.normalize(acc, l, kv_scale, factor)
-            store.write(acc, l, m, store_direct(n_parts), part + req, tok0, row0, out, lse, out_partial, lse_partial)
+            store.write(acc, l, m, store_direct(req_parts, req), part + req, tok0, row0, out, lse, out_partial,
+                        lse_partial)
 
         return store_segment
 
@@ -101,8 +102,7 @@ def epilogue_macros(k):
         """WG0, the end of request ``req``'s segment in part ``part`` (its parts from ``req_parts``): l to WG1, then
         O[:, :256] and the LSE normalised and written (``alpha`` is free by now: the scratch)."""
         send_l(l_sum, l_shared, l_free, l_ready, seg)
-        n_parts = request_parts(req_parts, req)[1]
-        wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, kv_scale, n_parts, part, req, row0, tok0, out, lse,
+        wg0_store_segment(acc_o_l, l_sum, m_cur, alpha, kv_scale, req_parts, part, req, row0, tok0, out, lse,
                           out_partial, lse_partial)
 
     return SimpleNamespace(store_direct=store_direct, make_store_segment=make_store_segment,

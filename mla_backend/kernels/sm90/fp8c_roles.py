@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import tilelang.language as T
 
-from ..common import LN2, partial_lse, request_inputs, request_parts, segment_span
+from ..common import LN2, partial_lse, request_inputs, segment_span
 from .protocol import (HALF, P8_SCALE, REGS_WG0, SEG_TRACE_STEP, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer,
                        kv_ready_parity, p_free_parity, p_ready_parity, seg_ready_parity, segment_first_block)
 from .roles import wg0_segment
@@ -31,10 +31,10 @@ def fp8c_roles(k, c, e, f):
         make_store_rows does."""
 
         @T.macro
-        def store_t(acc, lc, l_row, m_row, kv_scale, n_parts, part, req, row0, tok0, out, lse, out_partial,
+        def store_t(acc, lc, l_row, m_row, kv_scale, req_parts, part, req, row0, tok0, out, lse, out_partial,
                     lse_partial):
             T.evaluate(T.call_extern("handle", "mla_ot_normalize", acc.data, lc.data, kv_scale))
-            if e.store_direct(n_parts):
+            if e.store_direct(req_parts, req):
                 T.evaluate(T.call_extern("handle", f"mla_ot_store<{out_kind}>", acc.data,
                                          T.access_ptr(out[tok0, 0, col0], "w"), row0, rows - row0))
                 if with_lse:
@@ -153,8 +153,8 @@ def fp8c_roles(k, c, e, f):
                 e.send_l(l_sum, l_shared, l_free, l_ready, seg)
                 T.sync_threads(WG0_NAMED_BARRIER, 128)
                 load_cols(l_shared, lc)
-                store_t_left(acc_o_l, lc, l_sum, m_cur, kv_scale / P8_SCALE, request_parts(req_parts, req)[1], part,
-                             req, row0, tok0, out, lse, out_partial, lse_partial)
+                store_t_left(acc_o_l, lc, l_sum, m_cur, kv_scale / P8_SCALE, req_parts, part, req, row0, tok0, out,
+                             lse, out_partial, lse_partial)
                 seg = seg + 1
         trace_end(0)
 
@@ -190,8 +190,8 @@ def fp8c_roles(k, c, e, f):
                 trace(1, g0, SEG_TRACE_STEP)  # WG0's l has come: WG1's epilogue starts
                 load_cols(l_shared, lc)
                 T.barrier_arrive(l_free[0])
-                store_t_right(acc_o_r, lc, l_r, l_r, kv_scale / P8_SCALE, request_parts(req_parts, req)[1], part, req,
-                              row0, tok0, out, lse, out_partial, lse_partial)
+                store_t_right(acc_o_r, lc, l_r, l_r, kv_scale / P8_SCALE, req_parts, part, req, row0, tok0, out, lse,
+                              out_partial, lse_partial)
                 seg = seg + 1
         trace_end(1)
 

@@ -8,7 +8,7 @@ consumers keep the same protocol (protocol.py); kernel.py allocates the buffers 
 import tilelang.language as T
 
 from ...constants import HEAD_DIM, KV_LORA_RANK
-from ..common import request_inputs, request_parts, segment_span
+from ..common import request_inputs, segment_span
 from .protocol import (HALF, PART_R, REGS_WG0, TWS_TILE, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer, kv_ready_parity,
                        p_free_parity, p_ready_parity, part_barrier, seg_ready_parity, segment_first_block)
 
@@ -235,7 +235,7 @@ def wg1_roles(k, c, e, p):
                     T.barrier_arrive(k_free[kv_buffer(g)])
 
                 receive_l(l_r, l_shared, l_ready, l_free, seg)
-                direct = store_direct(request_parts(req_parts, req)[1])
+                direct = store_direct(req_parts, req)
                 store_right_t[0].normalize(acc_o_r0, l_r, kv_scale, alpha_r)
                 store_right_t[1].normalize(acc_o_r1, l_r, kv_scale, alpha_r)
                 store_right_t[2].normalize(acc_o_r2, l_r, kv_scale, alpha_r)
@@ -282,8 +282,8 @@ def wg1_roles(k, c, e, p):
                     release_kv(k_free, g, tx)
 
                 receive_l(l_r, l_shared, l_ready, l_free, seg)
-                wg1_store_segment(acc_o_r, l_r, l_r, alpha_r, kv_scale, request_parts(req_parts, req)[1], part, req,
-                                  row0, tok0, out, lse, out_partial, lse_partial)
+                wg1_store_segment(acc_o_r, l_r, l_r, alpha_r, kv_scale, req_parts, part, req, row0, tok0, out, lse,
+                                  out_partial, lse_partial)
                 seg = seg + 1
         trace_end(1)
 
