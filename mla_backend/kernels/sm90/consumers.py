@@ -15,7 +15,8 @@ from .protocol import (HALF, PART_L, PART_R, PART_T, TWS_TILE, WG0_NAMED_BARRIER
 def consumer_macros(k):
     """The consumers' macros for variant ``k`` (kernel.variant_spec): S, the mask, P V."""
     accum, block_n, block_rows, cdtype, num_heads, q_rows, rows, s_regs, tile_ready, trace, transposed = (
-        k.accum, k.block_n, k.block_rows, k.cdtype, k.num_heads, k.q_rows, k.rows, k.s_regs, k.tile_ready, k.trace, k.transposed)
+        k.accum, k.block_n, k.block_rows, k.cdtype, k.num_heads, k.q_rows, k.rows, k.s_regs, k.tile_ready, k.trace,
+        k.transposed)
 
     @T.macro
     def score_tile(q, kv, g, part, k_ready, acc_s):
@@ -121,10 +122,13 @@ def consumer_macros(k):
         """WG0, after q_ready: the segment's bf16 Q (copied bit for bit into the fp16 tiles) -> fp16 x 2^-8,
         in place, 16 bytes per call; padding rows are zeros in both formats. Then as in zero_pad_rows."""
         for m in T.serial(q_rows // 4):
-            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_l[m * 4 + t // 32, (t % 32) * 8], "rw", 8)))
-            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_r[m * 4 + t // 32, (t % 32) * 8], "rw", 8)))
+            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16",
+                                     T.access_ptr(q_l[m * 4 + t // 32, (t % 32) * 8], "rw", 8)))
+            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16",
+                                     T.access_ptr(q_r[m * 4 + t // 32, (t % 32) * 8], "rw", 8)))
         for m in T.serial(q_rows // 16):
-            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16", T.access_ptr(q_t[m * 16 + t // 8, (t % 8) * 8], "rw", 8)))
+            T.evaluate(T.call_extern("handle", "mla_bf16x8_to_f16",
+                                     T.access_ptr(q_t[m * 16 + t // 8, (t % 8) * 8], "rw", 8)))
         T.fence_proxy_async()
         T.sync_threads(WG0_NAMED_BARRIER, 128)
 
@@ -140,4 +144,7 @@ def consumer_macros(k):
             for i, d in T.Parallel(block_rows, HALF):
                 acc[i, d] *= alpha_frag[i]
 
-    return SimpleNamespace(score_tile=score_tile, score=score, score_block=score_block, pv_block=pv_block, mask_scale=mask_scale, pv_quarters=pv_quarters, mask_scale_t=mask_scale_t, zero_pad_rows=zero_pad_rows, q_bf16_to_f16=q_bf16_to_f16, rescale_needed=rescale_needed, rescale_rows=rescale_rows)
+    return SimpleNamespace(score_tile=score_tile, score=score, score_block=score_block, pv_block=pv_block,
+                           mask_scale=mask_scale, pv_quarters=pv_quarters, mask_scale_t=mask_scale_t,
+                           zero_pad_rows=zero_pad_rows, q_bf16_to_f16=q_bf16_to_f16, rescale_needed=rescale_needed,
+                           rescale_rows=rescale_rows)
