@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import tilelang.language as T
 
 from ..common import LN2, partial_lse, request_inputs, segment_span
-from .protocol import (HALF, P8_SCALE, REGS_WG0, SEG_TRACE_STEP, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer,
+from .protocol import (HALF, P8_SCALE, SEG_TRACE_STEP, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer,
                        kv_ready_parity, p_free_parity, p_ready_parity, seg_ready_parity, segment_first_block)
 from .roles import wg0_segment
 
@@ -82,7 +82,7 @@ def fp8c_roles(k, c, e, f):
             acc_o_l, m_prev, m_cur, alpha, row_sum, l_sum, q_scale_r, k_ready, k_free, q_ready, q_free, p_ready, p_free,
             l_ready, l_free, seg: T.Ref, row0, req_parts, part_lo, part_hi, kv_scale, scale_log2, part, lc):
         """WG0: S, the softmax, P8, O^T[:256]."""
-        T.set_max_nreg(REGS_WG0, 1)
+        T.set_max_nreg(k.regs_wg0, 1)
         if k.pad_rows:
             zero_pad_q8(q8_l, q8_r, q8_t, qscale, row0)
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
