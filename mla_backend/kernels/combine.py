@@ -38,12 +38,11 @@ def use_wide_combine(batch: int, rows: int, num_parts: int) -> bool:
 
 
 # The tiled combine: a program per (request, COMBINE_TILE_ROWS rows) merges them side by side. A large batch's combine
-# often has little to do (most requests unsplit) but still launches its programs:
-# at b=64 x 128 rows, 8192 per-row programs take 6.6 us on the H100 for nothing, 512 tiled ones 2.3 (end to end
-# b=64 s_k=4096 h=64 s_q=2: 153.7 -> 149.4 us), and with work (ragged lengths) the tiled one is faster from 64 rows
-# (b=64 h=128: 9.3 -> 7.1 us). Below 64 rows a
-# request's one or two whole-width programs were slower where there is work (h=16 b=64 ragged 4.5 -> 6.3 us), so
-# there each program takes a quarter of the 512 columns: idle 1.8-2.3 us instead of 2.4-4.1, with work
+# often has little to do (most requests unsplit) but still launches its programs: at b=64 x 128 rows, 8192 per-row
+# programs take 6.6 us on the H100 for nothing, 512 tiled ones 2.3 (end to end b=64 s_k=4096 h=64 s_q=2: 153.7 ->
+# 149.4 us), and with work (ragged lengths) the tiled one is faster from 64 rows (b=64 h=128: 9.3 -> 7.1 us). Below
+# 64 rows a request's one or two whole-width programs were slower where there is work (h=16 b=64 ragged 4.5 -> 6.3
+# us), so there each program takes a quarter of the 512 columns: idle 1.8-2.3 us instead of 2.4-4.1, with work
 # 4.3-4.9 instead of 5.1-6.0 from 2048 rows in all, but still 0.7-1.6 us slower at 1024 (b=64 h=16, b=32 h=32).
 COMBINE_TILE_ROWS = 16
 COMBINE_TILE_LANES = 8  # threads per row reducing its partial LSEs (shuffles within 8 lanes)
