@@ -28,6 +28,11 @@ elif spec.backend == "DETACHED":  # a worker that left the engine's process grou
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     open(spec.result_path + ".worker", "w").write(str(worker.pid))
     time.sleep(60)
+elif spec.backend == "OOM":  # as torch reports it, then the engine's shutdown lines
+    print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 27.93 GiB.", flush=True)
+    for i in range(2000):
+        print(f"shutting down {i}")
+    sys.exit(1)
 elif spec.backend == "NOPE":
     write_result(spec.result_path, {"backend": spec.backend, "status": "refused", "reason": "not on this GPU",
                                     "workloads": []})
@@ -90,6 +95,26 @@ def test_driver_kills_an_engine_at_the_budget_and_skips_what_would_not_fit(tmp_p
     assert results["OURS"]["status"] == "skipped"
     assert "mla-backend serve-bench --engine vllm --budget 2 --backends OURS --resume" in results["OURS"]["reason"]
     assert time.perf_counter() - t0 < driver.KILL_GRACE_S + 30
+
+
+def test_an_engine_out_of_gpu_memory_is_reported_with_what_to_change(tmp_path, stub_engine):
+    run = _stub_run(stub_engine, ("OOM", "OURS"), 600, "--gpu-memory-fraction", "0.8")
+    results = driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", ["--engine", "vllm"])
+    reason = results["OOM"]["reason"]
+    assert results["OOM"]["status"] == "failed" and "exited with status 1" in reason, reason
+    assert "CUDA out of memory" in reason and "--gpu-memory-fraction below 0.8" in reason, reason
+    assert "fp8 pool" not in reason  # the SGLang fp8-pool remark is for SGLang engines with an fp8 pool only
+    assert results["OURS"]["status"] == "done"
+
+
+@pytest.mark.parametrize("engine,kv_cache_dtype,remark", [("sglang", "fp8_e4m3", True), ("sglang", "auto", False),
+                                                          ("vllm", "fp8", False)])
+def test_out_of_memory_hint_names_sglang_s_fp8_prefill_conversion_where_it_applies(engine, kv_cache_dtype, remark):
+    spec = driver.EngineSpec(engine=engine, backend="x", model_dir="m", vocab_size=1, result_path="r", log_path="l",
+                             profile_dir="p", kv_cache_dtype=kv_cache_dtype, gpu_memory_fraction=0.85)
+    hint = driver.out_of_memory_hint(spec)
+    assert "--gpu-memory-fraction below 0.85" in hint
+    assert ("converts a layer's whole pool to bf16" in hint) is remark
 
 
 def test_engines_use_no_nvlink_multicast_where_nccl_has_it_off(monkeypatch):

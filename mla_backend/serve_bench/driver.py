@@ -45,6 +45,8 @@ from .workloads import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_WORKLOAD_KIND
 
 KILL_GRACE_S = 60.0  # an engine process past the budget gets this long to write its results before it is killed
 GPU_RELEASE_S = 3.0  # pause between engines, so that the previous one's GPU memory is back
+CUDA_OOM = "CUDA out of memory"  # torch.OutOfMemoryError's message
+OOM_SCAN_CHARS = 200_000  # of a failed engine's log, from its end: an engine logs its shutdown after the error
 DEFAULT_BUDGET_S = 3600
 DEFAULT_ENGINE_TIMEOUT_S = 1800  # a hung engine must not take the whole budget
 
@@ -311,6 +313,18 @@ def _interrupt(signum, frame):  # noqa: ARG001 - signal handler's signature
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def out_of_memory_hint(spec: EngineSpec) -> str:
+    """What to change when an engine's log shows a CUDA out-of-memory error."""
+    hint = (f"its log shows CUDA out of memory: a --gpu-memory-fraction below {spec.gpu_memory_fraction} leaves the "
+            "engine more GPU memory beside its KV cache")
+    if spec.engine == "sglang" and spec.kv_cache_dtype.startswith("fp8"):
+        # sglang 0.5.17 flashinfer_mla_backend.forward_extend: get_key_buffer(layer).to(q.dtype), whatever the
+        # decode backend (flashmla's and ours delegate prefill to it)
+        hint += (" (with an fp8 pool SGLang's FlashInfer MLA prefill, which flashmla's and ours run prefill on, "
+                 "converts a layer's whole pool to bf16: 1152 bytes per pool token)")
+    return hint
+
+
 def run_engine(spec: EngineSpec, runner: str, spec_path: Path, timeout_s: float) -> dict:
     """One engine process; returns its result file, or why there is none."""
     spec.save(spec_path)
@@ -335,6 +349,8 @@ def run_engine(spec: EngineSpec, runner: str, spec_path: Path, timeout_s: float)
         result.update(status="failed", reason=f"the engine process {how} before it finished")
     if result["status"] == "failed":
         result["log_tail"] = log_tail(spec.log_path, 4000)
+        if CUDA_OOM in log_tail(spec.log_path, OOM_SCAN_CHARS):
+            result["reason"] += "; " + out_of_memory_hint(spec)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["exit_code"] = proc.returncode
     return result
