@@ -348,8 +348,9 @@ def run_engine(spec: EngineSpec, runner: str, spec_path: Path, timeout_s: float)
         how = "was killed at the time budget" if timed_out else f"exited with status {proc.returncode}"
         result.update(status="failed", reason=f"the engine process {how} before it finished")
     if result["status"] == "failed":
-        result["log_tail"] = log_tail(spec.log_path, 4000)
-        if CUDA_OOM in log_tail(spec.log_path, OOM_SCAN_CHARS):
+        log = log_tail(spec.log_path, OOM_SCAN_CHARS)
+        result["log_tail"] = log[-4000:]
+        if CUDA_OOM in log:
             result["reason"] += "; " + out_of_memory_hint(spec)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["exit_code"] = proc.returncode
