@@ -9,7 +9,7 @@ import tilelang.language as T
 
 from ...constants import HEAD_DIM, KV_LORA_RANK
 from ..common import request_inputs, segment_span
-from .protocol import (HALF, PART_R, REGS_WG0, TWS_TILE, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer, kv_ready_parity,
+from .protocol import (HALF, PART_R, TWS_TILE, WG0_NAMED_BARRIER, alpha_slot, grows, kv_buffer, kv_ready_parity,
                        p_free_parity, p_ready_parity, part_barrier, seg_ready_parity, segment_first_block)
 
 
@@ -106,7 +106,7 @@ def wg0_roles(k, c, e, p):
                 row_sum, l_sum, k_ready, k_free, q_ready, q_free, p_ready, p_free, l_ready, l_free, seg: T.Ref, tx, row0,
                 req_parts, part_lo, part_hi, kv_scale, scale_log2, part):
         """ws WG0: S, softmax, P, O[:, :256]."""
-        T.set_max_nreg(REGS_WG0, 1)
+        T.set_max_nreg(regs_wg0, 1)
         if pad_rows:
             zero_pad_rows(q_l, q_r, q_t, row0, WG0_NAMED_BARRIER)  # WG0 is Q's only reader
         for req in T.serial(part_begin_req[part], part_end_req[part] + 1):
