@@ -120,6 +120,27 @@ def test_resume_runs_only_the_rounds_an_earlier_stopped_run_lacks(tmp_path, roun
     assert all(rounds.engines_run(r) == 2 for r in again.values())
 
 
+def test_resume_with_more_rounds_adds_engines_to_a_report_of_one_engine_per_backend(tmp_path, round_engine):
+    argv = ["--engine", "vllm", "--batches", "1", "--contexts", "1k", "--workloads", "decode"]
+    one = driver.resolve(driver.build_parser().parse_args(argv))
+    one.engine, one.backends = round_engine, ("A", "B")
+    out = tmp_path / "out"
+    report.write_outputs(out, report.assemble(dict(REPORT_ENV), one, driver.run_backends(one, tmp_path, tmp_path, out,
+                                                                                           argv), wall_s=1.0))
+    two = driver.resolve(driver.build_parser().parse_args(argv + ["--rounds", "2"]))
+    two.engine, two.backends = round_engine, ("A", "B")
+    kept = resume.kept_backends(out, report.run_settings(two), two.model_config, dict(REPORT_ENV, date="later"))
+    results = driver.run_backends(two, tmp_path, tmp_path, out, argv + ["--rounds", "2", "--resume"], kept)
+    assert (out / "vllm-logs" / "order.txt").read_text().split() == ["A", "B", "B", "A"]
+    for backend in ("A", "B"):
+        assert results[backend]["kept_rounds"] == 1 and rounds.engines_run(results[backend]) == 2
+        assert results[backend]["workloads"][0]["engine_medians"]["tpot_ms"] == pytest.approx([1.1, 2.1])
+    # a setting that is not free still refuses
+    other = report.run_settings(driver.resolve(driver.build_parser().parse_args(argv + ["--repeats", "5"])))
+    with pytest.raises(ValueError, match="measured something else"):
+        resume.kept_backends(out, other, two.model_config, dict(REPORT_ENV, date="later"))
+
+
 def test_pooling_keeps_what_an_engine_did_not_measure_and_records_failed_engines():
     cell = DecodeCell(1, 1024)
     first = {"status": "done", "engine_info": {"start_s": 30.0}, "wall_s": 60.0,

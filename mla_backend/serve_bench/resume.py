@@ -3,8 +3,9 @@ others start an engine.
 
 One comparison can then be spread over several invocations, each shorter than a time limit (an engine of the real
 model over several GPUs takes minutes to start), and still end in one report and one teacher-forced verdict. An
-earlier run counts only when it measured the same thing: the same settings and model (the backend list, budget and
-wall time aside) on the same GPU, driver and versions; otherwise ``--resume`` refuses and says what differs.
+earlier run counts only when it measured the same thing: the same settings and model (the backend list, budget,
+wall time and ``--rounds`` aside) on the same GPU, driver and versions; otherwise ``--resume`` refuses and says what
+differs. A larger ``--rounds`` than the earlier run's adds engine processes to its backends (rounds.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from .report import BASENAME
 
 #: Settings that may differ between the runs of one report.
-FREE_SETTINGS = ("backends", "budget_s", "wall_s")
+FREE_SETTINGS = ("backends", "budget_s", "wall_s", "rounds")
 #: Environment entries that must match: weights, kernels and timings depend on them.
 SAME_ENVIRONMENT = ("gpu", "driver", "torch", "vllm", "sglang", "tilelang", "flashinfer-python", "mla-backend")
 #: What a kept backend's ``from_run`` records of the run that measured it.

@@ -6,8 +6,9 @@ backends differ where the step is host-bound. With ``--rounds`` the driver start
 round, the order reversed every other round (A B, then B A) so that each backend meets the machine's early and late
 states alike; here each workload's repeats are pooled over a backend's engines, so its median and spread cover the
 process-to-process variation, and each engine's own median is kept (``engine_medians``) for the report. With
-``--resume`` a backend whose earlier run in the same ``--out-dir`` stopped after fewer rounds keeps those engines and
-runs only the rounds it lacks, so the rounds of one report may span several invocations.
+``--resume`` a backend whose earlier run in the same ``--out-dir`` ran fewer engines (it stopped after fewer rounds, or
+asked for fewer) keeps those engines and runs only the rounds it lacks, so the rounds of one report may span several
+invocations: ``--rounds 2 --resume`` after a run of one engine per backend starts each backend's second engine.
 """
 
 from __future__ import annotations
