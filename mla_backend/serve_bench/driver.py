@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="engine processes per backend, started in turn with the order reversed every other round; "
                         "each workload's repeats are pooled over them and each engine's median is reported (one "
-                        "engine's host loop can run 1.5x slower than another's; later rounds are not profiled)")
+                        "engine's host loop can run 1.5x slower than another's; later rounds are not profiled); with "
+                        "--resume, only the rounds the earlier report lacks are run")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--init", choices=("dummy", "scaled"), default="dummy",
                    help="weights: the engine's dummy init, or N(0, 1/fan_in) so that attention moves the logits and "
