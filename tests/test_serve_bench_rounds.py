@@ -38,11 +38,43 @@ def round_engine(tmp_path, monkeypatch):
     return driver.EngineChoice("vllm", "round_runner", ("A", "B"), {"auto": "auto"}, 64, 5.0)
 
 
-def test_rounds_start_every_backend_again_in_reversed_order_and_pool_the_repeats(tmp_path, round_engine):
-    args = driver.build_parser().parse_args(["--engine", "vllm", "--batches", "1", "--contexts", "1k",
-                                             "--workloads", "decode", "--rounds", "2"])
-    run = driver.resolve(args)
+#: One decode cell, so that each stand-in engine measures one workload.
+CELL_ARGS = ["--engine", "vllm", "--batches", "1", "--contexts", "1k", "--workloads", "decode"]
+
+
+def _round_run(round_engine, argv):
+    """The driver's run of ``argv`` on the stand-in engine's backends A and B."""
+    run = driver.resolve(driver.build_parser().parse_args(argv))
     run.engine, run.backends = round_engine, ("A", "B")
+    return run
+
+
+def _stop_at_round_two(monkeypatch):
+    """Makes serve-bench stopped (SIGTERM) as round 2's first engine starts (the third engine); returns the real
+    ``measure_engine`` to put back."""
+    measure, calls = driver.measure_engine, []
+
+    def stopped_in_round_two(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("SIGTERM")
+        return measure(*a, **k)
+
+    monkeypatch.setattr(driver, "measure_engine", stopped_in_round_two)
+    return measure
+
+
+def _kept_by_resume(out, written_by, results, resumed_by=None):
+    """``results`` written as ``out``'s report of run ``written_by``, and what ``--resume`` keeps of it for run
+    ``resumed_by`` (the same run by default)."""
+    report.write_outputs(out, report.assemble(dict(REPORT_ENV), written_by, results, wall_s=1.0))
+    resumed_by = resumed_by or written_by
+    return resume.kept_backends(out, report.run_settings(resumed_by), resumed_by.model_config,
+                                dict(REPORT_ENV, date="later"))
+
+
+def test_rounds_start_every_backend_again_in_reversed_order_and_pool_the_repeats(tmp_path, round_engine):
+    run = _round_run(round_engine, CELL_ARGS + ["--rounds", "2"])
     results = driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", ["--engine", "vllm", "--rounds", "2"])
     logs = tmp_path / "out" / "vllm-logs"
     assert (logs / "order.txt").read_text().split() == ["A", "B", "B", "A"]
@@ -60,19 +92,8 @@ def test_rounds_start_every_backend_again_in_reversed_order_and_pool_the_repeats
 
 def test_a_stop_in_a_later_round_keeps_the_earlier_engines_and_names_the_rounds_not_run(tmp_path, round_engine,
                                                                                        monkeypatch):
-    args = driver.build_parser().parse_args(["--engine", "vllm", "--batches", "1", "--contexts", "1k",
-                                             "--workloads", "decode", "--rounds", "2"])
-    run = driver.resolve(args)
-    run.engine, run.backends = round_engine, ("A", "B")
-    measure, calls = driver.measure_engine, []
-
-    def stopped_in_round_two(*a, **k):  # SIGTERM while round 2's first engine (B) runs
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt("SIGTERM")
-        return measure(*a, **k)
-
-    monkeypatch.setattr(driver, "measure_engine", stopped_in_round_two)
+    run = _round_run(round_engine, CELL_ARGS + ["--rounds", "2"])
+    _stop_at_round_two(monkeypatch)  # while round 2's first engine (B) runs
     results = driver.run_backends(run, tmp_path, tmp_path, tmp_path / "out", ["--engine", "vllm", "--rounds", "2"])
     for backend in ("A", "B"):
         assert results[backend]["status"] == "done"
@@ -83,23 +104,13 @@ def test_a_stop_in_a_later_round_keeps_the_earlier_engines_and_names_the_rounds_
 
 
 def test_resume_runs_only_the_rounds_an_earlier_stopped_run_lacks(tmp_path, round_engine, monkeypatch):
-    argv = ["--engine", "vllm", "--batches", "1", "--contexts", "1k", "--workloads", "decode", "--rounds", "2"]
-    run = driver.resolve(driver.build_parser().parse_args(argv))
-    run.engine, run.backends = round_engine, ("A", "B")
+    argv = CELL_ARGS + ["--rounds", "2"]
+    run = _round_run(round_engine, argv)
     out = tmp_path / "out"
-    measure, calls = driver.measure_engine, []
-
-    def stopped_in_round_two(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt("SIGTERM")
-        return measure(*a, **k)
-
-    monkeypatch.setattr(driver, "measure_engine", stopped_in_round_two)
+    measure = _stop_at_round_two(monkeypatch)
     first = driver.run_backends(run, tmp_path, tmp_path, out, argv)
-    report.write_outputs(out, report.assemble(dict(REPORT_ENV), run, first, wall_s=1.0))
     monkeypatch.setattr(driver, "measure_engine", measure)
-    kept = resume.kept_backends(out, report.run_settings(run), run.model_config, dict(REPORT_ENV, date="later"))
+    kept = _kept_by_resume(out, run, first)
     assert sorted(kept) == ["A", "B"] and all(rounds.engines_run(r) == 1 for r in kept.values())
     results = driver.run_backends(run, tmp_path, tmp_path, out, argv + ["--resume"], kept)
     # the first run ran A and B and was stopped as round 2 began; this one starts round 2 only, in its order (B, A)
@@ -113,30 +124,23 @@ def test_resume_runs_only_the_rounds_an_earlier_stopped_run_lacks(tmp_path, roun
     assert "| decode b1 1k | tpot_ms | 1.10, 2.10 | 1.10, 2.10 |" in text and "Engines not measured" not in text
     assert "its first 1 engine(s) kept from the run of 2026-12-01T10:00:00+00:00" in text
     # a report with every round is kept whole: nothing starts
-    report.write_outputs(out, report.assemble(dict(REPORT_ENV), run, results, wall_s=1.0))
-    kept = resume.kept_backends(out, report.run_settings(run), run.model_config, dict(REPORT_ENV, date="later"))
+    kept = _kept_by_resume(out, run, results)
     again = driver.run_backends(run, tmp_path, tmp_path, out, argv + ["--resume"], kept)
     assert (out / "vllm-logs" / "order.txt").read_text().split() == ["A", "B", "B", "A"]
     assert all(rounds.engines_run(r) == 2 for r in again.values())
 
 
 def test_resume_with_more_rounds_adds_engines_to_a_report_of_one_engine_per_backend(tmp_path, round_engine):
-    argv = ["--engine", "vllm", "--batches", "1", "--contexts", "1k", "--workloads", "decode"]
-    one = driver.resolve(driver.build_parser().parse_args(argv))
-    one.engine, one.backends = round_engine, ("A", "B")
+    one, two = _round_run(round_engine, CELL_ARGS), _round_run(round_engine, CELL_ARGS + ["--rounds", "2"])
     out = tmp_path / "out"
-    report.write_outputs(out, report.assemble(dict(REPORT_ENV), one, driver.run_backends(one, tmp_path, tmp_path, out,
-                                                                                           argv), wall_s=1.0))
-    two = driver.resolve(driver.build_parser().parse_args(argv + ["--rounds", "2"]))
-    two.engine, two.backends = round_engine, ("A", "B")
-    kept = resume.kept_backends(out, report.run_settings(two), two.model_config, dict(REPORT_ENV, date="later"))
-    results = driver.run_backends(two, tmp_path, tmp_path, out, argv + ["--rounds", "2", "--resume"], kept)
+    kept = _kept_by_resume(out, one, driver.run_backends(one, tmp_path, tmp_path, out, CELL_ARGS), resumed_by=two)
+    results = driver.run_backends(two, tmp_path, tmp_path, out, CELL_ARGS + ["--rounds", "2", "--resume"], kept)
     assert (out / "vllm-logs" / "order.txt").read_text().split() == ["A", "B", "B", "A"]
     for backend in ("A", "B"):
         assert results[backend]["kept_rounds"] == 1 and rounds.engines_run(results[backend]) == 2
         assert results[backend]["workloads"][0]["engine_medians"]["tpot_ms"] == pytest.approx([1.1, 2.1])
     # a setting that is not free still refuses
-    other = report.run_settings(driver.resolve(driver.build_parser().parse_args(argv + ["--repeats", "5"])))
+    other = report.run_settings(driver.resolve(driver.build_parser().parse_args(CELL_ARGS + ["--repeats", "5"])))
     with pytest.raises(ValueError, match="measured something else"):
         resume.kept_backends(out, other, two.model_config, dict(REPORT_ENV, date="later"))
 
