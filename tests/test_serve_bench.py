@@ -252,11 +252,12 @@ def test_kv_capacity_problem_names_what_does_not_fit():
 
 
 # ----------------------------------------------------------------------------- report
-def _decode_record(name, tpots, share=None, kind="decode"):
+def _decode_record(name, tpots, share=None, kind="decode", kernel_us=None):
     record = measurement(DecodeCell(16, 8192), [{"tpot_ms": t, "output_tok_per_s": 16e3 / t} for t in tpots])
     record["workload"], record["kind"] = name, kind
     if share is not None:
-        record["profile"] = {"attention_share": share, "attention_us_per_step": 1234.0}
+        record["profile"] = {"attention_share": share, "attention_us_per_step": 1234.0,
+                             **({"kernel_us_per_step": kernel_us} if kernel_us else {})}
     return record
 
 
@@ -304,6 +305,19 @@ def test_markdown_tables_show_median_spread_and_the_speedup_of_ours():
     text = report.markdown(data)
     assert "its MTP layer's attention ran on a backend vLLM chose" in text
     assert text.count("its MTP layer's attention ran on") == 1
+
+
+def test_pace_table_says_whether_the_gpu_or_the_host_set_each_decode_cell_s_tpot():
+    data = _synthetic_report()
+    assert "What paced each decode cell" not in report.markdown(data)  # no GPU kernel time profiled: no table
+    custom, flashmla = (data["backends"][b]["workloads"][0] for b in ("CUSTOM", "FLASHMLA"))
+    custom["profile"]["kernel_us_per_step"] = 3900.0  # TPOT 4.00 ms: within 5% of the step's GPU time
+    flashmla["profile"]["kernel_us_per_step"] = 4100.0  # TPOT 5.00 ms: 22% above it
+    text = report.markdown(data)
+    assert "| decode b16 8k | 3.90 / 4.00 (GPU) | 4.10 / 5.00 (host) | – | – | 1.05 (FLASHMLA) |" in text
+    assert report.paced_by(4.4, 4.1) == "host" and report.paced_by(4.3, 4.1) == "GPU"  # the bound: 4.305 ms
+    data["settings"]["speculative_tokens"] = 1  # a step yields 1 + accepted tokens: TPOT is not its time
+    assert "What paced each decode cell" not in report.markdown(data)
 
 
 def test_verification_passes_only_when_every_rank_checked_calls_within_the_limits():

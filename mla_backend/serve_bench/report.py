@@ -236,6 +236,55 @@ def attention_share_table(data: dict) -> list[str]:
             "On several GPUs each writes a trace; the one with the most attention time is shown.", ""]
 
 
+# A decode cell whose TPOT is within this factor of its profiled steps' GPU kernel time was paced by the GPU; above it
+# the engine's host loop (its Python, scheduling, sampling) set TPOT, and engine processes of one backend have differed
+# by up to 1.4x there (benchmarks/RESULTS.md, section 9).
+GPU_PACED_MAX_RATIO = 1.05
+
+
+def decode_pace(record: dict | None) -> tuple[float, float] | None:
+    """(TPOT median, GPU kernel time per profiled step), both in ms, of a measured decode cell, or None."""
+    if not record or record.get("status") != "ok" or record.get("kind") != DECODE:
+        return None
+    kernel_us = (record.get("profile") or {}).get("kernel_us_per_step")
+    tpot_ms = (record.get("tpot_ms") or {}).get("median")
+    return (tpot_ms, kernel_us / 1000) if kernel_us and tpot_ms else None
+
+
+def paced_by(tpot_ms: float, kernel_ms: float) -> str:
+    return "GPU" if tpot_ms <= GPU_PACED_MAX_RATIO * kernel_ms else "host"
+
+
+def pace_table(data: dict) -> list[str]:
+    """Per decode cell and backend, the GPU kernel time of a profiled step against TPOT and which of the two set the
+    pace; then the best built-in's GPU time per step over ours. Not with MTP, where a step yields 1 + accepted tokens
+    and TPOT is not a step's time."""
+    if data["settings"].get("speculative_tokens"):
+        return []
+    backends, ours = list(data["backends"]), data["settings"]["ours"]
+    rows = []
+    for workload in workload_names(data):
+        paces = {b: decode_pace(records_by_workload(data["backends"][b]).get(workload)) for b in backends}
+        if not any(paces.values()):
+            continue
+        cells = ["–" if p is None else f"{p[1]:.2f} / {p[0]:.2f} ({paced_by(*p)})" for p in paces.values()]
+        others = {b: p[1] for b, p in paces.items() if p and b != ours}
+        ratio = "–"
+        if paces.get(ours) and others:
+            best = min(others, key=others.get)
+            ratio = f"{others[best] / paces[ours][1]:.2f} ({best})"
+        rows.append(f"| {workload} | " + " | ".join(cells) + f" | {ratio} |")
+    if not rows:
+        return []
+    return ["#### What paced each decode cell: GPU kernel time of a profiled step / TPOT, ms", "",
+            "| workload | " + " | ".join(backends) + " | ours vs best built-in, GPU time per step |",
+            "|---" * (len(backends) + 2) + "|", *rows, "",
+            f"GPU: TPOT within {GPU_PACED_MAX_RATIO - 1:.0%} of the step's GPU kernel time. host: above it, so the "
+            "engine's host loop set TPOT, and there TPOT compares engine processes more than backends (`--rounds` "
+            "starts several engines per backend in turn). Last column: the least GPU time per step among the "
+            "built-ins over ours (above 1: ours spends less).", ""]
+
+
 def _range_table(data: dict, title: str, ranges_of, footer: str) -> list[str]:
     """A table of per-call host times (p50 / p99 (calls)) by workload and range name, one column per backend;
     ``ranges_of(record)`` gives a workload record's {range name: timing}."""
@@ -486,6 +535,7 @@ def markdown(data: dict) -> str:
         lines += metric_table(data, key, title, digits, smaller)
     lines += engine_rounds_table(data)
     lines += attention_share_table(data)
+    lines += pace_table(data)
     lines += agreement.markdown(data)
     lines += verification.markdown(data)
     lines += host_table(data)
