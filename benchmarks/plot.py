@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from mla_backend.bench import markdown, plot_results
+from mla_backend.bench_report import markdown, plot_results
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from mla_backend import bench
+from mla_backend import bench, bench_report
 
 
 def test_fp8_adds_both_of_ours_and_the_anchors_fp8_paths():
@@ -32,9 +32,9 @@ def test_sglang_flashmla_build_is_an_anchor_of_its_own():
         assert isinstance(anchor, str) or callable(anchor.flash_mla_with_kvcache)
     env = {"gpu": "H200", "date": "2026-11-30T12:00", "torch": "2.11", "cuda_runtime": "13.0", "triton": "3.6",
            "vllm": None, "tilelang": "0.1.11", "sm90_kernel": "tws", "driver": "580", "git": "abc", "command": "c"}
-    header = bench.markdown([], ["ours", "flashmla-sgl"], {**env, "sglang-kernel": "0.4.5"}, {"timing": "t"})
+    header = bench_report.markdown([], ["ours", "flashmla-sgl"], {**env, "sglang-kernel": "0.4.5"}, {"timing": "t"})
     assert "sgl-kernel 0.4.5, driver 580" in header and "min(FlashMLA, FlashMLA (sgl-kernel), FA3)" in header
-    plain = bench.markdown([], ["ours"], {**env, "sglang-kernel": None}, {"timing": "t"})
+    plain = bench_report.markdown([], ["ours"], {**env, "sglang-kernel": None}, {"timing": "t"})
     assert "sgl-kernel" not in plain.split("\n")[2]
 
 
@@ -46,9 +46,9 @@ def test_sm_clock_while_timed_is_summarised_per_impl():
     results = [{"impls": {"ours": {"us": 50.0, "sm_mhz": 1980.0}, "flashmla-sgl": {"us": 49.0, "sm_mhz": 1755.0}}},
                {"impls": {"ours": {"us": 900.0, "sm_mhz": 1830.0}, "flashmla-sgl": {"skip": "page 16"}}},
                {"impls": {"ours": {"us": 80.0, "sm_mhz": None}}}]
-    assert bench.clock_summary(results, ["ours", "flashmla-sgl", "fa3"]) == (
+    assert bench_report.clock_summary(results, ["ours", "flashmla-sgl", "fa3"]) == (
         "SM clock while timed (NVML samples, median per config), MHz: ours 1830-1980, flashmla-sgl 1755.")
-    assert bench.clock_summary(results[2:], ["ours"]) is None
+    assert bench_report.clock_summary(results[2:], ["ours"]) is None
     if not torch.cuda.is_available():
         assert bench.sm_clock_reader(torch.device("cpu")) is None
 
