@@ -16,6 +16,7 @@ import torch
 
 from . import installed
 
+
 def environment(argv: list[str]) -> dict:
     env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": "mla-backend bench " + " ".join(argv), "python": sys.version.split()[0],

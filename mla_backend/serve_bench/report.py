@@ -148,12 +148,17 @@ def speedup_of_ours(data: dict, workload: str, key: str, smaller_is_better: bool
         record = records_by_workload(result).get(workload)
         if record and record.get("status") == "ok" and record.get(key):
             medians[backend] = record[key]["median"]
-    if ours not in medians or len(medians) < 2:
+    best = best_built_in(medians, ours, smaller_is_better)
+    if ours not in medians or best is None:
         return "–"
-    others = {b: v for b, v in medians.items() if b != ours}
-    best = (min if smaller_is_better else max)(others, key=others.get)
-    ratio = others[best] / medians[ours] if smaller_is_better else medians[ours] / others[best]
+    ratio = medians[best] / medians[ours] if smaller_is_better else medians[ours] / medians[best]
     return f"{ratio:.2f} ({best})"
+
+
+def best_built_in(values: dict, ours: str, smaller_is_better: bool = True) -> str | None:
+    """The backend other than ours with the best of ``values`` ({backend: value}), or None where there is none."""
+    others = {b: v for b, v in values.items() if b != ours}
+    return (min if smaller_is_better else max)(others, key=others.get) if others else None
 
 
 def metric_table(data: dict, key: str, title: str, digits: int, smaller_is_better: bool) -> list[str]:
@@ -268,11 +273,9 @@ def pace_table(data: dict) -> list[str]:
         if not any(paces.values()):
             continue
         cells = ["–" if p is None else f"{p[1]:.2f} / {p[0]:.2f} ({paced_by(*p)})" for p in paces.values()]
-        others = {b: p[1] for b, p in paces.items() if p and b != ours}
-        ratio = "–"
-        if paces.get(ours) and others:
-            best = min(others, key=others.get)
-            ratio = f"{others[best] / paces[ours][1]:.2f} ({best})"
+        kernel_ms = {b: p[1] for b, p in paces.items() if p}
+        best = best_built_in(kernel_ms, ours)
+        ratio = f"{kernel_ms[best] / kernel_ms[ours]:.2f} ({best})" if ours in kernel_ms and best else "–"
         rows.append(f"| {workload} | " + " | ".join(cells) + f" | {ratio} |")
     if not rows:
         return []
