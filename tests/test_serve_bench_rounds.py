@@ -165,6 +165,20 @@ def test_pooling_keeps_what_an_engine_did_not_measure_and_records_failed_engines
     assert rounds.round_order(("A", "B", "C"), 1) == ("C", "B", "A") and rounds.round_order(("A", "B"), 2) == ("A", "B")
 
 
+def test_a_workload_the_first_engine_skipped_takes_the_later_engine_s_measurement():
+    cell = DecodeCell(256, 8192)
+    first = {"status": "done", "engine_info": {"start_s": 30.0}, "wall_s": 60.0,
+             "workloads": [{"workload": cell.name, "kind": cell.kind, "status": "skipped", "reason": "time budget"}]}
+    later = {"status": "done", "engine_info": {"start_s": 31.0}, "wall_s": 61.0,
+             "workloads": [measurement(cell, [{"tpot_ms": 10.0 + k} for k in range(3)])]}
+    record = rounds.pool(first, later)["workloads"][0]
+    assert record["status"] == "ok" and record["tpot_ms"]["median"] == 11.0 and record["tpot_ms"]["n"] == 3
+    assert record["engine_medians"]["tpot_ms"] == [None, 11.0]  # the first engine measured nothing
+    third = rounds.pool(rounds.pool(first, later), {"status": "done", "workloads": [
+        measurement(cell, [{"tpot_ms": 20.0}] * 3)]})["workloads"][0]
+    assert third["engine_medians"]["tpot_ms"] == [None, 11.0, 20.0] and third["tpot_ms"]["n"] == 6
+
+
 def test_rounds_must_be_positive_and_only_several_enter_the_settings():
     parser = driver.build_parser()
     with pytest.raises(ValueError, match="--rounds must be >= 1"):

@@ -50,11 +50,19 @@ def _engine_entry(result: dict) -> dict:
             "wall_s": result.get("wall_s"), **({"reason": result["reason"]} if result.get("reason") else {})}
 
 
-def _pool_workload(first: dict, later: dict | None) -> dict:
-    """``first`` (the record so far) with ``later``'s repeats added; profiles and host timers stay the first
-    engine's. A workload either engine did not measure, or one without repeats (the forced check), stays as it was."""
-    if (later is None or first.get("status") != "ok" or later.get("status") != "ok"
-            or "repeats" not in first or "repeats" not in later):
+def _pool_workload(first: dict, later: dict | None, earlier_engines: int) -> dict:
+    """``first`` (the record of the ``earlier_engines`` engines so far) with ``later``'s repeats added; profiles and
+    host timers stay the first engine's. A workload the earlier engines did not measure (the time budget, an error)
+    takes ``later``'s record, their medians ``None``; one ``later`` did not measure, or one without repeats (the
+    forced check), stays as it was."""
+    if later is None or later.get("status") != "ok" or "repeats" not in later:
+        return first
+    if first.get("status") != "ok":
+        taken = dict(later)
+        taken["engine_medians"] = {key: [None] * earlier_engines + [value]
+                                   for key, value in _summaries(later).items()}
+        return taken
+    if "repeats" not in first:
         return first
     medians = first.get("engine_medians") or {key: [value] for key, value in _summaries(first).items()}
     later_medians = _summaries(later)
@@ -73,5 +81,7 @@ def pool(first: dict, later: dict) -> dict:
     pooled["engines"] = list(first.get("engines") or [_engine_entry(first)]) + [_engine_entry(later)]
     if later.get("status") == "done":
         by_name = {w["workload"]: w for w in later.get("workloads", [])}
-        pooled["workloads"] = [_pool_workload(w, by_name.get(w["workload"])) for w in first.get("workloads", [])]
+        earlier = engines_run(first)
+        pooled["workloads"] = [_pool_workload(w, by_name.get(w["workload"]), earlier)
+                               for w in first.get("workloads", [])]
     return pooled
