@@ -151,6 +151,19 @@ def test_driver_resolves_the_command_line():
         driver.resolve(driver.build_parser().parse_args(["--engine", "vllm", "--repeats", "0"]))
 
 
+@pytest.mark.parametrize("engine,kv_cache_dtype,given,expected", [
+    ("sglang", "fp8", None, 0.6),  # room beside the pool for SGLang's bf16 copy of a layer's fp8 pool in prefill
+    ("sglang", "auto", None, 0.85),
+    ("vllm", "fp8", None, 0.85),
+    ("sglang", "fp8", "0.9", 0.9),  # what the command line names wins
+])
+def test_the_gpu_memory_fraction_leaves_room_for_sglang_s_fp8_prefill(engine, kv_cache_dtype, given, expected):
+    argv = ["--engine", engine, "--kv-cache-dtype", kv_cache_dtype, "--gpu-memory-gib", "80"]
+    run = driver.resolve(driver.build_parser().parse_args(argv + (["--gpu-memory-fraction", given] if given else [])))
+    assert run.args.gpu_memory_fraction == expected
+    assert any(f"of {80 * expected:.1f} GiB the engine may use" in line for line in driver.describe_run(run))
+
+
 # ----------------------------------------------------------------------------- timing
 def _staggered_batch(tracker, batch=4, step_s=0.010, steps=60, coalesce_every=0):
     """Request r gets its first token at step r (staggered prefill), then one token per step; with

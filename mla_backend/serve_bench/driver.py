@@ -37,7 +37,8 @@ from .model_config import (DEFAULT_MODEL, HEAD_CHOICES_DOC, MODEL_CHOICES, kv_by
                            shared_config_dir)
 from .parallel import (MAX_SPECULATIVE_TOKENS, GpuInventory, ParallelOptions, check_parallel_options, detect_gpus,
                        resolve_model)
-from .runner_common import COMPILED, EngineChoice, EngineSpec, log_tail
+from .runner_common import (COMPILED, GPU_MEMORY_FRACTION, SGLANG_FP8_GPU_MEMORY_FRACTION, EngineChoice, EngineSpec,
+                            default_gpu_memory_fraction, log_tail)
 from .weight_memory import GIB, engine_budget_bytes, weight_bytes_per_gpu
 from .workloads import (DEFAULT_BATCHES, DEFAULT_CONTEXTS, DEFAULT_WORKLOAD_KINDS, WORKLOAD_KINDS, MeasurePlan,
                         build_workloads, context_label, kv_tokens_needed, longest_request, most_requests,
@@ -109,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every decode call of ours recomputed by the fp32 reference in each engine process "
                         "(MLA_BACKEND_VERIFY=1) and reported per rank; every engine runs eager, so speeds are eager "
                         "ones; exit status 1 when a rank is past the limits")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.85,
-                   help="vLLM gpu_memory_utilization / SGLang mem_fraction_static")
+    p.add_argument("--gpu-memory-fraction", type=float,
+                   help=f"vLLM gpu_memory_utilization / SGLang mem_fraction_static (default {GPU_MEMORY_FRACTION}; "
+                        f"SGLang with an fp8 pool {SGLANG_FP8_GPU_MEMORY_FRACTION})")
     p.add_argument("--window-steps", type=int, default=MeasurePlan.window_steps, help="decode steps per timed window")
     p.add_argument("--profile-steps", type=int, default=MeasurePlan.profile_steps,
                    help="steps profiled per decode cell and mixed load for the attention share (0: none)")
@@ -186,6 +188,8 @@ def resolve(args: argparse.Namespace, detected_gpus: GpuInventory | None = None)
     if not workloads:
         raise ValueError("no workload selected")
     plan = MeasurePlan(repeats=args.repeats, window_steps=args.window_steps, profile_steps=args.profile_steps)
+    if args.gpu_memory_fraction is None:
+        args.gpu_memory_fraction = default_gpu_memory_fraction(engine.name, args.kv_cache_dtype)
     if not 0 < args.gpu_memory_fraction <= 1:
         raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
     gpus = gpu_inventory(args, detected_gpus)

@@ -36,6 +36,21 @@ WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 4, 512, 8
 COMPILED = "compiled"
 TRACE_READ_ATTEMPTS = 10
 
+#: vLLM's gpu_memory_utilization / SGLang's mem_fraction_static where --gpu-memory-fraction is not given.
+GPU_MEMORY_FRACTION = 0.85
+#: SGLang with an fp8 pool: its FlashInfer MLA prefill (flashmla's and ours) converts a layer's whole pool to bf16
+#: beside the pool (1152 bytes per pool token), so the pool leaves room for that copy. On one H200, serve-bench's
+#: 8-layer model ran out of memory in its first prefill at 0.85, with 16 heads and with 128, and ran at 0.6
+#: (benchmarks/RESULTS.md section 9).
+SGLANG_FP8_GPU_MEMORY_FRACTION = 0.6
+
+
+def default_gpu_memory_fraction(engine: str, kv_cache_dtype: str) -> float:
+    """The engine's memory fraction for ``--kv-cache-dtype`` (auto / fp8) where the command line names none."""
+    if engine == "sglang" and kv_cache_dtype == "fp8":
+        return SGLANG_FP8_GPU_MEMORY_FRACTION
+    return GPU_MEMORY_FRACTION
+
 
 def cache_counts(roots) -> dict[str, int]:
     """Files under each of the directories ``roots`` (absent ones count 0): a compile cache that holds more after an
@@ -64,7 +79,7 @@ class EngineSpec:
     kv_cache_dtype: str = "auto"  # the engine's spelling
     page_size: int = 64
     init: str = "dummy"  # "dummy" (the engine's own) or "scaled" (random_weights.py)
-    gpu_memory_fraction: float = 0.85
+    gpu_memory_fraction: float = GPU_MEMORY_FRACTION
     max_model_len: int = 34816
     max_num_seqs: int = 256
     in_process: bool = False  # vLLM: engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
