@@ -130,6 +130,37 @@ def test_resume_runs_only_the_rounds_an_earlier_stopped_run_lacks(tmp_path, roun
     assert all(rounds.engines_run(r) == 2 for r in again.values())
 
 
+def test_a_later_round_that_does_not_fit_the_budget_starts_none_of_its_engines(tmp_path, round_engine, monkeypatch):
+    # Each stand-in engine takes 100 s of a fake clock. Budget 350: round 1 ends at 200 s; round 2's second engine
+    # would not fit, so neither starts (one backend with more engines than the other would weigh the pooled medians).
+    now = [1000.0]
+
+    class Clock:
+        @staticmethod
+        def time():
+            return now[0]
+
+    def measure_engine(run, spec, work):
+        now[0] += 100.0
+        record = measurement(DecodeCell(1, 1024), [{"tpot_ms": 1.0}] * 3)
+        return {"backend": spec.backend, "status": "done", "wall_s": 100.0, "engine_info": {"start_s": 1.0},
+                "workloads": [record]}
+
+    monkeypatch.setattr(driver, "time", Clock)
+    monkeypatch.setattr(driver, "measure_engine", measure_engine)
+    argv = CELL_ARGS + ["--rounds", "2", "--budget", "350"]
+    results = driver.run_backends(_round_run(round_engine, argv), tmp_path, tmp_path, tmp_path / "out", argv)
+    for backend in ("A", "B"):
+        assert rounds.engines_run(results[backend]) == 1
+        assert results[backend]["rounds_skipped"] == [
+            "round 2: time budget: 200 of 350 s used and its 2 engines take about 200 s"]
+    # with room for the whole round, both engines of round 2 start
+    now[0] = 1000.0
+    argv[-1] = "450"
+    results = driver.run_backends(_round_run(round_engine, argv), tmp_path, tmp_path, tmp_path / "out2", argv)
+    assert all(rounds.engines_run(r) == 2 and "rounds_skipped" not in r for r in results.values())
+
+
 def test_resume_with_more_rounds_adds_engines_to_a_report_of_one_engine_per_backend(tmp_path, round_engine):
     one, two = _round_run(round_engine, CELL_ARGS), _round_run(round_engine, CELL_ARGS + ["--rounds", "2"])
     out = tmp_path / "out"

@@ -441,7 +441,22 @@ def run_backends(run: RunSetup, model_dir: Path, work: Path, out_dir: Path, argv
     started, backend = 0, None
     try:
         for round_index in range(run.args.rounds):
-            for backend in rounds.round_order(run.backends, round_index):
+            order = rounds.round_order(run.backends, round_index)
+            if round_index:
+                # A later round starts only when all of its engines fit: one more engine for some backends than for
+                # others would weigh the pooled medians towards them (an --resume run adds the whole round later).
+                pending = [b for b in order if b not in kept or round_index >= rounds.engines_run(kept[b])]
+                pending = [b for b in pending if results[b].get("status") == "done"]
+                elapsed, estimate = time.time() - start, max(walls, default=run.engine.first_engine_estimate_s)
+                if pending and elapsed + len(pending) * estimate > run.args.budget:
+                    why = (f"time budget: {elapsed:.0f} of {run.args.budget:.0f} s used and its {len(pending)} "
+                           f"engines take about {len(pending) * estimate:.0f} s")
+                    for skipped_backend in pending:
+                        results[skipped_backend].setdefault("rounds_skipped", []).append(
+                            f"round {round_index + 1}: {why}")
+                    print(f"[serve-bench] round {round_index + 1} skipped ({why})", flush=True)
+                    continue
+            for backend in order:
                 if backend in kept and round_index < rounds.engines_run(kept[backend]):
                     if round_index == 0:
                         results[backend] = rounds.resumed(kept[backend], run.args.rounds)
